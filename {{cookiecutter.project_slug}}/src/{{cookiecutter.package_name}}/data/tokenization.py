@@ -1,0 +1,52 @@
+"""Tokenisation shared by the data modules.
+
+``tokenize_batch`` is a module-level function taking everything as arguments, so
+``datasets.Dataset.map`` fingerprints it the same way in every process and a second run
+re-uses the cached result (a bound method or a lambda would hash differently per run).
+"""
+
+from __future__ import annotations
+
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def disable_tokenizer_parallelism() -> None:
+    """Set ``TOKENIZERS_PARALLELISM=false`` unless the user set it.
+
+    The Rust tokenizer's thread pool does not survive ``fork``: once used in the main process,
+    forked DataLoader workers print a warning and may deadlock.  Set before any worker forks.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+    """Load a fast (Rust) tokenizer from a hub name or local folder.
+
+    Raises:
+        ValueError: the tokenizer is not a fast tokenizer (batched tokenisation would be slow).
+    """
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if not tokenizer.is_fast:
+        raise ValueError(f"model.tokenizer={name_or_path!r} has no fast tokenizer; fix: use one with a tokenizer.json")
+    return tokenizer
+
+
+def tokenize_batch(
+    batch: dict[str, list],
+    tokenizer: PreTrainedTokenizerBase,
+    text_column: str,
+    text_pair_column: str | None,
+    max_length: int,
+) -> dict[str, list[list[int]]]:
+    """Tokenise a batch of texts (or text pairs), truncated to ``max_length`` tokens, unpadded.
+
+    Padding happens per micro-batch in the collator (dynamic padding), so short batches stay short.
+
+    Returns:
+        ``input_ids``, ``attention_mask`` (and ``token_type_ids`` for BERT-style models):
+        one list of token ids per row, each at most ``max_length`` long.
+    """
+    pairs = batch[text_pair_column] if text_pair_column else None
+    return tokenizer(batch[text_column], pairs, truncation=True, max_length=max_length)

@@ -1,0 +1,80 @@
+"""Build the Hugging Face model a LightningModule wraps.
+
+A model spec (``model`` config group, as a plain dict) either names pretrained weights
+(``name_or_path``: hub name or local folder) or gives a ``config`` to build a randomly
+initialised model (tests, pretraining).  Checkpoints store the full HF config, so evaluation
+rebuilds the architecture from it without downloading or loading the pretrained weights again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+
+def build_sequence_classifier(
+    spec: dict, id2label: dict[int, str], tokenizer: PreTrainedTokenizerBase
+) -> PreTrainedModel:
+    """An ``AutoModelForSequenceClassification`` with a fresh head of ``len(id2label)`` outputs.
+
+    Args:
+        spec: ``name_or_path`` (pretrained) or ``config`` (from scratch: ``model_type`` plus
+            architecture fields; ``vocab_size`` and ``pad_token_id`` are taken from ``tokenizer``,
+            their one source).
+
+    Raises:
+        ValueError: the spec gives neither ``name_or_path`` nor ``config``.
+    """
+    labels = {
+        "num_labels": len(id2label),
+        "id2label": dict(id2label),
+        "label2id": {name: index for index, name in id2label.items()},
+    }
+    if spec.get("config"):
+        fields = dict(spec["config"])
+        model_type = fields.pop("model_type")
+        config = AutoConfig.for_model(
+            model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **fields, **labels
+        )
+        return AutoModelForSequenceClassification.from_config(config)
+    if spec.get("name_or_path"):
+        return AutoModelForSequenceClassification.from_pretrained(spec["name_or_path"], **labels)
+    raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
+
+
+def config_to_dict(config: PretrainedConfig) -> dict:
+    """The HF config as plain JSON types (storable in a ``weights_only`` checkpoint)."""
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+def sequence_classifier_from_dict(config_dict: dict) -> PreTrainedModel:
+    """Rebuild the architecture stored by :func:`config_to_dict`, with random weights."""
+    fields = dict(config_dict)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def tokenizer_to_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
+    """The tokenizer's saved files as ``{file name: text}`` (stored inside checkpoints)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return {name: Path(folder, name).read_text(encoding="utf-8") for name in sorted(os.listdir(folder))}
+
+
+def tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
+    """Inverse of :func:`tokenizer_to_files`."""
+    with tempfile.TemporaryDirectory() as folder:
+        for name, text in files.items():
+            Path(folder, name).write_text(text, encoding="utf-8")
+        return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,145 @@
+"""LightningModule for sequence classification with any ``AutoModelForSequenceClassification``."""
+
+from __future__ import annotations
+
+import hydra
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics import MaxMetric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+
+from ..optim import build_optimizer
+from .builder import (
+    build_sequence_classifier,
+    config_to_dict,
+    sequence_classifier_from_dict,
+    tokenizer_from_files,
+    tokenizer_to_files,
+)
+
+
+def classification_metrics(num_classes: int, split: str) -> MetricCollection:
+    """Accuracy (``average="micro"``: the fraction of rows right) and F1 (``average="macro"``:
+    the unweighted mean of per-class F1, so a rare class counts as much as a common one),
+    logged as ``{split}/acc`` and ``{split}/f1_macro``."""
+    return MetricCollection(
+        {
+            "acc": MulticlassAccuracy(num_classes=num_classes, average="micro"),
+            "f1_macro": MulticlassF1Score(num_classes=num_classes, average="macro"),
+        },
+        prefix=f"{split}/",
+    )
+
+
+class SequenceClassificationModule(L.LightningModule):
+    """Fine-tune (or train from scratch) a sequence classifier.
+
+    The Hugging Face model is built in ``configure_model``, after the data module's ``setup``
+    has read the labels and loaded the tokenizer, so bad data fails before any weights load and
+    ``num_labels``/``id2label`` come from the data (their one source).
+
+    Args:
+        model: the ``model`` config group as a plain dict (see :mod:`.builder`), including an
+            optional ``fetch`` (called once in ``prepare_data`` to install the weights).
+        optimizer: the ``optimizer`` config group as a plain dict (``_target_``, ``lr``, ...).
+        id2label, hf_config: filled in on the first fit and stored in checkpoints, from which
+            eval/predict rebuild the model without the pretrained files.
+
+    Batches are dicts of ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)`` and
+    ``labels`` ``(B,)``; ``forward`` returns logits ``(B, num_labels)``.
+    """
+
+    def __init__(self, model: dict, optimizer: dict, id2label: dict | None = None, hf_config: dict | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = None  # built in configure_model
+        self.tokenizer = None
+        self._tokenizer_files: dict[str, str] | None = None
+
+    @property
+    def label2id(self) -> dict[str, int]:
+        return {name: int(index) for index, name in self.hparams.id2label.items()}
+
+    def prepare_data(self) -> None:
+        if self.hparams.model["fetch"]:
+            hydra.utils.instantiate(self.hparams.model["fetch"])()
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        if self.hparams.hf_config is None:
+            datamodule = self.trainer.datamodule
+            self.model = build_sequence_classifier(self.hparams.model, datamodule.id2label, datamodule.tokenizer)
+            self.tokenizer = datamodule.tokenizer
+            self.hparams.id2label = datamodule.id2label
+            self.hparams.hf_config = config_to_dict(self.model.config)
+        else:
+            self.model = sequence_classifier_from_dict(self.hparams.hf_config)
+        # from_pretrained returns the model in eval mode (dropout off), and Lightning keeps
+        # each submodule's mode as it finds it: switch to train mode explicitly.
+        self.model.train()
+        num_classes = len(self.hparams.id2label)
+        self.train_metrics = classification_metrics(num_classes, "train")
+        self.val_metrics = classification_metrics(num_classes, "val")
+        self.test_metrics = classification_metrics(num_classes, "test")
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return self.model(**inputs).logits  # (B, num_labels)
+
+    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and loss, shared by train/val/test.
+
+        The loss is the mean cross-entropy over the micro-batch; under gradient accumulation
+        Lightning divides it by ``accumulate_grad_batches``, so each optimizer step follows the
+        mean over the global batch (exactly, when all micro-batches have the same size).
+        """
+        logits = self(batch)  # (B, num_labels)
+        loss = F.cross_entropy(logits.float(), batch["labels"])
+        return loss, logits
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, logits = self.model_step(batch)
+        self.train_metrics.update(logits, batch["labels"])
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=len(logits))
+        self.log_dict(self.train_metrics, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, logits = self.model_step(batch)
+        self.val_metrics.update(logits, batch["labels"])
+        self.log("val/loss", loss, on_epoch=True, batch_size=len(logits))
+        self.log_dict(self.val_metrics, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:  # an untrained model's accuracy is not a "best"
+            return
+        self.val_acc_best.update(self.val_metrics.compute()["val/acc"])
+        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, logits = self.model_step(batch)
+        self.test_metrics.update(logits, batch["labels"])
+        self.log("test/loss", loss, on_epoch=True, batch_size=len(logits))
+        self.log_dict(self.test_metrics, on_epoch=True)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Class probabilities ``(B, num_labels)`` in id order."""
+        return self(batch).float().softmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # No LR scheduler here: the schedule callback sets the LR from the optimizer step count.
+        return build_optimizer(self.model, self.hparams.optimizer)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The tokenizer travels inside the checkpoint (as text), so eval/predict need nothing else.
+        if self._tokenizer_files is None:
+            self._tokenizer_files = tokenizer_to_files(self.tokenizer)
+        checkpoint["tokenizer_files"] = self._tokenizer_files
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.tokenizer is None:
+            self._tokenizer_files = checkpoint["tokenizer_files"]
+            self.tokenizer = tokenizer_from_files(self._tokenizer_files)

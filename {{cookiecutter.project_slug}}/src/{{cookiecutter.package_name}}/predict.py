@@ -1,0 +1,62 @@
+"""Predict labels for a file of texts with a trained checkpoint.
+
+    python -m <package>.predict experiment=demo_classification \
+        ckpt_path=RUN/checkpoints/last.ckpt input=reviews.csv output=predictions.csv
+
+The output is the input's columns plus ``predicted_label`` and one ``prob_<label>`` column per
+class (probabilities summing to 1).  The text columns are those of the data config.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from .utils.config import ConfigError, validate_config
+from .utils.instantiate import instantiate_trainer
+
+
+def predict(cfg: DictConfig) -> Path:
+    """Write predictions for ``cfg.input`` to ``cfg.output``; return the output path.
+
+    The file is written to a temporary name and renamed, so it is never left half-written.
+
+    Raises:
+        ConfigError: invalid config or missing checkpoint/input.  DataError: bad input columns.
+    """
+    validate_config(cfg, required=("ckpt_path", "input"))
+    if not Path(cfg.input).is_file():  # after validate_config: input is set
+        raise ConfigError(f"input={cfg.input!r} is not a file; fix: input=path/to/texts.csv (csv/tsv/jsonl/parquet)")
+    module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    datamodule = hydra.utils.instantiate(
+        cfg.data, tokenizer=module.tokenizer, label2id=module.label2id, predict_file=str(cfg.input), fetch=None
+    )
+    trainer = instantiate_trainer(cfg, callbacks=[], loggers=[])
+    probabilities = torch.cat(trainer.predict(module, datamodule=datamodule))  # (N, num_labels)
+
+    names = [module.hparams.id2label[i] for i in range(probabilities.shape[1])]
+    frame = datamodule.predict_rows.to_pandas()
+    frame["predicted_label"] = [names[i] for i in probabilities.argmax(dim=-1).tolist()]
+    for index, name in enumerate(names):
+        frame[f"prob_{name}"] = probabilities[:, index].numpy()
+
+    output = Path(cfg.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    frame.to_csv(partial, index=False)
+    os.replace(partial, output)
+    print(f"Predictions: {output} ({len(frame)} rows)")
+    return output
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="predict")
+def main(cfg: DictConfig) -> None:
+    predict(cfg)
+
+
+if __name__ == "__main__":
+    main()

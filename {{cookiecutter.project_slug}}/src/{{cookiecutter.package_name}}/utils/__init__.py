@@ -1,0 +1,1 @@
+"""Small helpers, one topic per file: config checks, instantiation, run outputs."""

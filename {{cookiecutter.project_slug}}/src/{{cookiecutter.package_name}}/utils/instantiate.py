@@ -1,0 +1,37 @@
+"""Build callbacks and loggers from their config groups.
+
+Every entry must carry a ``_target_`` (checked in :func:`validate_config`); an entry set to
+``null`` is off.  Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import hydra
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import Logger
+from omegaconf import DictConfig
+
+
+def instantiate_group(group: DictConfig | None) -> list:
+    """Instantiate each non-null entry of a ``callbacks`` or ``logger`` group, in order."""
+    return [hydra.utils.instantiate(node) for node in (group or {}).values() if node is not None]
+
+
+def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
+    """The LR schedule first (it sets the LR before other callbacks read it), then ``callbacks``."""
+    return [hydra.utils.instantiate(cfg.scheduler), *instantiate_group(cfg.get("callbacks"))]
+
+
+def instantiate_loggers(cfg: DictConfig) -> list[Logger]:
+    """Loggers of the ``logger`` group (empty for ``logger=none``)."""
+    return instantiate_group(cfg.get("logger"))
+
+
+def instantiate_trainer(cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger]):
+    """The ``lightning.Trainer`` of ``cfg.trainer`` with the given callbacks and loggers."""
+    return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+
+
+def scalar_metrics(metrics: dict) -> dict[str, float]:
+    """``trainer.callback_metrics`` as plain floats (for ``metrics.json``)."""
+    return {name: float(value) for name, value in metrics.items() if getattr(value, "numel", lambda: 1)() == 1}

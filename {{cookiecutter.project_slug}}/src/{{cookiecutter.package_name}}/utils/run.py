@@ -1,0 +1,55 @@
+"""What every run writes and prints: the config tree, ``metrics.json``, closed loggers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import rich.syntax
+import rich.tree
+from lightning.pytorch.loggers import Logger, WandbLogger
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+log = logging.getLogger(__name__)
+
+# Printed first, in this order; the rest follow alphabetically.
+TREE_ORDER = ("task", "model", "data", "batch", "optimizer", "scheduler", "trainer", "callbacks", "logger", "paths")
+
+
+def print_config_tree(cfg: DictConfig, save_to: Path) -> None:
+    """Print the resolved config as a rich tree and save the same text to ``save_to``."""
+    tree = rich.tree.Tree("CONFIG", style="dim")
+    keys = [k for k in TREE_ORDER if k in cfg] + sorted(k for k in cfg if k not in TREE_ORDER and k != "hydra")
+    for key in keys:
+        node = cfg[key]
+        text = OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node)
+        tree.add(key, style="bold").add(rich.syntax.Syntax(text, "yaml"))
+    Console().print(tree)
+    save_to.parent.mkdir(parents=True, exist_ok=True)
+    with save_to.open("w") as file:
+        Console(file=file, width=120, color_system=None).print(tree)
+
+
+def write_metrics(path: Path, metrics: dict) -> Path:
+    """Write ``metrics`` as JSON (NaN/inf become null, which JSON cannot hold) and say where."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
+    log.info("Metrics written to %s", path)
+    print(f"Metrics: {path}")
+    return path
+
+
+def close_loggers(loggers: list[Logger], failed: bool) -> None:
+    """Finish each W&B run of this Hydra job, with a failing exit code if the job failed.
+
+    One W&B run per job: without this, the next job of a multirun would re-use the open run.
+    """
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger.experiment.finish(exit_code=1 if failed else 0)
+        else:
+            logger.finalize("failed" if failed else "success")

@@ -1,0 +1,132 @@
+"""Every config file composes and resolves; bad options fail with Hydra's or our clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package_name }}.eval import evaluate
+from {{ cookiecutter.package_name }}.utils.config import ConfigError, validate_config
+
+from .conftest import compose_config
+
+CONFIG_ROOT = resources.files("{{ cookiecutter.package_name }}") / "configs"
+ENTRY_CONFIGS = ("train", "eval", "predict")
+# Groups merged into Hydra's own node, not ours: composed, not resolved.
+HYDRA_GROUPS = ("hydra",)
+
+
+def every_group_option() -> list[tuple[str, str]]:
+    """(group, option) for every YAML file below configs/, found by walking the tree."""
+    options = []
+    for path in sorted(CONFIG_ROOT.rglob("*.yaml")):
+        relative = path.relative_to(CONFIG_ROOT)
+        if len(relative.parts) > 1:
+            options.append(("/".join(relative.parts[:-1]), relative.stem))
+    return options
+
+
+def test_the_walk_finds_every_group():
+    groups = {group for group, _ in every_group_option()}
+    assert {"task", "model", "data", "precision", "batch", "optimizer", "scheduler", "callbacks",
+            "logger", "trainer", "paths", "hydra", "debug", "experiment"} <= groups
+
+
+@pytest.mark.parametrize(("group", "option"), every_group_option())
+def test_every_config_file_composes_and_resolves(group, option, tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", f"{group}={option}"])
+    if group not in HYDRA_GROUPS:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize("config_name", ENTRY_CONFIGS)
+def test_entry_configs_compose(config_name, tmp_path, toy_data):
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(b"")
+    required = {"train": [], "eval": [f"ckpt_path={ckpt}"], "predict": [f"ckpt_path={ckpt}", f"input={toy_data['test']}"]}
+    cfg = compose_config(config_name, [f"paths.output_dir={tmp_path}", *required[config_name]])
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    validate_config(cfg, required=tuple(o.split("=")[0] for o in required[config_name]))
+    assert cfg.task_name == config_name
+
+
+def test_eval_requires_a_checkpoint(tmp_path):
+    cfg = compose_config("eval", [f"paths.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"ckpt_path is required; fix: ckpt_path="):
+        evaluate(cfg)
+
+
+def test_accumulation_is_derived_from_global_and_micro_batch(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "batch.global_batch_size=64", "batch.micro_batch_size=16"])
+    assert cfg.trainer.accumulate_grad_batches == 4
+    assert cfg.data.batch_size == 16
+
+
+def test_indivisible_global_batch_names_both_fields_and_a_fix(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "batch.global_batch_size=30", "batch.micro_batch_size=8"])
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    message = str(error.value)
+    assert "batch.global_batch_size=30" in message and "batch.micro_batch_size=8" in message
+    assert "batch.micro_batch_size=6" in message  # the suggested fix: the largest divisor <= 8
+
+
+def test_validate_collects_every_problem_at_once(tmp_path):
+    cfg = compose_config("train", [
+        f"paths.output_dir={tmp_path}", "batch.micro_batch_size=0", "optimizer.lr=-1",
+        "scheduler.warmup_ratio=1.5", "data.text_column=", "seed=abc",
+    ])
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    message = str(error.value)
+    for field in ("batch.micro_batch_size", "optimizer.lr", "scheduler.warmup_ratio", "data.text_column", "seed"):
+        assert field in message
+
+
+def test_seed_zero_is_a_seed(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "seed=0"])
+    validate_config(cfg)
+    assert cfg.seed == 0
+
+
+def test_unknown_key_is_rejected_by_name(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="max_epoch"):
+        compose_config("train", [f"paths.output_dir={tmp_path}", "trainer.max_epoch=3"])
+
+
+def test_unknown_group_option_lists_the_available_ones(tmp_path):
+    with pytest.raises(MissingConfigException) as error:
+        compose_config("train", [f"paths.output_dir={tmp_path}", "model=bert_huge"])
+    assert "bert_huge" in str(error.value) and "tiny_bert" in str(error.value)
+
+
+def test_sst2_recipe_maps_the_labelled_validation_split_to_test(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "experiment=sst2_bert_base"])
+    assert cfg.model.name_or_path == "bert-base-uncased"
+    assert cfg.data.hub_name == "nyu-mll/glue" and cfg.data.hub_config == "sst2"
+    assert cfg.data.splits.test == "validation" and cfg.data.splits.validation is None
+    assert cfg.data.tokenizer == "bert-base-uncased"
+
+
+def test_sequence_length_has_one_home(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "data.max_length=77"])
+    resolved = OmegaConf.to_yaml(cfg, resolve=True)
+    assert resolved.count("max_length: 77") == 1
+
+
+def test_cli_rejects_a_bad_batch_before_loading_anything(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", "batch.global_batch_size=10",
+         "batch.micro_batch_size=4", f"hydra.run.dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache", "logger=none"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "batch.global_batch_size=10 is not divisible by batch.micro_batch_size=4" in result.stderr
+    assert not (tmp_path / "cache").exists()  # nothing was fetched
+    assert not (tmp_path / "checkpoints").exists()

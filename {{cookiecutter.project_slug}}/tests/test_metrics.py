@@ -1,0 +1,65 @@
+"""Metric values on constructed data with known answers, and the optimizer's param groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from {{ cookiecutter.package_name }}.models.classification import classification_metrics
+from {{ cookiecutter.package_name }}.optim import build_optimizer, param_groups
+
+
+def one_hot_logits(predictions: list[int], num_classes: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(predictions), num_classes).float()
+
+
+def test_accuracy_and_macro_f1_match_hand_computed_values():
+    # targets:     0 0 0 0 1 1 2 2
+    # predictions: 0 0 0 1 1 2 2 2
+    targets = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2])
+    predictions = [0, 0, 0, 1, 1, 2, 2, 2]
+    metrics = classification_metrics(3, "val")
+    metrics.update(one_hot_logits(predictions, 3), targets)
+    values = metrics.compute()
+    # accuracy = 6 correct / 8 rows
+    assert values["val/acc"].item() == pytest.approx(6 / 8)
+    # per-class F1 = 2PR/(P+R): class 0: P=3/3, R=3/4 -> 6/7; class 1: P=1/2, R=1/2 -> 1/2;
+    # class 2: P=2/3, R=2/2 -> 4/5; macro = unweighted mean
+    assert values["val/f1_macro"].item() == pytest.approx((6 / 7 + 1 / 2 + 4 / 5) / 3)
+
+
+def test_metrics_accumulate_over_batches_like_one_batch():
+    targets = torch.tensor([1, 0, 1, 1, 0, 0])
+    predictions = [1, 1, 1, 0, 0, 0]
+    whole, split = classification_metrics(2, "test"), classification_metrics(2, "test")
+    whole.update(one_hot_logits(predictions, 2), targets)
+    split.update(one_hot_logits(predictions[:4], 2), targets[:4])
+    split.update(one_hot_logits(predictions[4:], 2), targets[4:])
+    assert {k: v.item() for k, v in whole.compute().items()} == {k: v.item() for k, v in split.compute().items()}
+    assert whole.compute()["test/acc"].item() == pytest.approx(4 / 6)
+
+
+class TinyEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.linear = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+
+def test_no_weight_decay_on_biases_and_norms_and_frozen_params_left_out():
+    model = TinyEncoder()
+    decay, no_decay = param_groups(model, weight_decay=0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in decay["params"]} == {id(model.embed.weight), id(model.linear.weight)}
+    assert {id(p) for p in no_decay["params"]} == {id(model.linear.bias), id(model.norm.weight), id(model.norm.bias)}
+
+
+def test_optimizer_factory_builds_the_configured_class_with_its_options():
+    optimizer = build_optimizer(TinyEncoder(), {"_target_": "torch.optim.AdamW", "lr": 3e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.05})
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
+    assert all(g["lr"] == 3e-4 and tuple(g["betas"]) == (0.8, 0.9) for g in optimizer.param_groups)

@@ -1,0 +1,113 @@
+"""End-to-end runs of train, eval and predict on a 2-layer BERT (seconds on a CPU)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }}.data.loading import DataError
+from {{ cookiecutter.package_name }}.eval import evaluate
+from {{ cookiecutter.package_name }}.models import builder
+from {{ cookiecutter.package_name }}.predict import predict
+from {{ cookiecutter.package_name }}.train import train
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    """The values of ``key`` in the CSV logger's metrics file, in step order."""
+    with (run_dir / "csv" / "metrics.csv").open() as file:
+        return [float(row[key]) for row in csv.DictReader(file) if row.get(key)]
+
+
+def test_fast_dev_run_writes_metrics(make_cfg, tmp_path):
+    metrics = train(make_cfg("debug=fdr"))
+    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert written["test/acc"] == pytest.approx(metrics["test/acc"])
+    assert 0.0 <= written["test/acc"] <= 1.0
+    assert written["rows"] == {"train": 96, "validation": 32, "test": 40}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tokenizer_dir, toy_data, tmp_path_factory):
+    """Eight epochs on the toy data (accumulating 2 micro-batches of 8); returns (run_dir, metrics)."""
+    from .conftest import compose_config, tiny_overrides
+
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    overrides = tiny_overrides(tokenizer_dir, toy_data, run_dir) + [
+        "trainer.max_epochs=8", "optimizer.lr=2e-3", "batch.micro_batch_size=8", "trainer.log_every_n_steps=1",
+    ]
+    return run_dir, train(compose_config("train", overrides))
+
+
+def test_train_learns_the_toy_task_and_tests_the_best_checkpoint(trained_run):
+    run_dir, metrics = trained_run
+    assert metrics["test/acc"] >= 0.9, metrics
+    assert Path(metrics["best_checkpoint"]).name.startswith("best-")
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert "hidden_size: 64" in (run_dir / "config_tree.log").read_text()
+    assert metrics["val/acc_best"] >= metrics["val/acc"] - 1e-6
+
+
+def test_checkpoint_loads_with_weights_only_and_holds_labels_and_tokenizer(trained_run):
+    run_dir, metrics = trained_run
+    checkpoint = torch.load(metrics["best_checkpoint"], map_location="cpu", weights_only=True)
+    hparams = checkpoint["hyper_parameters"]
+    assert hparams["id2label"] == {0: "negative", 1: "positive"}
+    assert hparams["hf_config"]["id2label"] == {"0": "negative", "1": "positive"}
+    tokenizer = builder.tokenizer_from_files(checkpoint["tokenizer_files"])
+    assert tokenizer.convert_tokens_to_ids("good") != tokenizer.unk_token_id
+
+
+def test_eval_reproduces_the_test_metrics(trained_run, make_cfg, tmp_path):
+    run_dir, metrics = trained_run
+    evaluated = evaluate(make_cfg(f"ckpt_path={metrics['best_checkpoint']}", config_name="eval"))
+    for key in ("test/acc", "test/f1_macro", "test/loss"):
+        assert evaluated[key] == pytest.approx(metrics[key], abs=1e-6), key
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["test/acc"] == pytest.approx(metrics["test/acc"])
+
+
+def test_predict_writes_labels_and_probabilities(trained_run, make_cfg, toy_data, tmp_path):
+    _, metrics = trained_run
+    out = tmp_path / "predictions.csv"
+    predict(make_cfg(f"ckpt_path={metrics['best_checkpoint']}", f"input={toy_data['test']}", f"output={out}", config_name="predict"))
+    frame = pd.read_csv(out)
+    assert list(frame.columns) == ["text", "label", "predicted_label", "prob_negative", "prob_positive"]
+    assert len(frame) == 40
+    assert ((frame.prob_negative + frame.prob_positive) - 1).abs().max() < 1e-5
+    assert set(frame.predicted_label) <= {"negative", "positive"}
+    assert (frame.predicted_label == frame.label).mean() == pytest.approx(metrics["test/acc"], abs=1e-6)
+
+
+def test_overfitting_one_batch_drives_the_loss_down(make_cfg, tmp_path):
+    train(make_cfg("debug=overfit", "optimizer.lr=2e-3", "trainer.log_every_n_steps=1", "test_after_fit=false"))
+    losses = logged(tmp_path / "run", "train/loss")
+    assert len(losses) == 30
+    assert losses[-1] < 0.3 * losses[0], losses
+
+
+def test_bad_data_fails_before_any_weights_load(make_cfg, monkeypatch):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the model was built before the data was checked")
+
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.models.classification.build_sequence_classifier", no_weights)
+    with pytest.raises(DataError, match=r"data.text_column='review' is not a column"):
+        train(make_cfg("data.text_column=review"))
+
+
+def test_cli_fast_dev_run(tokenizer_dir, toy_data, tmp_path):
+    from .conftest import tiny_overrides
+
+    overrides = [o for o in tiny_overrides(tokenizer_dir, toy_data, tmp_path / "run") if not o.startswith("paths.output_dir")]
+    result = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", "debug=fdr", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Metrics: {tmp_path / 'run' / 'metrics.json'}" in result.stdout
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
