@@ -14,21 +14,26 @@ NAMES = {
     "package_name": {{ cookiecutter.package_name | jsonify }},
 }
 PROJECT_NAME = {{ cookiecutter.project_name | jsonify }}
+# cookiecutter.json derives the slug as this marker when the project name has no letters or
+# digits (an empty folder name would make cookiecutter fail before this hook could explain).
+EMPTY = "-empty-"
 
 
 def problems(field: str, value: str) -> list[str]:
     """Return the reasons ``value`` is not usable as ``field`` (empty when it is fine)."""
-    if not value:
-        return [f"{field} is empty (project_name={PROJECT_NAME!r} has no letters or digits to derive it from)"]
+    if not value or value == EMPTY:
+        return [f"{field} is empty: project_name={PROJECT_NAME!r} has no ASCII letters or digits to derive it from"]
     if not value.isidentifier() or not value.isascii():
         return [f"{field}={value!r} is not a valid Python identifier: use ASCII letters, digits and underscores, not starting with a digit"]
-    if keyword.iskeyword(value) or keyword.issoftkeyword(value):
+    if keyword.iskeyword(value):
         return [f"{field}={value!r} is a Python keyword"]
     return []
 
 
 def main() -> int:
-    found = [p for field, value in NAMES.items() for p in problems(field, value)]
+    slug, package = NAMES["project_slug"], NAMES["package_name"]
+    # The package defaults to the slug: report a shared bad value once.
+    found = problems("project_slug", slug) + (problems("package_name", package) if package != slug else [])
     if not found:
         return 0
     print("ERROR: cannot generate the project:", file=sys.stderr)
