@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, validate_config
+from {{ cookiecutter.package_name }}.utils.config import ConfigError, to_plain, validate_config
 
 from .conftest import compose_config
 
@@ -130,3 +130,19 @@ def test_cli_rejects_a_bad_batch_before_loading_anything(tmp_path):
     assert "batch.global_batch_size=10 is not divisible by batch.micro_batch_size=4" in result.stderr
     assert not (tmp_path / "cache").exists()  # nothing was fetched
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_demo_data_config_defers_the_download_and_eval_can_drop_it(tmp_path, tokenizer_dir):
+    import functools
+
+    import hydra
+    from transformers import AutoTokenizer
+
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache", "experiment=demo_classification"])
+    datamodule = hydra.utils.instantiate(cfg.data)
+    assert isinstance(datamodule.fetch, functools.partial)  # called in prepare_data, not now
+    assert not (tmp_path / "cache").exists()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    datamodule = hydra.utils.instantiate(to_plain(cfg.data), fetch=None, tokenizer=tokenizer, label2id={"negative": 0, "positive": 1})
+    assert datamodule.fetch is None and datamodule.tokenizer is tokenizer
+    assert datamodule.splits["test"] == f"{tmp_path}/cache/data/vader_movie_reviews/test.csv"

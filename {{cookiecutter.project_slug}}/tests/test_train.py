@@ -111,3 +111,19 @@ def test_cli_fast_dev_run(tokenizer_dir, toy_data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Metrics: {tmp_path / 'run' / 'metrics.json'}" in result.stdout
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["success", "failure"])
+def test_each_job_closes_its_offline_wandb_run(make_cfg, tmp_path, monkeypatch, fails):
+    import wandb
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default, not an environment setting
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = make_cfg("logger=wandb", "debug=fdr", *(["data.label_column=sentiment"] if fails else []))
+    if fails:
+        with pytest.raises(DataError):
+            train(cfg)
+    else:
+        train(cfg)
+    assert wandb.run is None  # finished, so the next job of a multirun starts its own run
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))

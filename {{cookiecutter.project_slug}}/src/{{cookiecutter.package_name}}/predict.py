@@ -16,7 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from .utils.config import ConfigError, validate_config
+from .utils.config import ConfigError, to_plain, validate_config
 from .utils.instantiate import instantiate_trainer
 
 
@@ -32,8 +32,10 @@ def predict(cfg: DictConfig) -> Path:
     if not Path(cfg.input).is_file():  # after validate_config: input is set
         raise ConfigError(f"input={cfg.input!r} is not a file; fix: input=path/to/texts.csv (csv/tsv/jsonl/parquet)")
     module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    # Resolved first, so that dropping the training-data download (fetch=None) cannot break
+    # paths that interpolate from it.
     datamodule = hydra.utils.instantiate(
-        cfg.data, tokenizer=module.tokenizer, label2id=module.label2id, predict_file=str(cfg.input), fetch=None
+        to_plain(cfg.data), tokenizer=module.tokenizer, label2id=module.label2id, predict_file=str(cfg.input), fetch=None
     )
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=[])
     probabilities = torch.cat(trainer.predict(module, datamodule=datamodule))  # (N, num_labels)
