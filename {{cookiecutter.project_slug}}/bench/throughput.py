@@ -15,8 +15,9 @@ schedule, and global-norm clipping at 1.0, trained three ways:
 - ``hf_trainer``: ``transformers.Trainer`` (evaluation, saving and reporting off), given the same
   optimizer and schedule.
 
-Each way runs ``--repeats`` times, interleaved (loop, lightning, hf, loop, ...), so drifts in
-machine speed hit all three alike.  Timing covers the training steps only (from the first to the
+Each way runs ``--repeats`` times, interleaved, with the order rotated each repeat (loop first,
+then lightning first, then hf_trainer first, ...), so drifts in machine speed and any advantage
+of running later in a warmed-up process hit all three alike.  Timing covers the training steps only (from the first to the
 last step), not start-up.  Prints the median samples/s with min-max of each, then the ratios of
 medians; the last line is ``vs_loop=<ratio> vs_hf_trainer=<ratio>``.
 """
@@ -174,10 +175,16 @@ def main() -> None:
     tokenizer = BertTokenizer(vocab={t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])})
     samples: dict[str, list[float]] = {"loop": [], "lightning": [], "hf_trainer": []}
     with tempfile.TemporaryDirectory() as run_dir:
+        ways = {
+            "loop": lambda: run_loop(config, data, args),
+            "lightning": lambda: run_lightning(config, data, tokenizer, args, run_dir),
+            "hf_trainer": lambda: run_hf_trainer(config, data, args, run_dir),
+        }
+        names = list(ways)
         for repeat in range(args.repeats):
-            samples["loop"].append(run_loop(config, data, args))
-            samples["lightning"].append(run_lightning(config, data, tokenizer, args, run_dir))
-            samples["hf_trainer"].append(run_hf_trainer(config, data, args, run_dir))
+            # Rotate who goes first: a fixed order favours whichever runs on a warmed-up process.
+            for name in names[repeat % 3:] + names[: repeat % 3]:
+                samples[name].append(ways[name]())
             print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()), flush=True)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
