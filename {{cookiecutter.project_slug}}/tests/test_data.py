@@ -154,9 +154,8 @@ def test_missing_file_is_a_clear_error(make_datamodule, tmp_path):
 def test_unknown_label_in_test_names_it_and_the_split(make_datamodule, tmp_path):
     test = write_csv(tmp_path / "test.csv", toy_rows(4, seed=3) + [{"text": "good film", "label": "neutral"}])
     datamodule = make_datamodule(splits={**make_datamodule().splits, "test": str(test)})
-    datamodule.setup("fit")
     with pytest.raises(DataError) as error:
-        datamodule.setup("test")
+        datamodule.setup("fit")  # before training, not after it
     assert "the test split" in str(error.value) and "['neutral']" in str(error.value)
 
 

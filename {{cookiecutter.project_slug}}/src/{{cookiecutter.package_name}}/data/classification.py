@@ -161,10 +161,12 @@ class ClassificationDataModule(L.LightningDataModule):
             return
         if self.label2id is None or (stage in ("fit", "validate") and "train" not in self.datasets):
             self._setup_train_and_validation()
-        if stage == "test" and "test" not in self.datasets:
-            if not self.has_test:
-                raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.csv")
+        # On fit the test split is checked (and tokenised) too, so an unknown test label stops
+        # the run before training rather than after it.
+        if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
             self.datasets["test"] = self._prepare("test", self._load("test"))
+        if stage == "test" and "test" not in self.datasets:
+            raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.csv")
 
     def _load(self, split: str) -> datasets.Dataset:
         source = self.splits[split]
