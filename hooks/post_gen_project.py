@@ -1,11 +1,88 @@
-"""Tidy the generated project.  Never prompts: it must run under ``--no-input`` with no terminal."""
+"""Tidy the generated project: drop the files of the task(s) not chosen.  Never prompts: it must
+run under ``--no-input`` with no terminal."""
 
 import pathlib
+import shutil
 
 PROJECT = pathlib.Path.cwd()
+PACKAGE = "{{ cookiecutter.package_name }}"
+TASKS = "{{ cookiecutter.tasks }}"
 
-# Empty folders that git would drop are kept with a .gitkeep; nothing else to remove yet
-# (the causal-LM path arrives with the `tasks` option and is removed here when not chosen).
+SRC = f"src/{PACKAGE}"
+CONFIGS = f"{SRC}/configs"
+# The files only one task uses (paths relative to the project; a folder goes whole).  Everything
+# else (entry points train/eval, builder, optimizer, LR schedule, loading, configs of the shared
+# groups) serves both tasks.
+ONLY_FOR = {
+    "classification": [
+        f"{SRC}/data/classification.py",
+        f"{SRC}/models/classification.py",
+        f"{SRC}/assets/vader.py",
+        f"{SRC}/predict.py",
+        f"{CONFIGS}/predict.yaml",
+        f"{CONFIGS}/task/classification.yaml",
+        f"{CONFIGS}/data/local_files.yaml",
+        f"{CONFIGS}/data/vader_movie_reviews.yaml",
+        f"{CONFIGS}/data/glue_sst2.yaml",
+        f"{CONFIGS}/model/minilm_l6.yaml",
+        f"{CONFIGS}/model/bert_base_uncased.yaml",
+        f"{CONFIGS}/model/tiny_bert.yaml",
+        f"{CONFIGS}/experiment/demo_classification.yaml",
+        f"{CONFIGS}/experiment/sst2_bert_base.yaml",
+        "tests/test_data.py",
+        "tests/test_train.py",
+        "tests/test_metrics.py",
+        "tests/test_real_demo.py",
+        "tests/test_assets.py",
+        "bench/throughput.py",
+    ],
+    "causal_lm": [
+        f"{SRC}/data/text.py",
+        f"{SRC}/models/causal_lm.py",
+        f"{SRC}/models/adapters.py",
+        f"{SRC}/callbacks/sample_generation.py",
+        f"{SRC}/assets/shakespeare.py",
+        f"{SRC}/assets/gguf.py",
+        f"{SRC}/export.py",
+        f"{SRC}/generate.py",
+        f"{CONFIGS}/export.yaml",
+        f"{CONFIGS}/generate.yaml",
+        f"{CONFIGS}/task/causal_lm.yaml",
+        f"{CONFIGS}/peft",
+        f"{CONFIGS}/data/text_files.yaml",
+        f"{CONFIGS}/data/shakespeare.yaml",
+        f"{CONFIGS}/model/smollm2_135m.yaml",
+        f"{CONFIGS}/model/smollm2_135m_hub.yaml",
+        f"{CONFIGS}/model/tiny_llama.yaml",
+        f"{CONFIGS}/model/tiny_gpt2.yaml",
+        f"{CONFIGS}/model/llama32_1b.yaml",
+        f"{CONFIGS}/model/llama31_8b.yaml",
+        f"{CONFIGS}/experiment/demo_lm_lora.yaml",
+        f"{CONFIGS}/experiment/demo_lm_scratch.yaml",
+        f"{CONFIGS}/experiment/lm_smollm2_135m_full.yaml",
+        f"{CONFIGS}/experiment/lm_llama32_1b_full.yaml",
+        f"{CONFIGS}/experiment/lm_llama31_8b_qlora.yaml",
+        "tests/test_text_data.py",
+        "tests/test_causal_lm.py",
+        "tests/test_real_demo_lm.py",
+        "tests/test_lm_assets.py",
+        "bench/text_pipeline.py",
+    ],
+}
+
+for task, paths in ONLY_FOR.items():
+    if TASKS in ("both", task):
+        continue
+    for relative in paths:
+        path = PROJECT / relative
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:  # a stale list here would leave the other task's files behind: fail loudly
+            raise SystemExit(f"post_gen_project: {relative} is listed for removal but was not generated")
+
+# Empty folders that git would drop are kept with a .gitkeep.
 for folder in ("data", "logs"):
     (PROJECT / folder).mkdir(exist_ok=True)
     (PROJECT / folder / ".gitkeep").touch()

@@ -1,9 +1,11 @@
 """Bake the template and check what comes out.
 
-The default bake is installed (non-editable, from its own pyproject.toml) into this
-environment and its whole test suite runs, the real-data demo included.  Bakes with awkward
-names compose their configs, import, and run one ``fast_dev_run``.  Names that cannot become a
-Python package are refused by the pre-generation hook, and nothing is generated.
+The default bake (``tasks=both``) is installed (non-editable, from its own pyproject.toml) into
+this environment and its whole test suite runs, both real-data demos included.  The
+single-task bakes hold none of the other task's files and run their own suites without the
+real-data demos.  Bakes with awkward names compose their configs, import, and run one
+``fast_dev_run``.  Names that cannot become a Python package are refused by the
+pre-generation hook, and nothing is generated.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def test_default_bake_yaml_and_toml_parse(default_project):
         yaml.safe_load(path.read_text())
     project = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
     assert project["name"] == "my_4090_project"
-    assert set(project["scripts"]) == {"my_4090_project-train", "my_4090_project-eval", "my_4090_project-predict"}
+    assert set(project["scripts"]) == {f"my_4090_project-{name}" for name in ("train", "eval", "predict", "generate", "export")}
     assert all(">=" in dep and "==" not in dep for dep in project["dependencies"])  # lower bounds, no pins
 
 
@@ -83,6 +85,52 @@ def test_default_bake_full_test_suite_with_the_real_demo(default_project):
     assert re.search(r"\d+ passed", summary), summary
     for word in ("failed", "skipped", "deselected", "error"):  # the real-data demo ran too
         assert word not in summary, summary
+
+
+# What only one task uses: none of it may be left in a project generated for the other task.
+TASK_MARKERS = {
+    "classification": ("SequenceClassificationModule", "ClassificationDataModule", "vader", "predict.py"),
+    "causal_lm": ("CausalLMModule", "TextDataModule", "LoraConfig", "shakespeare", "gguf", "generate.py", "export.py"),
+}
+
+
+@pytest.mark.parametrize("tasks", ["classification", "causal_lm"])
+def test_single_task_bake_holds_only_its_task_and_its_tests_pass(tasks, default_project, tmp_path):
+    project = bake(tmp_path, project_name=f"only {tasks}", tasks=tasks)
+    package = package_of(project)
+    other = "causal_lm" if tasks == "classification" else "classification"
+    code = [p for p in project.rglob("*") if p.is_file() and p.suffix in (".py", ".yaml", ".toml") and ".pytest_cache" not in p.parts]
+    for path in code:
+        text = path.read_text()
+        leaked = [marker for marker in TASK_MARKERS[other] if marker in text or marker in path.name]
+        assert not leaked, f"{path.relative_to(project)} mentions {leaked}"
+    for marker in TASK_MARKERS[tasks][:2]:  # its own task is there
+        assert any(marker in path.read_text() for path in code), marker
+    scripts = set(tomllib.loads((project / "pyproject.toml").read_text())["project"]["scripts"])
+    assert (f"{package}-predict" in scripts) == (tasks == "classification")
+    assert (f"{package}-generate" in scripts) == (tasks == "causal_lm")
+    env = {**os.environ, "PYTHONPATH": str(project / "src")}
+    # Every module imports, and every _target_ of every config names something that exists.
+    check = (
+        "import importlib, pathlib, pkgutil, yaml, hydra\n"
+        f"import {package}\n"
+        f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'): importlib.import_module(m.name)\n"
+        f"root = pathlib.Path({package}.__file__).parent / 'configs'\n"
+        "def targets(node):\n"
+        "    if isinstance(node, dict):\n"
+        "        for k, v in node.items():\n"
+        "            if k == '_target_': yield v\n"
+        "            else: yield from targets(v)\n"
+        "    elif isinstance(node, list):\n"
+        "        for v in node: yield from targets(v)\n"
+        "for path in root.rglob('*.yaml'):\n"
+        "    for target in targets(yaml.safe_load(path.read_text())):\n"
+        "        hydra.utils.get_object(target)\n"
+    )
+    run([sys.executable, "-c", check], cwd=project, timeout=300, env=env)
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not real_data"], cwd=project, timeout=1200, env=env)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed", summary) and "failed" not in summary and "skipped" not in summary, summary
 
 
 HOSTILE_NAMES = {

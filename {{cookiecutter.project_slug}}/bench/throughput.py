@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import BertConfig, BertTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 from {{ cookiecutter.package_name }}.callbacks import WarmupDecayLR, lr_factor
-from {{ cookiecutter.package_name }}.models import SequenceClassificationModule
+from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
 from {{ cookiecutter.package_name }}.models.builder import config_to_dict, sequence_classifier_from_dict
 from {{ cookiecutter.package_name }}.optim import build_optimizer
 

@@ -1,21 +1,47 @@
-"""Fixtures: a tiny offline tokenizer, a small synthetic data set, and Hydra config composition.
+"""Fixtures: tiny offline tokenizers, small synthetic data sets, and Hydra config composition.
 
-Everything here runs without network: the 2-layer BERT of ``model=tiny_bert`` gets a WordPiece
-tokenizer written from a word list, and the data is a separable toy sentiment task.
+Everything here runs without network.
+{%- if cookiecutter.tasks != "causal_lm" %} The 2-layer BERT of ``model=tiny_bert`` gets a WordPiece
+tokenizer written from a word list and a separable toy sentiment task.
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %} The tiny causal LMs get a byte-level BPE
+tokenizer (GPT-2 style: an EOS token and no pad token) trained on toy documents.
+{%- endif %}
 """
 
 from __future__ import annotations
 
-import csv
-import random
+{% if cookiecutter.tasks != "causal_lm" %}import csv
+{% endif %}import random
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
-from transformers import BertTokenizer
 
 import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
+
+
+def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose ``configs/<config_name>.yaml`` as the entry point would (without running Hydra)."""
+    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def common_overrides(run_dir: Path) -> list[str]:
+    """CPU, fp32, CSV logs, and every path inside the test's own folder."""
+    return [
+        "precision=32-true",
+        "trainer=cpu",
+        "logger=csv",
+        f"paths.output_dir={run_dir}",
+        f"paths.log_dir={run_dir}/logs",
+        f"paths.cache_dir={run_dir.parent}/cache",
+    ]
+{%- if cookiecutter.tasks != "causal_lm" %}
+
+
+from transformers import BertTokenizer  # noqa: E402
 
 POSITIVE = ["good", "great", "wonderful", "lovely", "superb", "fun"]
 NEGATIVE = ["bad", "awful", "terrible", "boring", "poor", "dull"]
@@ -63,8 +89,9 @@ def toy_data(tmp_path_factory) -> dict[str, Path]:
 
 
 def tiny_overrides(tokenizer_dir: Path, toy_data: dict[str, Path], run_dir: Path) -> list[str]:
-    """Overrides that make any train/eval/predict config run offline in seconds."""
+    """Overrides that make any classification train/eval/predict config run offline in seconds."""
     return [
+        "task=classification",
         "model=tiny_bert",
         f"model.tokenizer={tokenizer_dir}",
         "data=local_files",
@@ -72,21 +99,10 @@ def tiny_overrides(tokenizer_dir: Path, toy_data: dict[str, Path], run_dir: Path
         f"data.splits.validation={toy_data['validation']}",
         f"data.splits.test={toy_data['test']}",
         "data.max_length=32",
-        "precision=32-true",
-        "trainer=cpu",
-        "logger=csv",
         "batch.global_batch_size=16",
         "batch.micro_batch_size=16",
-        f"paths.output_dir={run_dir}",
-        f"paths.log_dir={run_dir}/logs",
-        f"paths.cache_dir={run_dir.parent}/cache",
+        *common_overrides(run_dir),
     ]
-
-
-def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
-    """Compose ``configs/<config_name>.yaml`` as the entry point would (without running Hydra)."""
-    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
-        return compose(config_name=config_name, overrides=overrides)
 
 
 @pytest.fixture
@@ -98,3 +114,98 @@ def make_cfg(tokenizer_dir, toy_data, tmp_path):
         return compose_config(config_name, base + list(overrides))
 
     return make
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
+
+
+LM_WORDS = ["the", "king", "queen", "speaks", "to", "a", "fool", "and", "ghost", "night", "sword", "love"]
+EOS = "<|endoftext|>"
+
+
+def lm_documents(n: int, seed: int) -> list[str]:
+    """``n`` toy documents of 2-6 short lines ("the king speaks to a fool.")."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        lines = [" ".join(rng.choice(LM_WORDS) for _ in range(rng.randint(3, 8))) + "." for _ in range(rng.randint(2, 6))]
+        docs.append("\n".join(lines))
+    return docs
+
+
+@pytest.fixture(scope="session")
+def lm_tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer (GPT-2 style: EOS ``<|endoftext|>``, no pad token), 300 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(lm_documents(200, seed=0), trainer)
+    folder = tmp_path_factory.mktemp("lm_tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def lm_text(tmp_path_factory) -> dict[str, Path]:
+    """A folder of 24 .txt documents (one per file) for train, and one .txt file for validation."""
+    folder = tmp_path_factory.mktemp("lm_text")
+    (folder / "train").mkdir()
+    for index, doc in enumerate(lm_documents(24, seed=1)):
+        (folder / "train" / f"doc{index:02d}.txt").write_text(doc + "\n")
+    (folder / "validation.txt").write_text("\n".join(lm_documents(4, seed=2)) + "\n")
+    return {"train": folder / "train", "validation": folder / "validation.txt"}
+
+
+def lm_overrides(tokenizer_dir: Path, text: dict[str, Path], run_dir: Path, model: str = "tiny_llama") -> list[str]:
+    """Overrides that make any causal-LM config run offline in seconds (2-layer tiny Llama,
+    128 positions; or ``model="tiny_gpt2"``)."""
+    return [
+        "task=causal_lm",
+        f"model={model}",
+        f"model.tokenizer={tokenizer_dir}",
+        "model.fetch=null",
+        *(["model.config.max_position_embeddings=128"] if model == "tiny_llama" else []),
+        "data=text_files",
+        f"data.splits.train={text['train']}",
+        f"data.splits.validation={text['validation']}",
+        "data.max_length=32",
+        "batch.global_batch_size=8",
+        "batch.micro_batch_size=8",
+        "callbacks.sample_generation.max_new_tokens=4",
+        *common_overrides(run_dir),
+    ]
+
+
+@pytest.fixture
+def make_lm_cfg(lm_tokenizer_dir, lm_text, tmp_path):
+    """``make_lm_cfg(*overrides, config_name="train", model="tiny_llama")`` -> a tiny offline causal-LM config."""
+
+    def make(*overrides: str, config_name: str = "train", model: str = "tiny_llama") -> DictConfig:
+        base = lm_overrides(lm_tokenizer_dir, lm_text, tmp_path / "run", model=model)
+        return compose_config(config_name, base + list(overrides))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pretrained_lm_dir(lm_tokenizer_dir, tmp_path_factory) -> Path:
+    """A "pretrained" tiny Llama folder (random weights, saved with save_pretrained) for
+    fine-tuning, LoRA and QLoRA tests."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("pretrained_lm")
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+{%- endif %}

@@ -16,7 +16,18 @@ from {{ cookiecutter.package_name }}.utils.config import ConfigError, to_plain, 
 from .conftest import compose_config
 
 CONFIG_ROOT = resources.files("{{ cookiecutter.package_name }}") / "configs"
-ENTRY_CONFIGS = ("train", "eval", "predict")
+# Each task of this project, and a data config that task reads.
+TASK_DATA = {
+{%- if cookiecutter.tasks != "causal_lm" %}
+    "classification": "vader_movie_reviews",
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
+    "causal_lm": "shakespeare",
+{%- endif %}
+}
+ENTRY_CONFIGS = ("train", "eval"
+{%- if cookiecutter.tasks != "causal_lm" %}, "predict"{% endif %}
+{%- if cookiecutter.tasks != "classification" %}, "generate", "export"{% endif %})
 # Groups merged into Hydra's own node, not ours: composed, not resolved.
 HYDRA_GROUPS = ("hydra",)
 
@@ -37,19 +48,40 @@ def test_the_walk_finds_every_group():
             "logger", "trainer", "paths", "hydra", "debug", "experiment"} <= groups
 
 
+def task_contexts(group: str, option: str) -> list[list[str]]:
+    """Overrides under which a group option may be used: as is, or with a task that reads it."""
+    if group == "task":
+        return [[f"data={TASK_DATA[option]}"]]
+    if group == "data":
+        return [[f"task={task}"] for task in TASK_DATA]
+    return [[]] + [[f"task={task}", f"data={data}"] for task, data in TASK_DATA.items()]
+
+
 @pytest.mark.parametrize(("group", "option"), every_group_option())
 def test_every_config_file_composes_and_resolves(group, option, tmp_path):
-    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", f"{group}={option}"])
-    if group not in HYDRA_GROUPS:
+    """Every option composes, resolves and validates, with at least one task of the project."""
+    problems = []
+    for context in task_contexts(group, option):
+        cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *context, f"{group}={option}"])
+        if group in HYDRA_GROUPS:
+            return
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-        validate_config(cfg)
+        try:
+            validate_config(cfg)
+            return
+        except ConfigError as error:
+            problems.append(f"{context}: {error}")
+    pytest.fail("\n".join(problems))
 
 
 @pytest.mark.parametrize("config_name", ENTRY_CONFIGS)
-def test_entry_configs_compose(config_name, tmp_path, toy_data):
+def test_entry_configs_compose(config_name, tmp_path):
     ckpt = tmp_path / "model.ckpt"
     ckpt.write_bytes(b"")
-    required = {"train": [], "eval": [f"ckpt_path={ckpt}"], "predict": [f"ckpt_path={ckpt}", f"input={toy_data['test']}"]}
+    required = {
+        "train": [], "eval": [f"ckpt_path={ckpt}"], "predict": [f"ckpt_path={ckpt}", f"input={ckpt}"],
+        "generate": [f"ckpt_path={ckpt}"], "export": [f"ckpt_path={ckpt}"],
+    }
     cfg = compose_config(config_name, [f"paths.output_dir={tmp_path}", *required[config_name]])
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     validate_config(cfg, required=tuple(o.split("=")[0] for o in required[config_name]))
@@ -103,7 +135,30 @@ def test_unknown_key_is_rejected_by_name(tmp_path):
 def test_unknown_group_option_lists_the_available_ones(tmp_path):
     with pytest.raises(MissingConfigException) as error:
         compose_config("train", [f"paths.output_dir={tmp_path}", "model=bert_huge"])
-    assert "bert_huge" in str(error.value) and "tiny_bert" in str(error.value)
+    available = "{% if cookiecutter.tasks == 'causal_lm' %}tiny_llama{% else %}tiny_bert{% endif %}"
+    assert "bert_huge" in str(error.value) and available in str(error.value)
+{%- if cookiecutter.tasks != "classification" %}
+
+
+@pytest.mark.parametrize("data", ["shakespeare", "text_files"])
+def test_lm_data_with_the_classification_task_or_the_reverse_is_refused(tmp_path, data):
+    {%- if cookiecutter.tasks == "both" %}
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task=classification", f"data={data}"])
+    with pytest.raises(ConfigError, match=r"data._target_=.*TextDataModule.* is not the data module of task=classification"):
+        validate_config(cfg)
+    {%- endif %}
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task=causal_lm", f"data={data}", "peft=lora"])
+    validate_config(cfg)  # the right pairing passes
+{%- endif %}
+{%- if cookiecutter.tasks == "both" %}
+
+
+def test_peft_with_the_classification_task_is_refused(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "experiment=demo_classification", "peft=lora"])
+    with pytest.raises(ConfigError, match="peft=lora applies to task=causal_lm only"):
+        validate_config(cfg)
+{%- endif %}
+{%- if cookiecutter.tasks != "causal_lm" %}
 
 
 def test_sst2_recipe_maps_the_labelled_validation_split_to_test(tmp_path):
@@ -112,6 +167,7 @@ def test_sst2_recipe_maps_the_labelled_validation_split_to_test(tmp_path):
     assert cfg.data.hub_name == "nyu-mll/glue" and cfg.data.hub_config == "sst2"
     assert cfg.data.splits.test == "validation" and cfg.data.splits.validation is None
     assert cfg.data.tokenizer == "bert-base-uncased"
+{%- endif %}
 
 
 def test_sequence_length_has_one_home(tmp_path):
@@ -132,6 +188,9 @@ def test_cli_rejects_a_bad_batch_before_loading_anything(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+{%- if cookiecutter.tasks != "causal_lm" %}
+
+
 def test_demo_data_config_defers_the_download_and_eval_can_drop_it(tmp_path, tokenizer_dir):
     import functools
 
@@ -146,3 +205,4 @@ def test_demo_data_config_defers_the_download_and_eval_can_drop_it(tmp_path, tok
     datamodule = hydra.utils.instantiate(to_plain(cfg.data), fetch=None, tokenizer=tokenizer, label2id={"negative": 0, "positive": 1})
     assert datamodule.fetch is None and datamodule.tokenizer is tokenizer
     assert datamodule.splits["test"] == f"{tmp_path}/cache/data/vader_movie_reviews/test.csv"
+{%- endif %}

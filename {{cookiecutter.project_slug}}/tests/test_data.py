@@ -7,7 +7,7 @@ import os
 import datasets
 import pytest
 
-from {{ cookiecutter.package_name }}.data import ClassificationDataModule
+from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule
 from {{ cookiecutter.package_name }}.data.classification import build_label_map
 from {{ cookiecutter.package_name }}.data.loading import DataError
 

@@ -2,6 +2,7 @@
 
     python -m <package>.eval experiment=demo_classification ckpt_path=RUN/checkpoints/last.ckpt
 
+Works for every task (classification: test/acc, test/f1_macro; causal LM: test/loss, test/ppl).
 The model architecture, label mapping and tokenizer come from the checkpoint; the data from
 the config (use the same ``experiment=``/``data=`` as in training).  Writes ``metrics.json``.
 """
@@ -28,7 +29,7 @@ def evaluate(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.output_dir)
     print_config_tree(cfg, save_to=run_dir / "config_tree.log")
     module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
-    datamodule = hydra.utils.instantiate(cfg.data, tokenizer=module.tokenizer, label2id=module.label2id)
+    datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
     loggers = instantiate_loggers(cfg)
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=loggers)
     failed = True

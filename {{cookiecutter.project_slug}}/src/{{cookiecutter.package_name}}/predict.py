@@ -9,7 +9,6 @@ class (probabilities summing to 1).  The text columns are those of the data conf
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import hydra
@@ -18,6 +17,7 @@ from omegaconf import DictConfig
 
 from .utils.config import ConfigError, to_plain, validate_config
 from .utils.instantiate import instantiate_trainer
+from .utils.run import atomic_write_path
 
 
 def predict(cfg: DictConfig) -> Path:
@@ -47,10 +47,8 @@ def predict(cfg: DictConfig) -> Path:
         frame[f"prob_{name}"] = probabilities[:, index].numpy()
 
     output = Path(cfg.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial")
-    frame.to_csv(partial, index=False)
-    os.replace(partial, output)
+    with atomic_write_path(output) as partial:
+        frame.to_csv(partial, index=False)
     print(f"Predictions: {output} ({len(frame)} rows)")
     return output
 

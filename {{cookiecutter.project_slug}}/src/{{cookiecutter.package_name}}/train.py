@@ -1,7 +1,8 @@
 """Fit a model, then test the best checkpoint.
 
     python -m <package>.train experiment=demo_classification
-    python -m <package>.train model=bert_base_uncased data=glue_sst2 precision=bf16-mixed
+    python -m <package>.train experiment=demo_lm_lora
+    python -m <package>.train experiment=demo_lm_scratch trainer.max_steps=300
 
 Writes ``metrics.json``, ``config_tree.log`` and ``checkpoints/`` into the run directory
 (``hydra.run.dir=DIR`` sets it).
@@ -35,7 +36,7 @@ def train(cfg: DictConfig) -> dict:
         L.seed_everything(cfg.seed, workers=True)
 
     datamodule = hydra.utils.instantiate(cfg.data)
-    module = hydra.utils.get_class(cfg.task.module)(model=to_plain(cfg.model), optimizer=to_plain(cfg.optimizer))
+    module = hydra.utils.get_class(cfg.task.module)(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
     loggers = instantiate_loggers(cfg)
     trainer = instantiate_trainer(cfg, instantiate_callbacks(cfg), loggers)
     for logger in loggers:
@@ -44,17 +45,28 @@ def train(cfg: DictConfig) -> dict:
     failed = True
     try:
         start = time.perf_counter()
+        metrics = {}
+        if cfg.task.validate_before_fit and cfg.ckpt_path is None:
+            # The starting point, from the same validation loop as the final figures.
+            trainer.validate(module, datamodule=datamodule)
+            metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        metrics = scalar_metrics(trainer.callback_metrics)
+        if metrics and getattr(module, "validated_at_step", None) != trainer.global_step:
+            # Training stopped between validations: validate the final weights, so val/* never
+            # repeats the *_start figures (or an older pass) as if it were the result.
+            trainer.validate(module, datamodule=datamodule)
+        metrics.update(scalar_metrics(trainer.callback_metrics))
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         if cfg.test_after_fit and datamodule.has_test:
             trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
             metrics.update(scalar_metrics(trainer.callback_metrics))
         metrics.update(
             best_checkpoint=best or None,
-            rows=datamodule.split_sizes,
+            rows=datamodule.split_sizes,  # rows (classification) or documents (causal LM) per split
             seconds=round(time.perf_counter() - start, 1),
         )
+        if hasattr(datamodule, "token_counts"):
+            metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
         write_metrics(run_dir / "metrics.json", metrics)
         failed = False
         return metrics

@@ -1,4 +1,4 @@
-"""Lightning callbacks: the LR schedule (and, later, GPU stats and throughput)."""
+"""Lightning callbacks: the LR schedule, sample generation (causal LM), and later GPU stats."""
 
 from .lr_schedule import WarmupDecayLR, lr_factor
 

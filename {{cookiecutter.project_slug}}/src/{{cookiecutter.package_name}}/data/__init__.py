@@ -1,5 +1,1 @@
-"""LightningDataModules on Hugging Face ``datasets``."""
-
-from .classification import ClassificationDataModule
-
-__all__ = ["ClassificationDataModule"]
+"""LightningDataModules on Hugging Face ``datasets`` (one file per task, shared loading and tokenisation)."""

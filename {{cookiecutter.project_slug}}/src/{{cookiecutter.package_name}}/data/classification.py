@@ -6,11 +6,10 @@ import logging
 from collections.abc import Callable
 
 import datasets
-import lightning as L
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
-from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from .batching import TokenizedDataModule
 from .loading import DataError, load_split, require_columns
 from .tokenization import disable_tokenizer_parallelism, load_tokenizer, tokenize_batch
 
@@ -74,7 +73,7 @@ def encode_labels(
     return {"labels": [label2id[key] for key in keys]}
 
 
-class ClassificationDataModule(L.LightningDataModule):
+class ClassificationDataModule(TokenizedDataModule):
     """Classification batches from local csv/tsv/jsonl/parquet files or a hub data set.
 
     Each batch is a dict of tensors: ``input_ids``, ``attention_mask`` (and ``token_type_ids``)
@@ -142,15 +141,6 @@ class ClassificationDataModule(L.LightningDataModule):
     @property
     def id2label(self) -> dict[int, str]:
         return {index: name for name, index in self.label2id.items()}
-
-    @property
-    def has_test(self) -> bool:
-        return "test" in self.splits
-
-    def prepare_data(self) -> None:
-        """Download/convert the data once (Lightning calls this on one process per node)."""
-        if self.fetch is not None:
-            self.fetch()
 
     def setup(self, stage: str) -> None:
         """Load, check, label-map and tokenise what ``stage`` needs (idempotent, cached on disk)."""
@@ -234,32 +224,14 @@ class ClassificationDataModule(L.LightningDataModule):
         self.predict_rows = rows
         self.datasets["predict"] = self._tokenize("predict", rows, keep=[])
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        dataset = self.datasets[split]
-        sampler = None
-        if shuffle and self.group_by_length:
-            lengths = [len(ids) for ids in dataset["input_ids"]]
-            sampler, shuffle = LengthGroupedSampler(self.batch_size, lengths=lengths), False
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            sampler=sampler,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            # pad_to_multiple_of=8: lengths that are multiples of 8 use fp16/bf16 tensor cores
-            # fully (NVIDIA, "Matrix multiplication background", Deep Learning Performance Guide).
-            collate_fn=DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of),
-        )
+    @property
+    def groups_by_length(self) -> bool:
+        return self.group_by_length
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+    def collator(self) -> DataCollatorWithPadding:
+        # pad_to_multiple_of=8: lengths that are multiples of 8 use fp16/bf16 tensor cores
+        # fully (NVIDIA, "Matrix multiplication background", Deep Learning Performance Guide).
+        return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of)
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("predict", shuffle=False)

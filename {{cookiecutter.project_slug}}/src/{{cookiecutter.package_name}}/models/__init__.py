@@ -1,5 +1,5 @@
-"""LightningModules, and the builder that makes the Hugging Face model inside them."""
+"""LightningModules (one module per task), and the builder that makes the HF model inside them.
 
-from .classification import SequenceClassificationModule
-
-__all__ = ["SequenceClassificationModule"]
+Configs name the classes by full path (``models.classification.SequenceClassificationModule``,
+``models.causal_lm.CausalLMModule``), so a project generated for one task holds only its files.
+"""

@@ -1,4 +1,4 @@
-"""Build the Hugging Face model a LightningModule wraps.
+"""Build the Hugging Face model a LightningModule wraps (shared by every task).
 
 A model spec (``model`` config group, as a plain dict) either names pretrained weights
 (``name_or_path``: hub name or local folder) or gives a ``config`` to build a randomly
@@ -13,14 +13,17 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.pytorch_utils import Conv1D
 
 
 def build_sequence_classifier(
@@ -78,3 +81,44 @@ def tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
         for name, text in files.items():
             Path(folder, name).write_text(text, encoding="utf-8")
         return AutoTokenizer.from_pretrained(folder)
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the architecture supports (``max_position_embeddings``, or GPT-2's
+    ``n_positions``); ``None`` when the config names no limit."""
+    for field in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, field, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def causal_lm_config(spec: dict, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The HF config a causal-LM spec describes, read without loading any weights.
+
+    From scratch (``config``), ``vocab_size`` and the BOS/EOS/pad ids follow the tokenizer
+    (their one source); pretrained (``name_or_path``), the model's own ``config.json``.
+
+    Raises:
+        ValueError: the spec gives neither ``name_or_path`` nor ``config``.
+    """
+    if spec.get("config"):
+        fields = dict(spec["config"])
+        model_type = fields.pop("model_type")
+        token_ids = {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        }
+        return AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **token_ids, **fields)
+    if spec.get("name_or_path"):
+        return AutoConfig.from_pretrained(spec["name_or_path"])
+    raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
+
+
+def linear_layer_names(config: PretrainedConfig) -> list[str]:
+    """Names of the linear layers (``nn.Linear``, GPT-2's ``Conv1D``) of the architecture, as
+    dotted paths; found on the meta device, so no memory is used and no weights load."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))]

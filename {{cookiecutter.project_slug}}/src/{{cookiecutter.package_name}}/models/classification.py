@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import hydra
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torchmetrics import MaxMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
-from ..optim import build_optimizer
-from .builder import (
-    build_sequence_classifier,
-    config_to_dict,
-    sequence_classifier_from_dict,
-    tokenizer_from_files,
-    tokenizer_to_files,
-)
+from .base import HFModule
+from .builder import build_sequence_classifier, config_to_dict, sequence_classifier_from_dict
 
 
 def classification_metrics(num_classes: int, split: str) -> MetricCollection:
@@ -32,7 +24,7 @@ def classification_metrics(num_classes: int, split: str) -> MetricCollection:
     )
 
 
-class SequenceClassificationModule(L.LightningModule):
+class SequenceClassificationModule(HFModule):
     """Fine-tune (or train from scratch) a sequence classifier.
 
     The Hugging Face model is built in ``configure_model``, after the data module's ``setup``
@@ -53,17 +45,14 @@ class SequenceClassificationModule(L.LightningModule):
     def __init__(self, model: dict, optimizer: dict, id2label: dict | None = None, hf_config: dict | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = None  # built in configure_model
-        self.tokenizer = None
-        self._tokenizer_files: dict[str, str] | None = None
 
     @property
     def label2id(self) -> dict[str, int]:
         return {name: int(index) for index, name in self.hparams.id2label.items()}
 
-    def prepare_data(self) -> None:
-        if self.hparams.model["fetch"]:
-            hydra.utils.instantiate(self.hparams.model["fetch"])()
+    def datamodule_kwargs(self) -> dict:
+        """What eval/predict pass to the data module: the checkpoint's tokenizer and labels."""
+        return {"tokenizer": self.tokenizer, "label2id": self.label2id}
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -128,18 +117,3 @@ class SequenceClassificationModule(L.LightningModule):
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Class probabilities ``(B, num_labels)`` in id order."""
         return self(batch).float().softmax(dim=-1)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        # No LR scheduler here: the schedule callback sets the LR from the optimizer step count.
-        return build_optimizer(self.model, self.hparams.optimizer)
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # The tokenizer travels inside the checkpoint (as text), so eval/predict need nothing else.
-        if self._tokenizer_files is None:
-            self._tokenizer_files = tokenizer_to_files(self.tokenizer)
-        checkpoint["tokenizer_files"] = self._tokenizer_files
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if self.tokenizer is None:
-            self._tokenizer_files = checkpoint["tokenizer_files"]
-            self.tokenizer = tokenizer_from_files(self._tokenizer_files)

@@ -15,6 +15,10 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 DECAYS = ("linear", "cosine", "constant")
 # Example values for the top-level keys an entry point may require.
 REQUIRED_EXAMPLES = {"ckpt_path": "RUN/checkpoints/last.ckpt", "input": "path/to/texts.csv"}
+# Values of the causal-LM groups (checked here, before anything imports the task's code).
+TEXT_MODES = ("pack", "pad")
+SAMPLE_BY = ("document", "paragraph")
+PEFT_METHODS = ("none", "lora", "qlora")
 
 
 class ConfigError(ValueError):
@@ -104,8 +108,12 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = ()) -> None:
         if not isinstance(min_ratio, (int, float)) or not 0 <= min_ratio <= 1:
             problems.append(f"scheduler.min_lr_ratio={min_ratio!r} must be in [0, 1]")
 
+    if "task" in cfg and "data" in cfg:
+        problems += _task_problems(cfg)
     if "data" in cfg:
         problems += _data_problems(cfg.data)
+    if cfg.get("peft") is not None:
+        problems += _peft_problems(cfg.peft, task=cfg.task.name if "task" in cfg else None)
 
     for group in ("callbacks", "logger"):
         for name, node in (cfg.get(group) or {}).items():
@@ -123,12 +131,51 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = ()) -> None:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
 
 
+def _task_problems(cfg: DictConfig) -> list[str]:
+    """The data config must be one the task reads (e.g. no classification CSVs for a causal LM)."""
+    expected, target = cfg.task.get("datamodule"), cfg.data.get("_target_")
+    if expected and target != expected:
+        return [
+            f"data._target_={target!r} is not the data module of task={cfg.task.name} ({expected}); "
+            f"fix: a data config of that task (see configs/data/), or an experiment= that sets both"
+        ]
+    return []
+
+
+def _peft_problems(peft: DictConfig, task: str | None) -> list[str]:
+    method = peft.get("method")
+    if method not in PEFT_METHODS:
+        return [f"peft.method={method!r} is not one of {PEFT_METHODS}; fix: peft=lora (or none, qlora)"]
+    if method == "none":
+        return []
+    if task != "causal_lm":
+        return [f"peft={method} applies to task=causal_lm only (task={task}); fix: peft=none"]
+    problems = []
+    r, alpha, dropout = peft.get("r"), peft.get("alpha"), peft.get("dropout")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        problems.append(f"peft.r={r!r} must be a positive integer (the LoRA rank), e.g. peft.r=16")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        problems.append(f"peft.alpha={alpha!r} must be a positive number (scale = alpha / r), e.g. peft.alpha=32")
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        problems.append(f"peft.dropout={dropout!r} must be in [0, 1)")
+    modules = peft.get("target_modules")
+    if modules is not None and (isinstance(modules, str) or not all(isinstance(m, str) and m for m in modules)):
+        problems.append(f"peft.target_modules={modules!r} must be a list of layer names, e.g. peft.target_modules=[q_proj,v_proj]")
+    return problems
+
+
 def _data_problems(data: DictConfig) -> list[str]:
     problems = []
-    for field in ("text_column", "label_column"):
+    text_lm = "mode" in data  # the causal-LM text data module; otherwise classification
+    for field in ("text_column",) if text_lm else ("text_column", "label_column"):
         value = data.get(field)
         if not isinstance(value, str) or not value:
             problems.append(f"data.{field}={value!r} must name a column of your data, e.g. data.{field}=text")
+    if text_lm:
+        if data.mode not in TEXT_MODES:
+            problems.append(f"data.mode={data.mode!r} is not one of {TEXT_MODES}; fix: data.mode=pack (pretraining) or pad")
+        if data.get("sample_by") not in SAMPLE_BY:
+            problems.append(f"data.sample_by={data.get('sample_by')!r} is not one of {SAMPLE_BY}")
     max_length = data.get("max_length")
     if not isinstance(max_length, int) or max_length < 8:
         problems.append(f"data.max_length={max_length!r} must be an integer >= 8 (tokens per sequence)")

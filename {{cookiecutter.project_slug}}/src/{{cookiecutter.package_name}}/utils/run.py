@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import rich.syntax
@@ -53,3 +56,17 @@ def close_loggers(loggers: list[Logger], failed: bool) -> None:
             logger.experiment.finish(exit_code=1 if failed else 0)
         else:
             logger.finalize("failed" if failed else "success")
+
+
+@contextmanager
+def atomic_write_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write; on success it is renamed onto ``path``
+    (``os.replace``: atomic on one file system), on error it is deleted.  So ``path`` is
+    either the complete new file or what it was before, never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

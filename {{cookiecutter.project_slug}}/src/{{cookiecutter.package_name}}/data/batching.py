@@ -1,0 +1,61 @@
+"""What the task data modules share: the one-time fetch, the test-split flag, and batching."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning as L
+from torch.utils.data import DataLoader
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+
+class TokenizedDataModule(L.LightningDataModule):
+    """Base of the task data modules: ``self.datasets[split]`` holds tokenised rows with an
+    ``input_ids`` column; subclasses give the collator and say whether to group by length.
+
+    Subclasses set ``splits``, ``fetch``, ``batch_size``, ``num_workers``, ``datasets`` in
+    ``__init__`` and implement :meth:`collator` and :attr:`groups_by_length`.
+    """
+
+    @property
+    def has_test(self) -> bool:
+        return "test" in self.splits
+
+    @property
+    def groups_by_length(self) -> bool:
+        """Draw training batches of similar length (transformers' ``LengthGroupedSampler``:
+        shuffled mega-batches of 50 batches, each sorted by length), so padding wastes little."""
+        raise NotImplementedError
+
+    def collator(self) -> Callable[[list[dict]], dict]:
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        """Download/convert the data once (Lightning calls this on one process per node)."""
+        if self.fetch is not None:
+            self.fetch()
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        dataset = self.datasets[split]
+        sampler = None
+        if shuffle and self.groups_by_length:
+            lengths = [len(ids) for ids in dataset["input_ids"]]
+            sampler, shuffle = LengthGroupedSampler(self.batch_size, lengths=lengths), False
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            collate_fn=self.collator(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

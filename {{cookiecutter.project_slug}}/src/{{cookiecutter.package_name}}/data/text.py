@@ -1,0 +1,273 @@
+"""Plain-text data for causal language models: load, tokenise once, pack or pad, batch.
+
+Two ways to turn documents into training sequences (``mode``):
+
+- ``pack`` (the default for pretraining): every document is tokenised, an EOS token is
+  appended, the token streams are concatenated and cut into blocks of exactly ``max_length``
+  tokens (the last block of each map batch may be shorter and is padded).  Almost no padding;
+  a block may span two documents (the model attends across the EOS, as in GPT-2/Llama
+  pretraining).
+- ``pad``: one sequence per document, truncated to ``max_length`` tokens, padded per micro-batch
+  to the longest one (rounded up to ``pad_to_multiple_of``); with ``group_by_length`` batches hold
+  documents of similar length.  For instruction data, where a row must stay whole.
+
+Labels are the input ids, with -100 (ignored by the loss) wherever the attention mask is 0.
+They are masked from the attention mask, never from the pad id: tokenizers without a pad token
+(GPT-2, Llama, SmolLM2) pad with their EOS id, and a label mask built from the pad id would
+silently stop the model from learning to end a document.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .batching import TokenizedDataModule
+from .loading import DataError, load_split, require_columns
+from .tokenization import disable_tokenizer_parallelism, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+MODES = ("pack", "pad")
+SAMPLE_BY = ("document", "paragraph")
+IGNORE_INDEX = -100  # the label value torch's cross_entropy skips (its ``ignore_index`` default)
+
+
+def tokenize_documents(
+    batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, text_column: str, eos_token_id: int
+) -> dict[str, list[list[int]]]:
+    """Tokenise whole documents (no truncation) and end each with ``eos_token_id``.
+
+    The tokenizer's own special tokens are kept (e.g. Llama's BOS); an EOS is appended unless
+    the tokenizer already ended the document with one.
+    """
+    ids = tokenizer(batch[text_column], add_special_tokens=True)["input_ids"]
+    return {"input_ids": [row if row and row[-1] == eos_token_id else row + [eos_token_id] for row in ids]}
+
+
+def pack_blocks(batch: dict[str, list], block_size: int) -> dict[str, list[list[int]]]:
+    """Concatenate the token lists of a map batch and cut them into blocks of ``block_size``.
+
+    Every token is kept exactly once, in order; each block holds at most ``block_size`` tokens
+    (only the last block of the batch may be shorter).
+    """
+    stream = [token for row in batch["input_ids"] for token in row]
+    return {"input_ids": [stream[start : start + block_size] for start in range(0, len(stream), block_size)]}
+
+
+def truncate_documents(batch: dict[str, list], max_length: int) -> dict[str, list[list[int]]]:
+    """Keep the first ``max_length`` tokens of each document (``pad`` mode)."""
+    return {"input_ids": [row[:max_length] for row in batch["input_ids"]]}
+
+
+def has_target(row: dict[str, list[int]]) -> bool:
+    """A sequence of one token has nothing to predict (the first token is never a target)."""
+    return len(row["input_ids"]) >= 2
+
+
+def has_text(row: dict, text_column: str) -> bool:
+    """False for empty, whitespace-only and missing (null) rows."""
+    text = row[text_column]
+    return text is not None and bool(str(text).strip())
+
+
+class CausalLMCollator:
+    """Pad a list of ``{"input_ids": [...]}`` rows into a batch for next-token prediction.
+
+    Returns ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)`` int64, where ``T``
+    is the longest row rounded up to a multiple of ``pad_to_multiple_of``.  Padding goes on the
+    right with ``pad_token_id``; ``labels`` equal ``input_ids`` where ``attention_mask`` is 1 and
+    are -100 elsewhere.  The model shifts them by one (position ``t`` predicts ``labels[t+1]``).
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(row["input_ids"]) for row in rows)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for index, row in enumerate(rows):
+            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            input_ids[index, : len(ids)] = ids
+            attention_mask[index, : len(ids)] = 1
+        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id to pad with: the tokenizer's pad token, else its EOS (padding is masked anyway).
+
+    Raises:
+        DataError: the tokenizer has neither (it cannot mark document ends either).
+    """
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    raise DataError(
+        f"model.tokenizer ({tokenizer.name_or_path!r}) has no EOS token, which marks document ends; "
+        "fix: use a tokenizer with an eos_token (every causal-LM tokenizer on the Hub has one)"
+    )
+
+
+class TextDataModule(TokenizedDataModule):
+    """Causal-LM batches from local text (.txt files or folders of them), jsonl/parquet/csv
+    with a text column, or a hub data set.
+
+    Each batch is a dict of ``input_ids``, ``attention_mask`` and ``labels``, each
+    ``(micro_batch, T)`` with ``T <= max_length`` (rounded up to ``pad_to_multiple_of`` in ``pad``
+    mode; exactly ``max_length`` for all but the last block in ``pack`` mode).  Every sequence has
+    at least two tokens, so every batch has at least one supervised target.
+
+    Args:
+        splits: split -> a ``.txt`` file, a folder of ``.txt`` files (sorted), a jsonl/json/
+            parquet/csv/tsv file, or the hub's split name when ``hub_name`` is set.
+            ``validation`` may be null (then cut from train's documents with ``val_split_seed``);
+            ``test`` may be null (no test stage).
+        sample_by: for ``.txt``: ``document`` (one document per file) or ``paragraph`` (one per
+            block of text between blank lines).
+        mode: ``pack`` or ``pad`` (see the module docstring).
+        max_length: tokens per sequence (the block size when packing).
+        tokenizer: hub name / local folder of a fast tokenizer, or a tokenizer object.
+        fetch: called once in ``prepare_data`` to download/convert the files (demo data).
+
+    Raises (from ``setup``, before any model weights load):
+        DataError: missing file or column, a split with no text (empty, or only blank lines),
+            a tokenizer without an EOS token.
+    """
+
+    def __init__(
+        self,
+        *,
+        splits: dict[str, str | None],
+        hub_name: str | None,
+        hub_config: str | None,
+        text_column: str,
+        sample_by: str,
+        tokenizer: str | PreTrainedTokenizerBase,
+        mode: str,
+        max_length: int,
+        batch_size: int,
+        val_fraction: float,
+        val_split_seed: int,
+        num_workers: int,
+        pad_to_multiple_of: int | None,
+        group_by_length: bool,
+        cache_dir: str | None,
+        fetch: Callable[[], object] | None,
+    ) -> None:
+        super().__init__()
+        disable_tokenizer_parallelism()
+        self.splits = {split: source for split, source in splits.items() if source}
+        self.hub_name, self.hub_config = hub_name, hub_config
+        self.text_column, self.sample_by = text_column, sample_by
+        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
+        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
+        self.mode, self.max_length, self.batch_size = mode, max_length, batch_size
+        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
+        self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
+        self.group_by_length = group_by_length
+        self.cache_dir, self.fetch = cache_dir, fetch
+        self.datasets: dict[str, datasets.Dataset] = {}
+        self.split_sizes: dict[str, int] = {}  # documents per split
+        self.token_counts: dict[str, int] = {}  # real (non-pad) tokens per split, EOS included
+
+    def setup(self, stage: str) -> None:
+        """Load, check and tokenise what ``stage`` needs (idempotent; maps are cached on disk)."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+        pad_token_id(self.tokenizer)  # raises early when the tokenizer has no EOS
+        if stage in ("fit", "validate") and "train" not in self.datasets:
+            train = self._load("train")
+            if "validation" in self.splits:
+                validation = self._load("validation")
+            else:
+                if len(train) < 2:
+                    raise DataError(
+                        f"data.splits.train={self.splits['train']!r} has {len(train)} document(s), too few to cut a "
+                        "validation split from; fix: data.splits.validation=path/to/val.txt, or more documents "
+                        "(or data.sample_by=paragraph to count blank-line blocks as documents)"
+                    )
+                parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
+                train, validation = parts["train"], parts["test"]
+                log.info("No validation split given: took %d documents of train (seed %d)", len(validation), self.val_split_seed)
+            self.datasets["train"] = self._prepare("train", train)
+            self.datasets["validation"] = self._prepare("validation", validation)
+        if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
+            self.datasets["test"] = self._prepare("test", self._load("test"))
+        if stage == "test" and "test" not in self.datasets:
+            raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.txt")
+
+    def _load(self, split: str) -> datasets.Dataset:
+        source = self.splits[split]
+        field = f"data.splits.{split}"
+        if self.hub_name is None and (source.lower().endswith(".txt") or os.path.isdir(source)):
+            files = sorted(glob.glob(os.path.join(source, "*.txt"))) if os.path.isdir(source) else [source]
+            if not files:
+                raise DataError(f"{field}={source!r} is a folder with no .txt files; fix: point it at a folder of .txt files or at one file")
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise DataError(f"{field}={source!r} does not exist; fix: point {field} at an existing file or folder")
+            if not any(Path(f).read_bytes().strip() for f in files):
+                raise DataError(f"{field}={source!r} is empty; fix: give it some text")
+            dataset = datasets.load_dataset(
+                "text", data_files=files, split="train", cache_dir=self.cache_dir,
+                sample_by=self.sample_by, keep_linebreaks=True,
+            )
+            text_column = "text"
+        else:
+            dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
+            require_columns(dataset, split, source, {"text_column": self.text_column})
+            text_column = self.text_column
+        dataset = dataset.select_columns([text_column])
+        if text_column != "text":
+            dataset = dataset.rename_column(text_column, "text")
+        kept = dataset.filter(has_text, fn_kwargs={"text_column": "text"}, desc=f"Dropping blank rows of {split}")
+        if len(kept) == 0:
+            raise DataError(
+                f"{field}={source!r} has no text: all {len(dataset)} row(s) are empty or whitespace; "
+                "fix: point it at a file with text"
+            )
+        if len(kept) < len(dataset):
+            log.warning("%s: dropped %d empty or whitespace-only row(s) of %d", field, len(dataset) - len(kept), len(dataset))
+        return kept
+
+    def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
+        """Tokenise (EOS after each document), then pack or truncate; drop 1-token sequences."""
+        self.split_sizes[split] = len(dataset)
+        tokenized = dataset.map(
+            tokenize_documents,
+            batched=True,
+            fn_kwargs={"tokenizer": self.tokenizer, "text_column": "text", "eos_token_id": self.tokenizer.eos_token_id},
+            remove_columns=dataset.column_names,
+            desc=f"Tokenizing {split}",
+        )
+        if self.mode == "pack":
+            sequences = tokenized.map(pack_blocks, batched=True, fn_kwargs={"block_size": self.max_length}, desc=f"Packing {split}")
+        else:
+            sequences = tokenized.map(truncate_documents, batched=True, fn_kwargs={"max_length": self.max_length}, desc=f"Truncating {split}")
+            truncated = sum(1 for n in tokenized["input_ids"] if len(n) > self.max_length)
+            if truncated:
+                log.warning("data.mode=pad: %d of %d %s documents are longer than data.max_length=%d and were truncated",
+                            truncated, len(tokenized), split, self.max_length)
+        kept = sequences.filter(has_target, desc=f"Dropping 1-token sequences of {split}")
+        self.token_counts[split] = sum(len(ids) for ids in kept["input_ids"])
+        log.info("%s: %d documents -> %d sequences, %d tokens", split, len(dataset), len(kept), self.token_counts[split])
+        return kept
+
+    @property
+    def groups_by_length(self) -> bool:
+        return self.mode == "pad" and self.group_by_length  # packed blocks all have one length
+
+    def collator(self) -> CausalLMCollator:
+        return CausalLMCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of)

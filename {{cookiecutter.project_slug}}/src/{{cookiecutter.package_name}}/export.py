@@ -1,0 +1,64 @@
+"""Export a causal-LM checkpoint as a plain Hugging Face model folder.
+
+    python -m <package>.export ckpt_path=RUN/checkpoints/last.ckpt output_dir=models/my_lm
+
+LoRA/QLoRA adapters are merged into the base weights (``merge_and_unload``); a QLoRA adapter is
+merged into the *unquantized* base (loaded in fp32 from ``model.name_or_path``), the usual way to
+ship a QLoRA fine-tune.  The folder (``config.json``, ``model.safetensors``, tokenizer files)
+loads with ``AutoModelForCausalLM.from_pretrained(output_dir)`` anywhere, without this project.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from .models.causal_lm import CausalLMModule
+from .utils.config import ConfigError, validate_config
+
+
+def export(cfg: DictConfig) -> Path:
+    """Write the checkpoint's model (adapters merged) and tokenizer to ``cfg.output_dir``.
+
+    The folder is written under a temporary name and renamed, so it is complete or absent.
+
+    Raises:
+        ConfigError: missing checkpoint, a non-causal-LM checkpoint, or an output folder that
+            already exists.
+    """
+    validate_config(cfg, required=("ckpt_path",))
+    output = Path(cfg.output_dir)
+    if output.exists():
+        raise ConfigError(f"output_dir={str(output)!r} already exists; fix: choose a new folder, or delete it first")
+    checkpoint = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True)
+    hparams = checkpoint.get("hyper_parameters", {})
+    if "peft" not in hparams:
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")
+    peft = dict(hparams["peft"])
+    if peft.get("method") == "qlora":
+        peft["method"] = "lora"  # same adapter keys, merged into the full-precision base
+    module = CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu", peft=peft)
+    model = module.merged_model()
+    model.to(getattr(torch, cfg.dtype))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as tmp:
+        staging = Path(tmp) / "model"
+        model.save_pretrained(staging)
+        module.tokenizer.save_pretrained(staging)
+        shutil.move(str(staging), output)
+    print(f"Exported: {output} (load with AutoModelForCausalLM.from_pretrained)")
+    return output
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="export")
+def main(cfg: DictConfig) -> None:
+    export(cfg)
+
+
+if __name__ == "__main__":
+    main()

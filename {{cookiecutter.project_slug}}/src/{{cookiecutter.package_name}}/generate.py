@@ -1,0 +1,90 @@
+"""Complete prompts with a causal LM: a training checkpoint or an exported model folder.
+
+    python -m <package>.generate ckpt_path=RUN/checkpoints/last.ckpt 'prompts=["ROMEO.\nO"]'
+    python -m <package>.generate model_dir=models/my_lm prompts_file=prompts.txt generation.do_sample=true
+
+Prints each completion and writes ``{"prompt", "completion"}`` rows to ``output`` (jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from .utils.config import ConfigError, to_plain, validate_config
+from .utils.run import atomic_write_path
+
+
+def read_prompts(cfg: DictConfig) -> list[str]:
+    """``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file`` (``\\n`` escapes allowed).
+
+    Raises:
+        ConfigError: no prompt at all, or a prompts file that does not exist.
+    """
+    prompts = [str(p) for p in (cfg.prompts or [])]
+    if cfg.prompts_file is not None:
+        path = Path(cfg.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"prompts_file={cfg.prompts_file!r} is not a file; fix: a text file, one prompt per line")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        prompts += [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not prompts or not all(prompts):
+        raise ConfigError("no prompts; fix: 'prompts=[\"Once upon a time\"]' or prompts_file=path/to/prompts.txt")
+    return prompts
+
+
+def load_generator(cfg: DictConfig):
+    """A :class:`CausalLMModule` from ``ckpt_path``, or one wrapping the HF folder ``model_dir``."""
+    from .models.builder import config_to_dict
+    from .models.causal_lm import CausalLMModule
+
+    if cfg.ckpt_path is not None:
+        return CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_dir)
+    module = CausalLMModule(model={"fetch": None}, optimizer={}, peft={"method": "none"}, hf_config=config_to_dict(model.config))
+    module.model, module.tokenizer = model, AutoTokenizer.from_pretrained(cfg.model_dir)
+    return module
+
+
+def generate(cfg: DictConfig) -> list[dict[str, str]]:
+    """Complete every prompt; write ``cfg.output`` (jsonl, atomically) and return the rows.
+
+    Raises:
+        ConfigError: neither or both of ``ckpt_path``/``model_dir``, a missing file, no prompts.
+    """
+    validate_config(cfg)
+    if (cfg.ckpt_path is None) == (cfg.model_dir is None):
+        raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<exported folder>")
+    if cfg.model_dir is not None and not Path(cfg.model_dir, "config.json").is_file():
+        raise ConfigError(f"model_dir={cfg.model_dir!r} has no config.json; fix: a folder written by the export entry point")
+    prompts = read_prompts(cfg)
+    module = load_generator(cfg)
+    if torch.cuda.is_available():
+        module.to("cuda")
+    generation = to_plain(cfg.generation)
+    if not generation.get("do_sample"):  # greedy decoding ignores them (and transformers warns)
+        generation.pop("temperature", None), generation.pop("top_p", None)
+    completions = module.generate_text(prompts, **generation)
+    rows = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
+    for row in rows:
+        print(f"--- {row['prompt']!r}\n{row['prompt']}{row['completion']}\n")
+    output = Path(cfg.output)
+    with atomic_write_path(output) as partial:
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    print(f"Completions: {output}")
+    return rows
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="generate")
+def main(cfg: DictConfig) -> None:
+    generate(cfg)
+
+
+if __name__ == "__main__":
+    main()

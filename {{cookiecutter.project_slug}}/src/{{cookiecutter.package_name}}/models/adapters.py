@@ -1,0 +1,98 @@
+"""LoRA and QLoRA through the ``peft`` library, from the ``peft`` config group (a plain dict).
+
+- LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021): the base
+  weights are frozen; each target linear layer ``W`` gains a trainable ``B @ A`` of rank ``r``,
+  scaled by ``alpha / r``.  Only the adapter is trained, saved and exported.
+- QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023): the same, on
+  a base model stored in 4-bit NormalFloat (NF4) by bitsandbytes, optionally with "double
+  quantization" of the quantization constants (about 0.37 bits per parameter saved, their
+  Section 3).  Their finding that adapters on *all* linear layers are needed to match full
+  fine-tuning is why the per-family target lists below cover attention and MLP.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from transformers import BitsAndBytesConfig, PretrainedConfig
+
+from ..utils.config import ConfigError
+
+METHODS = ("none", "lora", "qlora")
+
+
+def uses_peft(peft_cfg: dict | None) -> bool:
+    return bool(peft_cfg) and peft_cfg.get("method", "none") != "none"
+
+
+def target_modules(peft_cfg: dict, config: PretrainedConfig, linear_names: list[str]) -> list[str]:
+    """The LoRA target module names for this model, checked against its linear layers.
+
+    ``peft.target_modules`` if set, else ``peft.target_modules_by_family[config.model_type]``.
+    A name matches a layer whose dotted path ends with it (peft's own rule).
+
+    Raises:
+        ConfigError: no list for this model family, or a name that matches no linear layer
+            (the message lists the layer names the model has).
+    """
+    names = peft_cfg.get("target_modules") or (peft_cfg.get("target_modules_by_family") or {}).get(config.model_type)
+    leaf_names = sorted({name.rsplit(".", 1)[-1] for name in linear_names})
+    if not names:
+        raise ConfigError(
+            f"peft.target_modules is null and peft.target_modules_by_family has no entry for "
+            f"model_type={config.model_type!r}; fix: peft.target_modules=[...] with some of this model's "
+            f"linear layers: {leaf_names}"
+        )
+    unknown = [n for n in names if not any(path == n or path.endswith("." + n) for path in linear_names)]
+    if unknown:
+        raise ConfigError(
+            f"peft.target_modules={list(names)}: {unknown} match no linear layer of this {config.model_type} model; "
+            f"fix: choose from its linear layers {leaf_names}"
+        )
+    return list(names)
+
+
+def lora_config(peft_cfg: dict, modules: list[str]):
+    """The ``peft.LoraConfig`` of the ``peft`` group (rank ``r``, ``alpha``, ``dropout``)."""
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        r=peft_cfg["r"],
+        lora_alpha=peft_cfg["alpha"],
+        lora_dropout=peft_cfg["dropout"],
+        target_modules=modules,
+        bias="none",
+        task_type=TaskType.CAUSAL_LM,
+    )
+
+
+def require_bitsandbytes() -> None:
+    """Raises ConfigError when bitsandbytes (QLoRA, 8-bit optimizers) is not importable."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            "peft=qlora needs bitsandbytes (4-bit NF4 weights); fix: pip install 'bitsandbytes>=0.45' "
+            "(Linux/Windows; it runs on CUDA GPUs and, from 0.45 on, on the CPU), or use peft=lora"
+        )
+
+
+def quantization_config(peft_cfg: dict, compute_dtype: torch.dtype) -> BitsAndBytesConfig:
+    """4-bit quantization of the base model for QLoRA: NF4 weights, matmuls in ``compute_dtype``."""
+    require_bitsandbytes()
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=peft_cfg["quant_type"],
+        bnb_4bit_use_double_quant=peft_cfg["double_quant"],
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str]) -> torch.nn.Module:
+    """Freeze ``model`` and add LoRA adapters (a ``peft.PeftModel``).  For a 4-bit base, peft's
+    ``prepare_model_for_kbit_training`` first casts the few non-quantized weights (norms) to fp32
+    for stable training; activation checkpointing is left to its own config group."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if peft_cfg["method"] == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return get_peft_model(model, lora_config(peft_cfg, modules))

@@ -1,0 +1,293 @@
+"""LightningModule for causal language models: pretrain, full fine-tune, LoRA and QLoRA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ..data.text import IGNORE_INDEX, pad_token_id
+from ..utils.config import ConfigError
+from .adapters import quantization_config, target_modules, uses_peft, wrap_with_lora
+from .base import HFModule
+from .builder import causal_lm_config, config_to_dict, linear_layer_names, max_positions
+
+# Precision (Lightning's name) -> dtype of the matmuls, for loading frozen/quantized weights.
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy and the number of target tokens.
+
+    Args:
+        logits: ``(B, T, V)``; position ``t`` predicts token ``t + 1``.
+        labels: ``(B, T)`` token ids, -100 where there is nothing to predict (padding).
+
+    Returns:
+        ``(loss_sum, n_targets)``: the loss summed over the ``n_targets`` positions whose label
+        (after the shift) is not -100 (fp32 scalar), and that count (int64 scalar).
+    """
+    # Shift the labels left (the last position gets -100) instead of slicing the logits: a
+    # slice of (B, T, V) logits would be copied to flatten it (0.2 GB at 1024 tokens x 49k vocab).
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, (targets != IGNORE_INDEX).sum()
+
+
+def load_dtype(precision: str, peft_method: str) -> torch.dtype:
+    """The dtype to load pretrained weights in.
+
+    Trained weights stay fp32 (the master copy ``*-mixed`` precision needs) unless the precision
+    is ``bf16-true``; the frozen base of a LoRA run is stored in the compute dtype, since it only
+    takes part in matmuls (half the memory under bf16).
+    """
+    if precision == "bf16-true":
+        return torch.bfloat16
+    if peft_method == "lora":
+        return COMPUTE_DTYPES.get(precision, torch.float32)
+    return torch.float32
+
+
+class CausalLMModule(HFModule):
+    """Train an ``AutoModelForCausalLM``: from scratch (``model.config``) or from pretrained
+    weights (``model.name_or_path``), fully or with LoRA/QLoRA adapters (``peft``).
+
+    Batches are dicts of ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)``
+    (see :class:`..data.text.CausalLMCollator`); ``forward`` returns logits ``(B, T, V)``.
+
+    **Loss normalisation.**  Each micro-batch's loss is the *sum* of the token losses; before
+    the optimizer step the gradients are divided by the number of target tokens in the whole
+    accumulated batch (all micro-batches of the step, and all devices under DDP).  So one step
+    follows the mean loss over every target token of the global batch, whatever the micro-batch
+    size: micro-batch 1 x accumulation 2 gives the same gradient as micro-batch 2, even when
+    the sequences have different lengths (averaging per-micro-batch means would weight the
+    tokens of a short sequence more).  This is the normalisation HF's Trainer reaches with
+    ``num_items_in_batch`` (transformers PR #34191, the gradient-accumulation loss fix).
+
+    Logged: ``train/loss`` (per optimizer step, the token mean above), ``train/tokens`` (input
+    tokens seen, padding excluded), ``train/padding_fraction``, ``val/loss``, ``val/ppl``
+    (``exp(val/loss)``, both token-weighted over the whole validation set), ``test/*`` alike.
+
+    Args:
+        model: the ``model`` config group as a plain dict (``name_or_path`` or ``config``,
+            ``tokenizer``, ``fetch``).
+        optimizer: the ``optimizer`` config group as a plain dict.
+        peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...).
+        hf_config: filled in on the first fit and stored in checkpoints, from which
+            export/generate rebuild the model.
+
+    Raises (from ``configure_model``, before any weights load):
+        ConfigError: ``data.max_length`` above the model's maximum positions, a LoRA target
+            that matches no layer, LoRA/QLoRA without pretrained weights, QLoRA with bf16-true.
+    """
+
+    def __init__(self, model: dict, optimizer: dict, peft: dict, hf_config: dict | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tokens_seen = 0
+        self.validated_at_step: int | None = None
+        self._window_loss = torch.zeros(())
+        self._window_targets = torch.zeros((), dtype=torch.long)
+        self._loss_divisor = 1.0
+
+    # ----------------------------------------------------------------------------- building
+    @property
+    def peft_method(self) -> str:
+        return self.hparams.peft.get("method", "none") if self.hparams.peft else "none"
+
+    def datamodule_kwargs(self) -> dict:
+        """What eval passes to the data module: the checkpoint's tokenizer."""
+        return {"tokenizer": self.tokenizer}
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        trainer = self._trainer
+        precision = str(trainer.precision) if trainer is not None else "32-true"
+        if self.hparams.hf_config is None:
+            datamodule = trainer.datamodule
+            self.tokenizer = datamodule.tokenizer
+            self.model = self._build(precision, max_length=datamodule.max_length)
+            hf_config = config_to_dict(self.model.config)
+            hf_config.pop("quantization_config", None)  # QLoRA: the architecture, not how it was loaded
+            self.hparams.hf_config = hf_config
+        else:  # load_from_checkpoint / export: the weights come from the checkpoint
+            if uses_peft(self.hparams.peft):
+                self.prepare_data()  # the base weights are read from model.name_or_path
+            self.model = self._build(precision, max_length=None)
+        self.model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    def _build(self, precision: str, max_length: int | None) -> torch.nn.Module:
+        """Check the spec against the architecture on the meta device, then load weights."""
+        spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
+        if self.hparams.hf_config is not None:
+            fields = dict(self.hparams.hf_config)
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        else:
+            config = causal_lm_config(spec, self.tokenizer)
+        limit = max_positions(config)
+        if max_length is not None and limit is not None and max_length > limit:
+            raise ConfigError(
+                f"data.max_length={max_length} is longer than this model's maximum positions ({limit}, "
+                f"{config.model_type}); fix: data.max_length={limit} or less"
+            )
+        if method != "none":
+            if not spec.get("name_or_path"):
+                raise ConfigError(f"peft={method} adapts pretrained weights, but model.name_or_path is null; "
+                                  "fix: a pretrained model (e.g. model=smollm2_135m), or peft=none to train from scratch")
+            if method == "qlora" and precision == "bf16-true":
+                raise ConfigError("peft=qlora with precision=bf16-true: Lightning would cast the 4-bit base weights; "
+                                  "fix: precision=bf16-mixed (the QLoRA recipe)")
+            modules = target_modules(peft_cfg, config, linear_layer_names(config))
+        if spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
+            options = {"dtype": load_dtype(precision, method)}
+            if method == "qlora":
+                options = {
+                    "quantization_config": quantization_config(peft_cfg, COMPUTE_DTYPES.get(precision, torch.float32)),
+                    "dtype": COMPUTE_DTYPES.get(precision, torch.float32),
+                }
+                if self._trainer is not None and self.trainer.strategy.root_device.type == "cuda":
+                    options["device_map"] = {"": self.trainer.strategy.root_device}
+            model = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], **options)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
+        if method != "none":
+            model = wrap_with_lora(model, peft_cfg, modules)
+        return model
+
+    # ------------------------------------------------------------------------------ steps
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+
+    def on_train_start(self) -> None:
+        datamodule = self.trainer.datamodule
+        # Any constant works (the gradients are rescaled by the true token count before the
+        # step); the largest possible token count keeps the loss at the usual per-token scale.
+        self._loss_divisor = float(datamodule.batch_size * datamodule.max_length)
+        self._window_loss = torch.zeros((), device=self.device)
+        self._window_targets = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, n_targets = token_loss_sum(self(batch), batch["labels"])
+        self._window_loss += loss_sum.detach()
+        self._window_targets += n_targets
+        real_tokens = int(batch["attention_mask"].sum())
+        self.tokens_seen += real_tokens
+        self.log("train/padding_fraction", 1.0 - real_tokens / batch["attention_mask"].numel(), on_step=True, on_epoch=False)
+        # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both
+        # constants and divides by the accumulated batch's target-token count instead.
+        return loss_sum / self._loss_divisor
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        targets = self.trainer.strategy.reduce(self._window_targets.float(), reduce_op="sum")
+        loss_sum = self.trainer.strategy.reduce(self._window_loss, reduce_op="sum")
+        if targets <= 0:  # cannot happen with our data modules: every sequence has >= 2 tokens
+            raise RuntimeError("an optimizer step with no target tokens: every label is -100")
+        # DDP averages gradients over devices, hence the world-size factor.
+        scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / targets
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+        self.log("train/loss", loss_sum / targets, on_step=True, on_epoch=False, prog_bar=True)
+        self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False, reduce_fx="max")
+        self._window_loss.zero_()
+        self._window_targets.zero_()
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], metric: MeanMetric) -> None:
+        loss_sum, n_targets = token_loss_sum(self(batch), batch["labels"])
+        metric.update(loss_sum / n_targets, weight=n_targets)  # token-weighted mean over the split
+
+    def on_validation_epoch_start(self) -> None:
+        # Reset at the start, not the end: trainer.validate runs under inference mode, and state
+        # tensors re-created there could not be updated in place by fit's validation loop.
+        self.val_loss.reset()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_loss)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated_at_step = self.global_step  # train.py re-validates if the end was missed
+        self._log_loss_and_perplexity("val", self.val_loss)
+
+    def on_test_epoch_start(self) -> None:
+        self.test_loss.reset()
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.test_loss)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_loss_and_perplexity("test", self.test_loss)
+
+    def _log_loss_and_perplexity(self, split: str, metric: MeanMetric) -> None:
+        loss = metric.compute()  # token-weighted mean over the split (all devices)
+        self.log_dict({f"{split}/loss": loss, f"{split}/ppl": torch.exp(loss)}, prog_bar=split == "val")
+
+    # ------------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate_text(self, prompts: list[str], **generation: object) -> list[str]:
+        """Complete each prompt (one at a time, so no padding is involved); return only the new text.
+
+        ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``, ``temperature``,
+        ``top_p``...).  The model is put in eval mode and restored afterwards.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        completions = []
+        try:
+            for prompt in prompts:
+                inputs = self.tokenizer(prompt, return_tensors="pt").to(self.device)
+                output = self.model.generate(
+                    **inputs, pad_token_id=pad_token_id(self.tokenizer), use_cache=True, **generation
+                )  # (1, prompt + new tokens)
+                completions.append(self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+        finally:
+            self.model.train(was_training)
+        return completions
+
+    # ----------------------------------------------------------------------- checkpoints
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The full state, or for LoRA/QLoRA only the trained adapter weights (the frozen base
+        is re-read from ``model.name_or_path``): a 135M-parameter model's LoRA checkpoint is
+        about 20 MB instead of 540 MB, and a 4-bit base never has to round-trip a checkpoint."""
+        state = super().state_dict(*args, **kwargs)
+        if not uses_peft(self.hparams.peft) or self.model is None:
+            return state
+        prefix = kwargs.get("prefix", "")
+        trained = {prefix + name for name, param in self.named_parameters() if param.requires_grad}
+        return {key: value for key, value in state.items() if key in trained}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load a full state, or (LoRA/QLoRA) an adapter-only state onto the rebuilt base.
+
+        Raises:
+            RuntimeError: ``strict`` and the keys differ from what :meth:`state_dict` produces.
+        """
+        if not uses_peft(self.hparams.peft):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        expected = set(self.state_dict())
+        if strict and set(state_dict) != expected:
+            missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+            raise RuntimeError(f"adapter checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        return type(result)([], result.unexpected_keys)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)  # the tokenizer's files
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+    def merged_model(self) -> PreTrainedModel:
+        """A plain HF model with this module's weights: LoRA adapters merged into the base
+        (``merge_and_unload``), ``use_cache`` on for generation.  For QLoRA, call this on a
+        module rebuilt without quantization (see the ``export`` entry point)."""
+        model = self.model.merge_and_unload() if uses_peft(self.hparams.peft) else self.model
+        model.config.use_cache = True
+        return model
+

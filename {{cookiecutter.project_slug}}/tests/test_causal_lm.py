@@ -1,0 +1,226 @@
+"""Causal LMs end to end on tiny random models (seconds on a CPU): scratch, full, LoRA, QLoRA,
+the loss normalisation under accumulation, export, generation, and errors before training."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from {{ cookiecutter.package_name }}.data.text import TextDataModule
+from {{ cookiecutter.package_name }}.eval import evaluate
+from {{ cookiecutter.package_name }}.export import export
+from {{ cookiecutter.package_name }}.generate import generate
+from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule, token_loss_sum
+from {{ cookiecutter.package_name }}.train import train
+from {{ cookiecutter.package_name }}.utils.config import ConfigError
+
+
+def test_scratch_fast_dev_run_writes_start_and_final_validation(make_lm_cfg, tmp_path):
+    metrics = train(make_lm_cfg("debug=fdr"))
+    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    for key in ("val/loss", "val/ppl", "val/loss_start", "val/ppl_start", "train/loss"):
+        assert math.isfinite(written[key]), key
+    assert written["val/ppl"] == pytest.approx(math.exp(written["val/loss"]), rel=1e-5)
+    assert written["tokens"]["validation"] > 0 and written["tokens"]["train"] > written["tokens"]["validation"]
+    assert written["rows"] == {"train": 24, "validation": 1}  # documents: one per file
+    assert metrics["val/loss"] == pytest.approx(written["val/loss"])
+
+
+def test_gpt2_from_scratch_pads_with_eos_and_trains(make_lm_cfg, lm_tokenizer_dir):
+    cfg = make_lm_cfg("debug=fdr", model="tiny_gpt2")
+    metrics = train(cfg)
+    assert math.isfinite(metrics["val/loss"])
+
+
+def test_overfits_one_batch(make_lm_cfg):
+    metrics = train(make_lm_cfg("debug=overfit", "trainer.max_epochs=40", "optimizer.lr=3e-3", "callbacks.sample_generation=null"))
+    assert metrics["train/loss"] < 0.5 * metrics["val/loss_start"], metrics
+
+
+def test_full_fine_tune_from_pretrained_folder(make_lm_cfg, pretrained_lm_dir):
+    cfg = make_lm_cfg(f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "debug=fdr")
+    assert math.isfinite(train(cfg)["val/loss"])
+
+
+@pytest.fixture(scope="module")
+def lora_run(lm_tokenizer_dir, lm_text, pretrained_lm_dir, tmp_path_factory):
+    """A short LoRA run on the "pretrained" tiny Llama; returns (run_dir, metrics)."""
+    from .conftest import compose_config, lm_overrides
+
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    overrides = lm_overrides(lm_tokenizer_dir, lm_text, run_dir) + [
+        f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.r=4",
+        "trainer.max_steps=6", "trainer.val_check_interval=3", "optimizer.lr=1e-2", "callbacks.sample_generation.every_n_steps=3",
+    ]
+    return run_dir, train(compose_config("train", overrides))
+
+
+def test_lora_checkpoint_holds_only_the_adapter_and_loads_weights_only(lora_run):
+    run_dir, metrics = lora_run
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    keys = list(checkpoint["state_dict"])
+    assert keys and all("lora_" in key for key in keys), keys[:5]
+    assert checkpoint["hyper_parameters"]["peft"]["method"] == "lora"
+    assert "tokenizer_files" in checkpoint and checkpoint["tokens_seen"] > 0
+
+
+def test_lora_trains_only_adapters_and_improves(lora_run):
+    _, metrics = lora_run
+    assert metrics["val/loss"] < metrics["val/loss_start"], metrics
+
+
+def test_sample_generation_writes_samples_each_period(lora_run):
+    run_dir, _ = lora_run
+    text = (run_dir / "samples.txt").read_text()
+    assert "=== step 3 |" in text and "=== step 6 |" in text
+    assert text.count("prompt:") == 4  # two prompts, at steps 3 and 6 (the end is step 6: not twice)
+
+
+def test_lora_export_reloads_with_the_same_logits(lora_run, tmp_path):
+    run_dir, _ = lora_run
+    from .conftest import compose_config
+
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    out = tmp_path / "exported"
+    export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
+    module = CausalLMModule.load_from_checkpoint(ckpt, map_location="cpu").eval()
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not any("lora" in name for name, _ in plain.named_parameters())
+    ids = module.tokenizer("the king speaks to a fool.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = module.model(input_ids=ids).logits
+        got = plain(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ConfigError, match="already exists"):
+        export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
+
+
+def test_generate_from_checkpoint_and_exported_folder(lora_run, tmp_path):
+    run_dir, _ = lora_run
+    from .conftest import compose_config
+
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    common = [f"paths.output_dir={tmp_path}", "generation.max_new_tokens=5", "prompts=[the king,a fool]"]
+    rows = generate(compose_config("generate", [f"ckpt_path={ckpt}", *common]))
+    assert [row["prompt"] for row in rows] == ["the king", "a fool"]
+    lines = (tmp_path / "completions.jsonl").read_text().splitlines()
+    assert [json.loads(line)["completion"] for line in lines] == [row["completion"] for row in rows]
+    out = tmp_path / "exported"
+    export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
+    again = generate(compose_config("generate", [f"model_dir={out}", *common]))
+    assert again == rows  # greedy decoding of the same weights
+    with pytest.raises(ConfigError, match="exactly one"):
+        generate(compose_config("generate", [*common]))
+
+
+def test_eval_on_lm_checkpoint_reports_perplexity(lora_run, lm_tokenizer_dir, lm_text, pretrained_lm_dir, tmp_path):
+    run_dir, metrics = lora_run
+    from .conftest import compose_config, lm_overrides
+
+    overrides = lm_overrides(lm_tokenizer_dir, lm_text, tmp_path / "eval") + [
+        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"data.splits.test={lm_text['validation']}",
+    ]
+    result = evaluate(compose_config("eval", overrides))
+    assert result["test/ppl"] == pytest.approx(math.exp(result["test/loss"]), rel=1e-5)
+    # The test split is the validation file: the same loss as the run's last validation.
+    assert result["test/loss"] == pytest.approx(metrics["val/loss"], rel=1e-4)
+
+
+def test_qlora_trains_on_cpu_with_a_4bit_base_and_exports_a_plain_model(make_lm_cfg, pretrained_lm_dir, tmp_path):
+    import bitsandbytes as bnb  # a dependency of the project: no skip
+
+    from .conftest import compose_config
+
+    cfg = make_lm_cfg(f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=qlora", "peft.r=4",
+                      "trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.sample_generation=null")
+    metrics = train(cfg)
+    assert math.isfinite(metrics["val/loss"])
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    module = CausalLMModule.load_from_checkpoint(ckpt, map_location="cpu")
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules())  # the base is 4-bit
+    out = tmp_path / "exported"
+    export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    assert all(type(m).__module__.startswith(("torch", "transformers")) for m in plain.modules())
+    assert getattr(plain.config, "quantization_config", None) is None
+
+
+def _one_step_update(pretrained_dir, tokenizer_dir, text_dir, micro_batch: int, accumulate: int) -> dict[str, torch.Tensor]:
+    """Parameter change of one SGD step (lr 1) over the whole 2-document training set."""
+    L.seed_everything(0)
+    datamodule = TextDataModule(
+        splits={"train": str(text_dir), "validation": str(text_dir)}, hub_name=None, hub_config=None,
+        text_column="text", sample_by="document", tokenizer=str(tokenizer_dir), mode="pad", max_length=64,
+        batch_size=micro_batch, val_fraction=0.1, val_split_seed=0, num_workers=0, pad_to_multiple_of=None,
+        group_by_length=False, cache_dir=None, fetch=None,
+    )
+    module = CausalLMModule(
+        model={"name_or_path": str(pretrained_dir), "config": None, "fetch": None},
+        optimizer={"_target_": "torch.optim.SGD", "lr": 1.0, "weight_decay": 0.0},
+        peft={"method": "none"},
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, precision="32-true",
+    )
+    before = None
+
+    class Snapshot(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            nonlocal before
+            before = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    trainer.callbacks.append(Snapshot())
+    trainer.fit(module, datamodule=datamodule)
+    return {n: p.detach() - before[n] for n, p in module.named_parameters()}
+
+
+def test_accumulated_micro_batches_give_the_gradient_of_one_batch(pretrained_lm_dir, lm_tokenizer_dir, tmp_path):
+    # Two documents of very different lengths (5 vs ~40 tokens): a mean of per-micro-batch means
+    # would weight the short document's tokens 8x more.
+    text_dir = tmp_path / "two_docs"
+    text_dir.mkdir()
+    (text_dir / "a.txt").write_text("the king.")
+    (text_dir / "b.txt").write_text("the queen speaks to a fool and the ghost. " * 4)
+    one_batch = _one_step_update(pretrained_lm_dir, lm_tokenizer_dir, text_dir, micro_batch=2, accumulate=1)
+    accumulated = _one_step_update(pretrained_lm_dir, lm_tokenizer_dir, text_dir, micro_batch=1, accumulate=2)
+    for name, delta in one_batch.items():
+        difference = (accumulated[name] - delta).norm() / delta.norm().clamp_min(1e-12)
+        assert difference < 1e-5, (name, float(difference))
+
+
+def test_token_loss_sum_counts_only_shifted_unmasked_targets():
+    logits = torch.zeros(2, 4, 5)  # uniform: every target costs ln(5)
+    labels = torch.tensor([[1, 2, 3, -100], [4, -100, -100, -100]])
+    loss_sum, n_targets = token_loss_sum(logits, labels)
+    assert int(n_targets) == 2  # row 0 predicts 2 and 3; row 1 has no target after its first token
+    assert float(loss_sum) == pytest.approx(2 * math.log(5))
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_block_size_above_the_models_positions_fails_before_training(make_lm_cfg):
+    with pytest.raises(ConfigError, match=r"data.max_length=256 .* maximum positions \(128"):
+        train(make_lm_cfg("data.max_length=256", "debug=fdr"))
+
+
+def test_unknown_lora_target_fails_with_the_layer_names(make_lm_cfg, pretrained_lm_dir):
+    cfg = make_lm_cfg(f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.target_modules=[q_proj,qkv]", "debug=fdr")
+    with pytest.raises(ConfigError, match=r"\['qkv'\] match no linear layer.*q_proj"):
+        train(cfg)
+
+
+def test_lora_without_pretrained_weights_is_refused(make_lm_cfg):
+    with pytest.raises(ConfigError, match="model.name_or_path is null"):
+        train(make_lm_cfg("peft=lora", "debug=fdr"))
+
+
+def test_bad_peft_values_are_listed_together(make_lm_cfg):
+    with pytest.raises(ConfigError) as error:
+        train(make_lm_cfg("peft=lora", "peft.r=0", "peft.dropout=1.5", "data.mode=stream"))
+    message = str(error.value)
+    assert "peft.r=0" in message and "peft.dropout=1.5" in message and "data.mode='stream'" in message
