@@ -119,8 +119,12 @@ def test_text_pairs_get_segment_ids(make_datamodule, tmp_path):
 
 def test_tokenizer_parallelism_is_off_before_workers_fork(make_datamodule, monkeypatch):
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    make_datamodule()
-    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    datamodule = make_datamodule()
+    datamodule.setup("fit")
+    assert "TOKENIZERS_PARALLELISM" not in os.environ  # tokenising in setup uses every core
+    datamodule.num_workers = 1
+    datamodule.train_dataloader()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # set before the workers fork
 
 
 @pytest.mark.parametrize("field", ["text_column", "label_column"])

@@ -8,6 +8,8 @@ import lightning as L
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from .tokenization import disable_tokenizer_parallelism
+
 
 class TokenizedDataModule(L.LightningDataModule):
     """Base of the task data modules: ``self.datasets[split]`` holds tokenised rows with an
@@ -36,6 +38,8 @@ class TokenizedDataModule(L.LightningDataModule):
             self.fetch()
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        if self.num_workers > 0:
+            disable_tokenizer_parallelism()  # before the workers fork (tokenising is done by now)
         dataset = self.datasets[split]
         sampler = None
         if shuffle and self.groups_by_length:

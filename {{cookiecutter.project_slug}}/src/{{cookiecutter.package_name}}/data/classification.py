@@ -11,7 +11,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
 from .loading import DataError, load_split, require_columns
-from .tokenization import disable_tokenizer_parallelism, load_tokenizer, tokenize_batch
+from .tokenization import load_tokenizer, tokenize_batch
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ class ClassificationDataModule(TokenizedDataModule):
         predict_file: str | None = None,
     ) -> None:
         super().__init__()
-        disable_tokenizer_parallelism()
         self.splits = {split: source for split, source in splits.items() if source}
         self.hub_name, self.hub_config = hub_name, hub_config
         self.text_column, self.text_pair_column, self.label_column = text_column, text_pair_column, label_column

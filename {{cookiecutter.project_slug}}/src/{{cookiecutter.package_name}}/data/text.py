@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
 from .loading import DataError, load_split, require_columns
-from .tokenization import disable_tokenizer_parallelism, load_tokenizer
+from .tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,6 @@ class TextDataModule(TokenizedDataModule):
         fetch: Callable[[], object] | None,
     ) -> None:
         super().__init__()
-        disable_tokenizer_parallelism()
         self.splits = {split: source for split, source in splits.items() if source}
         self.hub_name, self.hub_config = hub_name, hub_config
         self.text_column, self.sample_by = text_column, sample_by

@@ -16,7 +16,8 @@ def disable_tokenizer_parallelism() -> None:
     """Set ``TOKENIZERS_PARALLELISM=false`` unless the user set it.
 
     The Rust tokenizer's thread pool does not survive ``fork``: once used in the main process,
-    forked DataLoader workers print a warning and may deadlock.  Set before any worker forks.
+    forked DataLoader workers print a warning and may deadlock.  Set before any worker forks,
+    and only then: the one-time tokenisation in ``setup`` keeps the thread pool (all cores).
     """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

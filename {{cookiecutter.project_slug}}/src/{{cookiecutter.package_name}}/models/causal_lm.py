@@ -151,7 +151,16 @@ class CausalLMModule(HFModule):
                 }
                 if self._trainer is not None and self.trainer.strategy.root_device.type == "cuda":
                     options["device_map"] = {"": self.trainer.strategy.root_device}
-            model = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], **options)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], **options)
+            except (ImportError, RuntimeError, ValueError) as error:
+                if method != "qlora":
+                    raise
+                raise ConfigError(
+                    f"peft=qlora could not load {spec['name_or_path']!r} in 4-bit: {error}\nfix: bitsandbytes with a "
+                    "backend for this device (CUDA, or the CPU from bitsandbytes 0.45: pip install -U bitsandbytes), "
+                    "or peft=lora"
+                ) from error
         else:
             model = AutoModelForCausalLM.from_config(config)
         if method != "none":
