@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from {{ cookiecutter.package_name }}.data.text import TextDataModule
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.export import export
-from {{ cookiecutter.package_name }}.generate import generate
+from {{ cookiecutter.package_name }}.generate import generate, read_prompts
 from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule, token_loss_sum
 from {{ cookiecutter.package_name }}.train import train
 from {{ cookiecutter.package_name }}.utils.config import ConfigError
@@ -116,6 +116,17 @@ def test_generate_from_checkpoint_and_exported_folder(lora_run, tmp_path):
     assert again == rows  # greedy decoding of the same weights
     with pytest.raises(ConfigError, match="exactly one"):
         generate(compose_config("generate", [*common]))
+
+
+def test_prompts_from_the_command_line_and_a_file_take_escaped_newlines(tmp_path):
+    from omegaconf import OmegaConf
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("ROMEO.\\nO\n\n  \nEnter\n")
+    cfg = OmegaConf.create({"prompts": ["a\\nb"], "prompts_file": str(path)})
+    assert read_prompts(cfg) == ["a\nb", "ROMEO.\nO", "Enter"]
+    with pytest.raises(ConfigError, match="no prompts"):
+        read_prompts(OmegaConf.create({"prompts": [], "prompts_file": None}))
 
 
 def test_eval_on_lm_checkpoint_reports_perplexity(lora_run, lm_tokenizer_dir, lm_text, pretrained_lm_dir, tmp_path):

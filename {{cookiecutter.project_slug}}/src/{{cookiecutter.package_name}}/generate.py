@@ -20,12 +20,13 @@ from .utils.run import atomic_write_path
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
-    """``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file`` (``\\n`` escapes allowed).
+    """``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file``.  In both, the two
+    characters ``\\n`` stand for a newline (a shell passes them literally in single quotes).
 
     Raises:
         ConfigError: no prompt at all, or a prompts file that does not exist.
     """
-    prompts = [str(p) for p in (cfg.prompts or [])]
+    prompts = [str(p).replace("\\n", "\n") for p in (cfg.prompts or [])]
     if cfg.prompts_file is not None:
         path = Path(cfg.prompts_file)
         if not path.is_file():

@@ -21,7 +21,7 @@ def pip_download(requirement: str, dest: Path, source: bool) -> Path:
     """Download one distribution (no dependencies) into ``dest`` and return its path.
 
     Args:
-        requirement: an exact pin, e.g. ``"vaderSentiment==3.3.2"``.
+        requirement: an exact pin, e.g. ``"somepackage==1.2.3"``.
         source: fetch the source archive (``--no-binary :all:``) instead of a wheel.
 
     Raises:

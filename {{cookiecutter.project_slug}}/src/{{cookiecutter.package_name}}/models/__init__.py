@@ -1,5 +1,6 @@
-"""LightningModules (one module per task), and the builder that makes the HF model inside them.
+"""LightningModules (one file per task, on the shared ``base.HFModule``), and the builder that
+makes the Hugging Face model inside them.
 
-Configs name the classes by full path (``models.classification.SequenceClassificationModule``,
-``models.causal_lm.CausalLMModule``), so a project generated for one task holds only its files.
+Configs name each module class by its full path (``task.module``), so a project generated for
+one task holds only that task's files.
 """
