@@ -219,6 +219,26 @@ def test_block_size_above_the_models_positions_fails_before_training(make_lm_cfg
         train(make_lm_cfg("data.max_length=256", "debug=fdr"))
 
 
+def test_architecture_checks_run_before_the_data_is_tokenised(make_lm_cfg, monkeypatch):
+    def no_tokenising(*args, **kwargs):
+        raise AssertionError("the data was tokenised before the config was checked")
+
+    monkeypatch.setattr(TextDataModule, "_prepare", no_tokenising)
+    with pytest.raises(ConfigError, match="data.max_length=256"):
+        train(make_lm_cfg("data.max_length=256", "debug=fdr"))
+
+
+def test_validation_interval_beyond_one_epoch_fails_before_weights_load(make_lm_cfg, monkeypatch):
+    from {{ cookiecutter.package_name }}.models import causal_lm
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were built before the interval was checked")
+
+    monkeypatch.setattr(causal_lm.CausalLMModule, "_build", no_weights)
+    with pytest.raises(ConfigError, match=r"trainer.val_check_interval=500 is more than the \d+ training batches .*fix: trainer.val_check_interval=\d+"):
+        train(make_lm_cfg("trainer.max_steps=600", "trainer.val_check_interval=500"))
+
+
 def test_unknown_lora_target_fails_with_the_layer_names(make_lm_cfg, pretrained_lm_dir):
     cfg = make_lm_cfg(f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.target_modules=[q_proj,qkv]", "debug=fdr")
     with pytest.raises(ConfigError, match=r"\['qkv'\] match no linear layer.*q_proj"):

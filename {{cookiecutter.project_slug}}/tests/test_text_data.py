@@ -104,12 +104,26 @@ def test_a_file_without_text_is_refused(make_text_dm, tmp_path, content):
         make_text_dm(splits={"train": str(path), "validation": str(path)}).setup("fit")
 
 
-def test_missing_paths_are_refused(make_text_dm, tmp_path):
+@pytest.mark.parametrize("name", ["nope.txt", "nope_dir", "nope_dir/", "nope.jsonl"])
+def test_missing_paths_are_refused(make_text_dm, tmp_path, name):
+    with pytest.raises(DataError, match=r"data.splits.train=.*nope.* does not exist; fix: .*folder of .txt files"):
+        make_text_dm(splits={"train": str(tmp_path / name)}).setup("fit")
+
+
+def test_a_folder_without_txt_files_is_refused(make_text_dm, tmp_path):
     (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "notes.md").write_text("the king.")
     with pytest.raises(DataError, match="folder with no .txt files"):
         make_text_dm(splits={"train": str(tmp_path / "empty_dir")}).setup("fit")
-    with pytest.raises(DataError, match="does not exist"):
-        make_text_dm(splits={"train": str(tmp_path / "nope.txt")}).setup("fit")
+
+
+def test_non_utf8_text_names_the_file_and_the_byte(make_text_dm, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the king speaks.\n")
+    (folder / "b.txt").write_bytes("the queen of caf\u00e9s.\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"b.txt \(byte 16: b'\\xe9'\) is not UTF-8 text; fix: re-encode"):
+        make_text_dm(splits={"train": str(folder)}).setup("fit")
 
 
 def test_one_document_cannot_be_split_into_train_and_validation(make_text_dm, tmp_path):

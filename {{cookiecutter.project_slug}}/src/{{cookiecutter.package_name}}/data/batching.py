@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import math
+
 import lightning as L
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
+from ..utils.config import ConfigError
 from .tokenization import disable_tokenizer_parallelism
 
 
@@ -31,6 +34,23 @@ class TokenizedDataModule(L.LightningDataModule):
 
     def collator(self) -> Callable[[list[dict]], dict]:
         raise NotImplementedError
+
+    def check_validation_interval(self) -> None:
+        """Refuse an integer ``trainer.val_check_interval`` above the batches of one epoch, which
+        Lightning only rejects after the model is built (a small corpus with a recipe made for
+        a large one).  Call at the end of ``setup("fit")``.
+
+        Raises:
+            ConfigError: with the number of batches and the fix.
+        """
+        interval = getattr(self.trainer, "val_check_interval", None)
+        batches = math.ceil(len(self.datasets["train"]) / self.batch_size)
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval > batches:
+            raise ConfigError(
+                f"trainer.val_check_interval={interval} is more than the {batches} training batches of one epoch "
+                f"({len(self.datasets['train'])} sequences / micro-batch {self.batch_size}); "
+                f"fix: trainer.val_check_interval={batches}, or 1.0 (once per epoch)"
+            )
 
     def prepare_data(self) -> None:
         """Download/convert the data once (Lightning calls this on one process per node)."""

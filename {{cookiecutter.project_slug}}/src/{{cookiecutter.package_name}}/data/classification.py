@@ -156,6 +156,8 @@ class ClassificationDataModule(TokenizedDataModule):
             self.datasets["test"] = self._prepare("test", self._load("test"))
         if stage == "test" and "test" not in self.datasets:
             raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.csv")
+        if stage in ("fit", "validate"):  # train.py validates before fitting
+            self.check_validation_interval()
 
     def _load(self, split: str) -> datasets.Dataset:
         source = self.splits[split]

@@ -72,6 +72,16 @@ def has_target(row: dict[str, list[int]]) -> bool:
     return len(row["input_ids"]) >= 2
 
 
+def first_non_utf8(files: list[str]) -> str | None:
+    """The first file that does not decode as UTF-8, with the byte offset; ``None`` if all do."""
+    for path in files:
+        try:
+            Path(path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as error:
+            return f"{path} (byte {error.start}: {Path(path).read_bytes()[error.start:error.start + 1]!r})"
+    return None
+
+
 def has_text(row: dict, text_column: str) -> bool:
     """False for empty, whitespace-only and missing (null) rows."""
     text = row[text_column]
@@ -206,23 +216,36 @@ class TextDataModule(TokenizedDataModule):
             self.datasets["test"] = self._prepare("test", self._load("test"))
         if stage == "test" and "test" not in self.datasets:
             raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.txt")
+        if stage in ("fit", "validate"):  # train.py validates before fitting
+            self.check_validation_interval()
 
     def _load(self, split: str) -> datasets.Dataset:
         source = self.splits[split]
         field = f"data.splits.{split}"
+        if self.hub_name is None and not os.path.exists(source):
+            raise DataError(
+                f"{field}={source!r} does not exist; fix: point {field} at a .txt file, a folder of .txt files, "
+                "or a jsonl/json/parquet/csv/tsv file"
+            )
         if self.hub_name is None and (source.lower().endswith(".txt") or os.path.isdir(source)):
             files = sorted(glob.glob(os.path.join(source, "*.txt"))) if os.path.isdir(source) else [source]
             if not files:
                 raise DataError(f"{field}={source!r} is a folder with no .txt files; fix: point it at a folder of .txt files or at one file")
-            missing = [f for f in files if not os.path.isfile(f)]
-            if missing:
-                raise DataError(f"{field}={source!r} does not exist; fix: point {field} at an existing file or folder")
             if not any(Path(f).read_bytes().strip() for f in files):
-                raise DataError(f"{field}={source!r} is empty; fix: give it some text")
-            dataset = datasets.load_dataset(
-                "text", data_files=files, split="train", cache_dir=self.cache_dir,
-                sample_by=self.sample_by, keep_linebreaks=True,
-            )
+                raise DataError(f"{field}={source!r} is empty or only whitespace; fix: give it some text")
+            try:
+                dataset = datasets.load_dataset(
+                    "text", data_files=files, split="train", cache_dir=self.cache_dir,
+                    sample_by=self.sample_by, keep_linebreaks=True,
+                )
+            except Exception as error:  # datasets wraps a decoding error in DatasetGenerationError
+                bad = first_non_utf8(files)
+                if bad is None:
+                    raise
+                raise DataError(
+                    f"{field}={source!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. "
+                    f"iconv -f latin1 -t utf-8 in.txt > out.txt"
+                ) from error
             text_column = "text"
         else:
             dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)

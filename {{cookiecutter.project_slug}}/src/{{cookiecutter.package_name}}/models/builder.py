@@ -93,11 +93,12 @@ def max_positions(config: PretrainedConfig) -> int | None:
     return None
 
 
-def causal_lm_config(spec: dict, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+def causal_lm_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
     """The HF config a causal-LM spec describes, read without loading any weights.
 
     From scratch (``config``), ``vocab_size`` and the BOS/EOS/pad ids follow the tokenizer
-    (their one source); pretrained (``name_or_path``), the model's own ``config.json``.
+    (their one source; with ``tokenizer=None``, the architecture's defaults, enough for checks
+    of positions and layer names); pretrained (``name_or_path``), the model's own ``config.json``.
 
     Raises:
         ValueError: the spec gives neither ``name_or_path`` nor ``config``.
@@ -105,6 +106,8 @@ def causal_lm_config(spec: dict, tokenizer: PreTrainedTokenizerBase) -> Pretrain
     if spec.get("config"):
         fields = dict(spec["config"])
         model_type = fields.pop("model_type")
+        if tokenizer is None:
+            return AutoConfig.for_model(model_type, **fields)
         token_ids = {
             "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ..data.text import IGNORE_INDEX, pad_token_id
 from ..utils.config import ConfigError
@@ -100,6 +100,13 @@ class CausalLMModule(HFModule):
         """What eval passes to the data module: the checkpoint's tokenizer."""
         return {"tokenizer": self.tokenizer}
 
+    def prepare_data(self) -> None:
+        """Install the model files, then check the spec against the architecture, before the
+        data is tokenised and before any weights load (Lightning calls this first)."""
+        super().prepare_data()
+        if self.hparams.hf_config is None and self._trainer is not None and self.trainer.datamodule is not None:
+            self._architecture(precision=str(self.trainer.precision), max_length=self.trainer.datamodule.max_length)
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
@@ -120,8 +127,13 @@ class CausalLMModule(HFModule):
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
-    def _build(self, precision: str, max_length: int | None) -> torch.nn.Module:
-        """Check the spec against the architecture on the meta device, then load weights."""
+    def _architecture(self, precision: str, max_length: int | None) -> tuple[PretrainedConfig, list[str]]:
+        """The HF config and the LoRA target modules (``[]`` without peft), after checking the
+        spec against the architecture (on the meta device: no weights are read).
+
+        Raises:
+            ConfigError: see the class docstring.
+        """
         spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
         if self.hparams.hf_config is not None:
             fields = dict(self.hparams.hf_config)
@@ -141,7 +153,13 @@ class CausalLMModule(HFModule):
             if method == "qlora" and precision == "bf16-true":
                 raise ConfigError("peft=qlora with precision=bf16-true: Lightning would cast the 4-bit base weights; "
                                   "fix: precision=bf16-mixed (the QLoRA recipe)")
-            modules = target_modules(peft_cfg, config, linear_layer_names(config))
+        modules = target_modules(peft_cfg, config, linear_layer_names(config)) if method != "none" else []
+        return config, modules
+
+    def _build(self, precision: str, max_length: int | None) -> torch.nn.Module:
+        """Check the spec (:meth:`_architecture`), then load or initialise the weights."""
+        spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
+        config, modules = self._architecture(precision, max_length)
         if spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
             options = {"dtype": load_dtype(precision, method)}
             if method == "qlora":
