@@ -35,7 +35,8 @@ def export(cfg: DictConfig) -> Path:
     output = Path(cfg.output_dir)
     if output.exists():
         raise ConfigError(f"output_dir={str(output)!r} already exists; fix: choose a new folder, or delete it first")
-    checkpoint = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True)
+    # Memory-mapped: only the hyperparameters are read here, not the weights (loaded once, below).
+    checkpoint = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     hparams = checkpoint.get("hyper_parameters", {})
     if "peft" not in hparams:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")

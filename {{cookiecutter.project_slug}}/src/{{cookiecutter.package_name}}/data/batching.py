@@ -32,6 +32,10 @@ class TokenizedDataModule(L.LightningDataModule):
         shuffled mega-batches of 50 batches, each sorted by length), so padding wastes little."""
         raise NotImplementedError
 
+    def sequence_lengths(self, split: str) -> list[int]:
+        """Tokens per row of ``split`` (for length grouping)."""
+        return [len(ids) for ids in self.datasets[split]["input_ids"]]
+
     def collator(self) -> Callable[[list[dict]], dict]:
         raise NotImplementedError
 
@@ -63,8 +67,8 @@ class TokenizedDataModule(L.LightningDataModule):
         dataset = self.datasets[split]
         sampler = None
         if shuffle and self.groups_by_length:
-            lengths = [len(ids) for ids in dataset["input_ids"]]
-            sampler, shuffle = LengthGroupedSampler(self.batch_size, lengths=lengths), False
+            sampler = LengthGroupedSampler(self.batch_size, lengths=self.sequence_lengths(split))
+            shuffle = False
         return DataLoader(
             dataset,
             batch_size=self.batch_size,

@@ -46,30 +46,33 @@ def tokenize_documents(
     """Tokenise whole documents (no truncation) and end each with ``eos_token_id``.
 
     The tokenizer's own special tokens are kept (e.g. Llama's BOS); an EOS is appended unless
-    the tokenizer already ended the document with one.
+    the tokenizer already ended the document with one.  Returns ``input_ids`` and ``length``
+    (tokens per row, kept as a column so counts and length grouping never read the ids).
     """
     ids = tokenizer(batch[text_column], add_special_tokens=True)["input_ids"]
-    return {"input_ids": [row if row and row[-1] == eos_token_id else row + [eos_token_id] for row in ids]}
+    ids = [row if row and row[-1] == eos_token_id else row + [eos_token_id] for row in ids]
+    return {"input_ids": ids, "length": [len(row) for row in ids]}
 
 
 def pack_blocks(batch: dict[str, list], block_size: int) -> dict[str, list[list[int]]]:
     """Concatenate the token lists of a map batch and cut them into blocks of ``block_size``.
 
     Every token is kept exactly once, in order; each block holds at most ``block_size`` tokens
-    (only the last block of the batch may be shorter).
+    (only the last block of the batch may be shorter).  ``length`` is each block's token count.
     """
     stream = [token for row in batch["input_ids"] for token in row]
-    return {"input_ids": [stream[start : start + block_size] for start in range(0, len(stream), block_size)]}
+    blocks = [stream[start : start + block_size] for start in range(0, len(stream), block_size)]
+    return {"input_ids": blocks, "length": [len(block) for block in blocks]}
 
 
 def truncate_documents(batch: dict[str, list], max_length: int) -> dict[str, list[list[int]]]:
     """Keep the first ``max_length`` tokens of each document (``pad`` mode)."""
-    return {"input_ids": [row[:max_length] for row in batch["input_ids"]]}
+    return {"input_ids": [row[:max_length] for row in batch["input_ids"]], "length": [min(n, max_length) for n in batch["length"]]}
 
 
-def has_target(row: dict[str, list[int]]) -> bool:
+def has_target(row: dict) -> bool:
     """A sequence of one token has nothing to predict (the first token is never a target)."""
-    return len(row["input_ids"]) >= 2
+    return row["length"] >= 2
 
 
 def first_non_utf8(files: list[str]) -> str | None:
@@ -231,8 +234,10 @@ class TextDataModule(TokenizedDataModule):
             files = sorted(glob.glob(os.path.join(source, "*.txt"))) if os.path.isdir(source) else [source]
             if not files:
                 raise DataError(f"{field}={source!r} is a folder with no .txt files; fix: point it at a folder of .txt files or at one file")
-            if not any(Path(f).read_bytes().strip() for f in files):
-                raise DataError(f"{field}={source!r} is empty or only whitespace; fix: give it some text")
+            # Zero bytes in all: datasets' text builder would fail on it. (Whitespace-only text is
+            # caught below, by the blank-row filter, without reading a large corpus twice.)
+            if all(os.path.getsize(f) == 0 for f in files):
+                raise DataError(f"{field}={source!r} is empty; fix: give it some text")
             try:
                 dataset = datasets.load_dataset(
                     "text", data_files=files, split="train", cache_dir=self.cache_dir,
@@ -278,18 +283,21 @@ class TextDataModule(TokenizedDataModule):
             sequences = tokenized.map(pack_blocks, batched=True, fn_kwargs={"block_size": self.max_length}, desc=f"Packing {split}")
         else:
             sequences = tokenized.map(truncate_documents, batched=True, fn_kwargs={"max_length": self.max_length}, desc=f"Truncating {split}")
-            truncated = sum(1 for n in tokenized["input_ids"] if len(n) > self.max_length)
+            truncated = sum(1 for n in tokenized["length"] if n > self.max_length)
             if truncated:
                 log.warning("data.mode=pad: %d of %d %s documents are longer than data.max_length=%d and were truncated",
                             truncated, len(tokenized), split, self.max_length)
         kept = sequences.filter(has_target, desc=f"Dropping 1-token sequences of {split}")
-        self.token_counts[split] = sum(len(ids) for ids in kept["input_ids"])
+        self.token_counts[split] = sum(kept["length"])  # an int column: the ids are not read
         log.info("%s: %d documents -> %d sequences, %d tokens", split, len(dataset), len(kept), self.token_counts[split])
         return kept
 
     @property
     def groups_by_length(self) -> bool:
         return self.mode == "pad" and self.group_by_length  # packed blocks all have one length
+
+    def sequence_lengths(self, split: str) -> list[int]:
+        return self.datasets[split]["length"]
 
     def collator(self) -> CausalLMCollator:
         return CausalLMCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of)

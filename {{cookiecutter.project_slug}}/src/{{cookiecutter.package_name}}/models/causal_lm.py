@@ -89,6 +89,7 @@ class CausalLMModule(HFModule):
         self.validated_at_step: int | None = None
         self._window_loss = torch.zeros(())
         self._window_targets = torch.zeros((), dtype=torch.long)
+        self._window_tokens = torch.zeros((), dtype=torch.long)
         self._loss_divisor = 1.0
 
     # ----------------------------------------------------------------------------- building
@@ -196,14 +197,15 @@ class CausalLMModule(HFModule):
         self._loss_divisor = float(datamodule.batch_size * datamodule.max_length)
         self._window_loss = torch.zeros((), device=self.device)
         self._window_targets = torch.zeros((), dtype=torch.long, device=self.device)
+        self._window_tokens = torch.zeros((), dtype=torch.long, device=self.device)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss_sum, n_targets = token_loss_sum(self(batch), batch["labels"])
         self._window_loss += loss_sum.detach()
         self._window_targets += n_targets
-        real_tokens = int(batch["attention_mask"].sum())
-        self.tokens_seen += real_tokens
-        self.log("train/padding_fraction", 1.0 - real_tokens / batch["attention_mask"].numel(), on_step=True, on_epoch=False)
+        mask = batch["attention_mask"]
+        self._window_tokens += mask.sum()  # a tensor: no host sync per micro-batch
+        self.log("train/padding_fraction", 1.0 - mask.float().mean(), on_step=True, on_epoch=False)
         # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both
         # constants and divides by the accumulated batch's target-token count instead.
         return loss_sum / self._loss_divisor
@@ -214,14 +216,13 @@ class CausalLMModule(HFModule):
         if targets <= 0:  # cannot happen with our data modules: every sequence has >= 2 tokens
             raise RuntimeError("an optimizer step with no target tokens: every label is -100")
         # DDP averages gradients over devices, hence the world-size factor.
-        scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / targets
-        for param in self.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale)
+        scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / float(targets)
+        torch._foreach_mul_([p.grad for p in self.parameters() if p.grad is not None], scale)  # one fused launch
+        self.tokens_seen += int(self._window_tokens)  # one host sync per optimizer step
         self.log("train/loss", loss_sum / targets, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False, reduce_fx="max")
-        self._window_loss.zero_()
-        self._window_targets.zero_()
+        for window in (self._window_loss, self._window_targets, self._window_tokens):
+            window.zero_()
 
     def _eval_step(self, batch: dict[str, torch.Tensor], metric: MeanMetric) -> None:
         loss_sum, n_targets = token_loss_sum(self(batch), batch["labels"])
