@@ -49,6 +49,10 @@ ONLY_FOR = {
         f"{CONFIGS}/generate.yaml",
         f"{CONFIGS}/task/causal_lm.yaml",
         f"{CONFIGS}/peft",
+        f"{CONFIGS}/loss/chunked.yaml",
+        f"{CONFIGS}/loss/liger.yaml",
+        f"{CONFIGS}/experiment/lm_llama31_8b_lora.yaml",
+        f"{CONFIGS}/experiment/lm_llama31_8b_full.yaml",
         f"{CONFIGS}/data/text_files.yaml",
         f"{CONFIGS}/data/shakespeare.yaml",
         f"{CONFIGS}/model/smollm2_135m.yaml",
@@ -66,6 +70,7 @@ ONLY_FOR = {
         "tests/test_causal_lm.py",
         "tests/test_real_demo_lm.py",
         "tests/test_lm_assets.py",
+        "tests/test_levers.py",
         "bench/text_pipeline.py",
     ],
 }

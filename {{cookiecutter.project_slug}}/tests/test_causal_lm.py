@@ -172,7 +172,7 @@ def _one_step_update(pretrained_dir, tokenizer_dir, text_dir, micro_batch: int, 
     )
     module = CausalLMModule(
         model={"name_or_path": str(pretrained_dir), "config": None, "fetch": None},
-        optimizer={"_target_": "torch.optim.SGD", "lr": 1.0, "weight_decay": 0.0},
+        optimizer={"_target_": "torch.optim.SGD", "lr": 1.0, "weight_decay": 0.0, "step_in_backward": False},
         peft={"method": "none"},
     )
     trainer = L.Trainer(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from importlib import resources
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
@@ -25,11 +27,19 @@ TASK_DATA = {
     "causal_lm": "shakespeare",
 {%- endif %}
 }
-ENTRY_CONFIGS = ("train", "eval"
+ENTRY_CONFIGS = ("train", "eval", "plan"
 {%- if cookiecutter.tasks != "causal_lm" %}, "predict"{% endif %}
 {%- if cookiecutter.tasks != "classification" %}, "generate", "export"{% endif %})
 # Groups merged into Hydra's own node, not ours: composed, not resolved.
 HYDRA_GROUPS = ("hydra",)
+# Options that need a CUDA GPU (and flash-attn): on a machine without one, validate_config must
+# refuse them with this message instead of letting Lightning or transformers fail later.
+HAS_CUDA = torch.cuda.is_available()
+NEEDS_GPU = {
+    ("precision", "16-mixed"): ("needs a CUDA GPU", HAS_CUDA),
+    ("attention", "flash_attention_2"): ("pip install flash-attn", HAS_CUDA and importlib.util.find_spec("flash_attn") is not None),
+    ("loss", "liger"): ("liger-kernel", HAS_CUDA and importlib.util.find_spec("liger_kernel") is not None),
+}
 
 
 def every_group_option() -> list[tuple[str, str]]:
@@ -61,16 +71,25 @@ def task_contexts(group: str, option: str) -> list[list[str]]:
 def test_every_config_file_composes_and_resolves(group, option, tmp_path):
     """Every option composes, resolves and validates, with at least one task of the project."""
     problems = []
+    refused_here = (group, option) in NEEDS_GPU and not NEEDS_GPU[group, option][1]
     for context in task_contexts(group, option):
         cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *context, f"{group}={option}"])
         if group in HYDRA_GROUPS:
             return
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        if refused_here:  # must be refused in every context, with the install/GPU message in one
+            with pytest.raises(ConfigError) as error:
+                validate_config(cfg)
+            problems.append(str(error.value))
+            continue
         try:
             validate_config(cfg)
             return
         except ConfigError as error:
             problems.append(f"{context}: {error}")
+    if refused_here:
+        assert any(NEEDS_GPU[group, option][0] in problem for problem in problems), problems
+        return
     pytest.fail("\n".join(problems))
 
 
@@ -80,7 +99,7 @@ def test_entry_configs_compose(config_name, tmp_path):
     ckpt.write_bytes(b"")
     required = {
         "train": [], "eval": [f"ckpt_path={ckpt}"], "predict": [f"ckpt_path={ckpt}", f"input={ckpt}"],
-        "generate": [f"ckpt_path={ckpt}"], "export": [f"ckpt_path={ckpt}"],
+        "generate": [f"ckpt_path={ckpt}"], "export": [f"ckpt_path={ckpt}"], "plan": [],
     }
     cfg = compose_config(config_name, [f"paths.output_dir={tmp_path}", *required[config_name]])
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

@@ -48,7 +48,7 @@ def load_generator(cfg: DictConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir)
-    module = CausalLMModule(model={"fetch": None}, optimizer={}, peft={"method": "none"}, hf_config=config_to_dict(model.config))
+    module = CausalLMModule(model={"fetch": None}, optimizer={"step_in_backward": False}, peft={"method": "none"}, hf_config=config_to_dict(model.config))
     module.model, module.tokenizer = model, AutoTokenizer.from_pretrained(cfg.model_dir)
     return module
 

@@ -1,10 +1,19 @@
-"""The optimizer factory shared by every task: AdamW-style param groups from a config dict."""
+"""The optimizer factory shared by every task: AdamW-style param groups from a config dict, the
+fused / 8-bit variants, and the optimizer step inside backward."""
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
 
 import hydra
 import torch
 from torch import nn
+
+from .utils.config import ConfigError
+
+# Keys of the optimizer group that are ours, not the optimizer class's.
+OWN_KEYS = ("_target_", "fused", "step_in_backward")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -22,12 +31,113 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, optimizer_cfg: dict) -> torch.optim.Optimizer:
-    """Instantiate ``optimizer_cfg`` (a plain dict with ``_target_``, ``lr``, ``weight_decay``, ...)
-    over :func:`param_groups` of ``model``.  The LR it holds is the peak LR; the schedule
-    callback scales it each optimizer step.
+def optimizer_factory(optimizer_cfg: dict, device_type: str) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """A function ``groups -> optimizer`` for the ``optimizer`` config group (a plain dict).
+
+    ``fused: null`` means the fused kernel on CUDA (one launch per step, no temporaries) and
+    the for-each implementation elsewhere; bitsandbytes classes take no ``fused``.
+
+    Raises:
+        ConfigError: the class cannot be imported (bitsandbytes missing, a typo in ``_target_``).
     """
-    options = {key: value for key, value in optimizer_cfg.items() if key != "_target_"}
-    optimizer_class = hydra.utils.get_class(optimizer_cfg["_target_"])
+    target = optimizer_cfg["_target_"]
+    if target.startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"optimizer._target_={target} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45' "
+                          "(CUDA; the CPU from 0.45), or optimizer=adamw")
+    try:
+        optimizer_class = hydra.utils.get_class(target)
+    except Exception as error:  # hydra wraps the ImportError/AttributeError in its own type
+        raise ConfigError(f"optimizer._target_={target!r} cannot be imported ({error}); fix: a class path such as "
+                          "torch.optim.AdamW or bitsandbytes.optim.AdamW8bit") from error
+    options = {key: value for key, value in optimizer_cfg.items() if key not in OWN_KEYS}
+    if target.startswith("torch.optim."):
+        fused = optimizer_cfg.get("fused")
+        options["fused"] = device_type == "cuda" if fused is None else fused
     # Called directly, not through hydra.utils.instantiate, which would wrap the tensors in a config.
-    return optimizer_class(param_groups(model, options["weight_decay"]), **options)
+    return lambda groups: optimizer_class(groups, **options)
+
+
+def build_optimizer(model: nn.Module, optimizer_cfg: dict, device_type: str = "cpu") -> torch.optim.Optimizer:
+    """The optimizer of ``optimizer_cfg`` (``_target_``, ``lr``, ``weight_decay``, ...) over
+    :func:`param_groups` of ``model`` whose parameters live on ``device_type``.
+
+    With ``step_in_backward: true`` it is a :class:`StepInBackward` (each parameter stepped as
+    soon as its gradient is complete).  The LR it holds is the peak LR; the schedule callback
+    scales it each optimizer step, whichever of the two is returned.
+
+    Raises:
+        ConfigError: see :func:`optimizer_factory`.
+    """
+    make = optimizer_factory(optimizer_cfg, device_type)
+    groups = param_groups(model, optimizer_cfg["weight_decay"])
+    if optimizer_cfg.get("step_in_backward"):
+        return StepInBackward([{**group, "lr": optimizer_cfg["lr"]} for group in groups], make)
+    return make(groups)
+
+
+class StepInBackward(torch.optim.Optimizer):
+    """Step each parameter inside ``backward``, the moment its gradient is complete, then free
+    that gradient: the gradients of the whole model never exist at once (peak gradient memory is
+    about one tensor instead of one per parameter).  The mechanism is PyTorch's
+    ``register_post_accumulate_grad_hook`` (tutorial "How to save memory by fusing the optimizer
+    step into the backward pass"); torchtune's ``optimizer_in_bwd`` is the same idea.
+
+    One inner optimizer per parameter does the real work.  This object is what Lightning sees:
+    ``param_groups`` are the usual two (decayed / not), whose ``lr`` the schedule callback sets
+    and each inner optimizer copies before its step; ``step()`` only runs Lightning's closure
+    (hooks, step counting), since the updates already happened in backward.  Use it under
+    manual optimization (``manual_backward`` then ``optimizer.step()``).
+
+    Costs: no gradient accumulation (a gradient is consumed by the step at once) and no clipping
+    by the global norm (it is unknown until every gradient exists); ``validate_config`` refuses
+    both combinations.
+
+    Args:
+        groups: :func:`param_groups` output.
+        make: ``groups -> optimizer`` (:func:`optimizer_factory`), called once per parameter.
+    """
+
+    def __init__(self, groups: list[dict], make: Callable[[list[dict]], torch.optim.Optimizer]) -> None:
+        super().__init__(groups, defaults={})
+        self.inner: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        self._group_of: dict[nn.Parameter, dict] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.inner[param] = make([{"params": [param], "weight_decay": group["weight_decay"]}])
+                self._group_of[param] = group
+        self._hooks = [param.register_post_accumulate_grad_hook(self._step_parameter) for param in self.inner]
+
+    def _step_parameter(self, param: nn.Parameter) -> None:
+        optimizer = self.inner[param]
+        optimizer.param_groups[0]["lr"] = self._group_of[param]["lr"]  # the schedule's current LR
+        optimizer.step()
+        param.grad = None  # free it now: the point of this optimizer
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], object] | None = None) -> object:
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.inner:
+            param.grad = None
+
+    def state_dict(self) -> dict:
+        """The groups' scalars (``lr``, ``peak_lr``...) and each inner optimizer's state, in
+        parameter order: plain tensors and numbers, so checkpoints load with ``weights_only=True``."""
+        return {
+            "groups": [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups],
+            "per_parameter": [optimizer.state_dict() for optimizer in self.inner.values()],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if len(state_dict["per_parameter"]) != len(self.inner):
+            raise ValueError(f"optimizer state of {len(state_dict['per_parameter'])} parameters, the model trains {len(self.inner)}")
+        for group, saved in zip(self.param_groups, state_dict["groups"]):
+            group.update(saved)
+        for optimizer, saved in zip(self.inner.values(), state_dict["per_parameter"]):
+            optimizer.load_state_dict(saved)
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the planner's trace, tests)."""
+        for handle in self._hooks:
+            handle.remove()

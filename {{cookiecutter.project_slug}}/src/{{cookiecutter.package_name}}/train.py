@@ -15,9 +15,12 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
-from .utils.config import to_plain, validate_config
+from .memory.planner import check_memory_plan
+from .utils.config import config_warnings, to_plain, validate_config
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, print_config_tree, write_metrics
 
@@ -30,8 +33,13 @@ def train(cfg: DictConfig) -> dict:
         DataError: the data does not match the config (raised before any weights load).
     """
     validate_config(cfg)
+    for warning in config_warnings(cfg):
+        rank_zero_warn(warning)
     run_dir = Path(cfg.paths.output_dir)
     print_config_tree(cfg, save_to=run_dir / "config_tree.log")
+    check_memory_plan(cfg, run_dir)
+    if cfg.hardware.tf32:
+        torch.set_float32_matmul_precision("high")  # fp32 matmuls (32-true, the fp32 parts of *-mixed) on TF32 tensor cores
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
 

@@ -1,5 +1,7 @@
-"""Lightning callbacks: the LR schedule, sample generation (causal LM), and later GPU stats."""
+"""Lightning callbacks: the LR schedule, GPU stats, throughput/MFU, and sample generation (causal LM)."""
 
+from .gpu_stats import GPUStats
 from .lr_schedule import WarmupDecayLR, lr_factor
+from .throughput import TokenThroughput
 
-__all__ = ["WarmupDecayLR", "lr_factor"]
+__all__ = ["GPUStats", "TokenThroughput", "WarmupDecayLR", "lr_factor"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -33,6 +34,61 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
     loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return loss_sum, (targets != IGNORE_INDEX).sum()
+
+
+def chunked_token_loss_sum(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_loss_sum` from the last hidden states, never holding the full logits.
+
+    The lm_head and the cross-entropy run on ``chunk_size`` positions at a time, each chunk under
+    non-reentrant activation checkpointing: forward keeps only the chunk's loss, backward
+    recomputes one chunk's ``(B, chunk, V)`` logits at a time.  Peak logits memory falls from
+    ``B*T*V`` to ``B*chunk*V`` values, and so for their bf16 copy and their gradient (fp32 logits
+    of a 128k vocabulary at 2 x 2048 tokens: 1.96 GiB whole, 0.24 GiB per 256-position chunk),
+    for one extra lm_head matmul per chunk.  The gradients are those of the plain loss (same
+    sum of the same per-token terms).
+
+    Args:
+        hidden: ``(B, T, D)`` last hidden states of the transformer body.
+        lm_head: the output projection ``D -> V`` (``get_output_embeddings()``).
+        labels: ``(B, T)``, -100 where there is nothing to predict.
+        chunk_size: positions per chunk (``loss.chunk_size``).
+
+    Returns:
+        ``(loss_sum, n_targets)`` as :func:`token_loss_sum`.
+    """
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T), shifted as in token_loss_sum
+    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[1], chunk_size):
+        loss_sum = loss_sum + checkpoint(
+            _chunk_loss, hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size], lm_head, use_reentrant=False
+        )
+    return loss_sum, (targets != IGNORE_INDEX).sum()
+
+
+def liger_token_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_loss_sum` through Liger Kernel's fused linear cross-entropy (Hsu et al.,
+    "Liger Kernel", 2024): Triton kernels that compute the lm_head, the loss and its gradient
+    chunk by chunk in the forward pass, so the logits are never stored.  CUDA only (checked by
+    ``validate_config``); shapes as :func:`chunked_token_loss_sum`.  A plain ``nn.Linear`` lm_head
+    only (a LoRA-wrapped lm_head would lose its adapter here)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T), shifted as in token_loss_sum
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+    loss_sum = loss(lm_head.weight, hidden.flatten(0, 1), targets.flatten(), getattr(lm_head, "bias", None))
+    return loss_sum.float(), (targets != IGNORE_INDEX).sum()
+
+
+def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
+    logits = lm_head(hidden)  # (B, chunk, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# Config fields of model families whose logits are rescaled or capped after the lm_head (Gemma 2,
+# Cohere, Granite): the chunked loss calls the lm_head directly and would skip that step.
+LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def load_dtype(precision: str, peft_method: str) -> torch.dtype:
@@ -74,17 +130,33 @@ class CausalLMModule(HFModule):
             ``tokenizer``, ``fetch``).
         optimizer: the ``optimizer`` config group as a plain dict.
         peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...).
+        attention, checkpointing, compile: those config groups (see :class:`.base.HFModule`).
+        loss: the ``loss`` group: ``implementation`` plain (cross-entropy over the full logits),
+            chunked (:func:`chunked_token_loss_sum`, ``chunk_size`` positions per chunk) or liger
+            (:func:`liger_token_loss_sum`, CUDA only); ``None`` = plain.
         hf_config: filled in on the first fit and stored in checkpoints, from which
             export/generate rebuild the model.
 
-    Raises (from ``configure_model``, before any weights load):
+    Raises (from ``prepare_data``, before the data is tokenised and any weights load):
         ConfigError: ``data.max_length`` above the model's maximum positions, a LoRA target
-            that matches no layer, LoRA/QLoRA without pretrained weights, QLoRA with bf16-true.
+            that matches no layer, LoRA/QLoRA without pretrained weights, QLoRA with bf16-true,
+            the chunked loss on a model that transforms its logits.
     """
 
-    def __init__(self, model: dict, optimizer: dict, peft: dict, hf_config: dict | None = None) -> None:
+    def __init__(
+        self,
+        model: dict,
+        optimizer: dict,
+        peft: dict,
+        attention: dict | None = None,
+        checkpointing: dict | None = None,
+        compile: dict | None = None,
+        loss: dict | None = None,
+        hf_config: dict | None = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.setup_optimization()
         self.tokens_seen = 0
         self.validated_at_step: int | None = None
         self._window_loss = torch.zeros(())
@@ -96,6 +168,11 @@ class CausalLMModule(HFModule):
     @property
     def peft_method(self) -> str:
         return self.hparams.peft.get("method", "none") if self.hparams.peft else "none"
+
+    @property
+    def loss_implementation(self) -> str:
+        """``loss.implementation``: plain | chunked | liger."""
+        return self.hparams.loss["implementation"] if self.hparams.get("loss") else "plain"
 
     def datamodule_kwargs(self) -> dict:
         """What eval passes to the data module: the checkpoint's tokenizer."""
@@ -125,21 +202,26 @@ class CausalLMModule(HFModule):
                 self.prepare_data()  # the base weights are read from model.name_or_path
             self.model = self._build(precision, max_length=None)
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
+        # The chunked loss calls the transformer body and the lm_head itself: compile the body.
+        self.apply_levers(compile_target=causal_body(self.model) if self.loss_implementation != "plain" else None)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
-    def _architecture(self, precision: str, max_length: int | None) -> tuple[PretrainedConfig, list[str]]:
+    def _architecture(
+        self, precision: str, max_length: int | None, config: PretrainedConfig | None = None
+    ) -> tuple[PretrainedConfig, list[str]]:
         """The HF config and the LoRA target modules (``[]`` without peft), after checking the
-        spec against the architecture (on the meta device: no weights are read).
+        spec against the architecture (on the meta device: no weights are read).  ``config``
+        given (the memory planner) replaces the one the spec names.
 
         Raises:
             ConfigError: see the class docstring.
         """
         spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
-        if self.hparams.hf_config is not None:
+        if config is None and self.hparams.hf_config is not None:
             fields = dict(self.hparams.hf_config)
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        else:
+        elif config is None:
             config = causal_lm_config(spec, self.tokenizer)
         limit = max_positions(config)
         if max_length is not None and limit is not None and max_length > limit:
@@ -154,6 +236,10 @@ class CausalLMModule(HFModule):
             if method == "qlora" and precision == "bf16-true":
                 raise ConfigError("peft=qlora with precision=bf16-true: Lightning would cast the 4-bit base weights; "
                                   "fix: precision=bf16-mixed (the QLoRA recipe)")
+        transforms = [field for field in LOGIT_TRANSFORM_FIELDS if getattr(config, field, None) not in (None, 1.0)]
+        if self.loss_implementation != "plain" and transforms:
+            raise ConfigError(f"loss={self.loss_implementation} calls the lm_head directly, but {config.model_type} transforms its logits "
+                              f"afterwards ({', '.join(transforms)}); fix: loss=plain")
         modules = target_modules(peft_cfg, config, linear_layer_names(config)) if method != "none" else []
         return config, modules
 
@@ -162,11 +248,12 @@ class CausalLMModule(HFModule):
         spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
         config, modules = self._architecture(precision, max_length)
         if spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
-            options = {"dtype": load_dtype(precision, method)}
+            options = {"dtype": load_dtype(precision, method), "attn_implementation": self.attn_implementation}
             if method == "qlora":
                 options = {
                     "quantization_config": quantization_config(peft_cfg, COMPUTE_DTYPES.get(precision, torch.float32)),
                     "dtype": COMPUTE_DTYPES.get(precision, torch.float32),
+                    "attn_implementation": self.attn_implementation,
                 }
                 if self._trainer is not None and self.trainer.strategy.root_device.type == "cuda":
                     options["device_map"] = {"": self.trainer.strategy.root_device}
@@ -181,7 +268,7 @@ class CausalLMModule(HFModule):
                     "or peft=lora"
                 ) from error
         else:
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation)
         if method != "none":
             model = wrap_with_lora(model, peft_cfg, modules)
         return model
@@ -189,6 +276,18 @@ class CausalLMModule(HFModule):
     # ------------------------------------------------------------------------------ steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+
+    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed token loss and target count of a batch (train/val/test): the plain loss on
+        the logits, or the chunked / Liger one on the hidden states (``loss`` group)."""
+        if self.loss_implementation == "plain":
+            return token_loss_sum(self(batch), batch["labels"])
+        body = causal_body(self.model)
+        hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state  # (B, T, D)
+        lm_head = causal_lm_of(self.model).get_output_embeddings()
+        if self.loss_implementation == "liger":
+            return liger_token_loss_sum(hidden, lm_head, batch["labels"])
+        return chunked_token_loss_sum(hidden, lm_head, batch["labels"], self.hparams.loss["chunk_size"])
 
     def on_train_start(self) -> None:
         datamodule = self.trainer.datamodule
@@ -200,12 +299,17 @@ class CausalLMModule(HFModule):
         self._window_tokens = torch.zeros((), dtype=torch.long, device=self.device)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss_sum, n_targets = token_loss_sum(self(batch), batch["labels"])
+        loss_sum, n_targets = self.model_step(batch)
         self._window_loss += loss_sum.detach()
         self._window_targets += n_targets
         mask = batch["attention_mask"]
         self._window_tokens += mask.sum()  # a tensor: no host sync per micro-batch
         self.log("train/padding_fraction", 1.0 - mask.float().mean(), on_step=True, on_epoch=False)
+        if not self.automatic_optimization:
+            # optimizer.step_in_backward: no accumulation, one device, so this micro-batch is the
+            # whole batch: normalise now, as the step happens during backward.
+            self.backward_and_step(loss_sum / n_targets)
+            return None
         # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both
         # constants and divides by the accumulated batch's target-token count instead.
         return loss_sum / self._loss_divisor
@@ -215,9 +319,10 @@ class CausalLMModule(HFModule):
         loss_sum = self.trainer.strategy.reduce(self._window_loss, reduce_op="sum")
         if targets <= 0:  # cannot happen with our data modules: every sequence has >= 2 tokens
             raise RuntimeError("an optimizer step with no target tokens: every label is -100")
-        # DDP averages gradients over devices, hence the world-size factor.
-        scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / float(targets)
-        torch._foreach_mul_([p.grad for p in self.parameters() if p.grad is not None], scale)  # one fused launch
+        if self.automatic_optimization:  # (stepped in backward, the loss was normalised already)
+            # DDP averages gradients over devices, hence the world-size factor.
+            scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / float(targets)
+            torch._foreach_mul_([p.grad for p in self.parameters() if p.grad is not None], scale)  # one fused launch
         self.tokens_seen += int(self._window_tokens)  # one host sync per optimizer step
         self.log("train/loss", loss_sum / targets, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False, reduce_fx="max")
@@ -225,7 +330,7 @@ class CausalLMModule(HFModule):
             window.zero_()
 
     def _eval_step(self, batch: dict[str, torch.Tensor], metric: MeanMetric) -> None:
-        loss_sum, n_targets = token_loss_sum(self(batch), batch["labels"])
+        loss_sum, n_targets = self.model_step(batch)
         metric.update(loss_sum / n_targets, weight=n_targets)  # token-weighted mean over the split
 
     def on_validation_epoch_start(self) -> None:
@@ -319,3 +424,13 @@ class CausalLMModule(HFModule):
         model.config.use_cache = True
         return model
 
+
+
+def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
+    """The ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def causal_body(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformer body (``LlamaModel``, ``GPT2Model``...): hidden states, no lm_head."""
+    return causal_lm_of(model).base_model

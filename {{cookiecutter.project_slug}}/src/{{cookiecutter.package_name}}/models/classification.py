@@ -35,6 +35,8 @@ class SequenceClassificationModule(HFModule):
         model: the ``model`` config group as a plain dict (see :mod:`.builder`), including an
             optional ``fetch`` (called once in ``prepare_data`` to install the weights).
         optimizer: the ``optimizer`` config group as a plain dict (``_target_``, ``lr``, ...).
+        attention, checkpointing, compile: those config groups as plain dicts (see
+            :class:`.base.HFModule`).
         id2label, hf_config: filled in on the first fit and stored in checkpoints, from which
             eval/predict rebuild the model without the pretrained files.
 
@@ -42,9 +44,19 @@ class SequenceClassificationModule(HFModule):
     ``labels`` ``(B,)``; ``forward`` returns logits ``(B, num_labels)``.
     """
 
-    def __init__(self, model: dict, optimizer: dict, id2label: dict | None = None, hf_config: dict | None = None) -> None:
+    def __init__(
+        self,
+        model: dict,
+        optimizer: dict,
+        attention: dict | None = None,
+        checkpointing: dict | None = None,
+        compile: dict | None = None,
+        id2label: dict | None = None,
+        hf_config: dict | None = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.setup_optimization()
 
     @property
     def label2id(self) -> dict[str, int]:
@@ -59,15 +71,18 @@ class SequenceClassificationModule(HFModule):
             return
         if self.hparams.hf_config is None:
             datamodule = self.trainer.datamodule
-            self.model = build_sequence_classifier(self.hparams.model, datamodule.id2label, datamodule.tokenizer)
+            self.model = build_sequence_classifier(
+                self.hparams.model, datamodule.id2label, datamodule.tokenizer, self.attn_implementation
+            )
             self.tokenizer = datamodule.tokenizer
             self.hparams.id2label = datamodule.id2label
             self.hparams.hf_config = config_to_dict(self.model.config)
         else:
-            self.model = sequence_classifier_from_dict(self.hparams.hf_config)
+            self.model = sequence_classifier_from_dict(self.hparams.hf_config, self.attn_implementation)
         # from_pretrained returns the model in eval mode (dropout off), and Lightning keeps
         # each submodule's mode as it finds it: switch to train mode explicitly.
         self.model.train()
+        self.apply_levers()
         num_classes = len(self.hparams.id2label)
         self.train_metrics = classification_metrics(num_classes, "train")
         self.val_metrics = classification_metrics(num_classes, "val")
@@ -94,6 +109,8 @@ class SequenceClassificationModule(HFModule):
         self.train_metrics.update(logits, batch["labels"])
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=len(logits))
         self.log_dict(self.train_metrics, on_step=False, on_epoch=True)
+        if not self.automatic_optimization:  # optimizer.step_in_backward
+            self.backward_and_step(loss)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

@@ -7,8 +7,10 @@ so a user fixes a bad command line in one round instead of one error per launch.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
@@ -19,6 +21,11 @@ REQUIRED_EXAMPLES = {"ckpt_path": "RUN/checkpoints/last.ckpt", "input": "path/to
 TEXT_MODES = ("pack", "pad")
 SAMPLE_BY = ("document", "paragraph")
 PEFT_METHODS = ("none", "lora", "qlora")
+# The memory levers (configs/attention, checkpointing, compile).
+ATTENTION = ("sdpa", "flash_attention_2", "eager")
+CHECKPOINTING = ("none", "full")
+COMPILE_MODES = ("off", "default", "max-autotune")
+LOSSES = ("plain", "chunked", "liger")
 
 
 class ConfigError(ValueError):
@@ -63,13 +70,17 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("accumulate", accumulate_grad_batches)
 
 
-def validate_config(cfg: DictConfig, required: tuple[str, ...] = ()) -> None:
-    """Check a composed train/eval/predict config before anything is loaded.
+def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: bool = True) -> None:
+    """Check a composed train/eval/predict/plan config before anything is loaded.
 
     Reads raw values (no interpolation is resolved that could itself fail first).
 
     Args:
         required: top-level keys the entry point needs set (e.g. ``ckpt_path`` for eval).
+        runs_here: the config will run on this machine, so its GPU and packages must be here
+            (``16-mixed`` and ``loss=liger`` need CUDA; flash-attn, liger-kernel and bitsandbytes
+            must be installed).  ``plan`` passes ``False``: it plans for ``hardware``, not for
+            the machine it runs on.
 
     Raises:
         ConfigError: with every problem found, one per line.
@@ -89,6 +100,14 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = ()) -> None:
         precision = str(cfg.trainer.get("precision"))
         if precision not in PRECISIONS:
             problems.append(f"trainer.precision={precision!r} is not one of {PRECISIONS}; fix: precision=bf16-mixed")
+        elif precision.startswith("bf16") and "hardware" in cfg and not cfg.hardware.bf16:
+            problems.append(f"precision={precision} on hardware={cfg.hardware.name}, which has no bf16; "
+                            "fix: precision=16-mixed (fp16 with loss scaling) or 32-true")
+        elif precision == "16-mixed" and runs_here and not uses_cuda(cfg):
+            # Lightning would silently switch to bf16 on the CPU: say so instead.
+            problems.append("precision=16-mixed needs a CUDA GPU (fp16 autocast with loss scaling), and none is in use; "
+                            "fix: precision=bf16-mixed (or 32-true) on the CPU")
+    problems += _lever_problems(cfg, runs_here)
 
     if "optimizer" in cfg:
         lr = cfg.optimizer.get("lr")
@@ -129,6 +148,101 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = ()) -> None:
 
     if problems:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def uses_cuda(cfg: DictConfig) -> bool:
+    """Whether ``trainer`` will run on a CUDA GPU (``accelerator`` gpu/cuda, or auto with one visible)."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
+    """The attention / checkpointing / compile / loss / optimizer levers, and their conflicts."""
+    problems = []
+    attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
+    if attention not in ATTENTION:
+        problems.append(f"attention.implementation={attention!r} is not one of {ATTENTION}; fix: attention=sdpa")
+    elif attention == "flash_attention_2" and runs_here and (importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available()):
+        problems.append("attention=flash_attention_2 needs the flash-attn package and a CUDA GPU (Ampere or newer); "
+                        "fix: pip install flash-attn --no-build-isolation, or attention=sdpa (PyTorch's own flash kernel)")
+    if "checkpointing" in cfg and cfg.checkpointing.mode not in CHECKPOINTING:
+        problems.append(f"checkpointing.mode={cfg.checkpointing.mode!r} is not one of {CHECKPOINTING}; fix: checkpointing=full")
+    if "compile" in cfg and str(cfg.compile.mode) not in COMPILE_MODES:
+        problems.append(f"compile.mode={cfg.compile.mode!r} is not one of {COMPILE_MODES}; fix: compile=default")
+    if "loss" in cfg:
+        problems += _loss_problems(cfg, runs_here)
+    optimizer = cfg.get("optimizer") or {}
+    if runs_here and str(optimizer.get("_target_", "")).startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(f"optimizer._target_={optimizer._target_} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw")
+    if optimizer.get("step_in_backward"):
+        problems += _step_in_backward_problems(cfg)
+    return problems
+
+
+def _loss_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
+    implementation, chunk_size = cfg.loss.implementation, cfg.loss.chunk_size
+    if implementation not in LOSSES:
+        return [f"loss.implementation={implementation!r} is not one of {LOSSES}; fix: loss=chunked"]
+    if implementation == "plain":
+        return []
+    if "task" in cfg and cfg.task.name != "causal_lm":
+        return [f"loss={implementation} applies to task=causal_lm only (task={cfg.task.name}); fix: loss=plain"]
+    if implementation == "chunked" and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
+        return [f"loss.chunk_size={chunk_size!r} must be a positive integer (positions per chunk), e.g. loss.chunk_size=256"]
+    if implementation == "liger" and runs_here and (importlib.util.find_spec("liger_kernel") is None or not uses_cuda(cfg)):
+        return ["loss=liger needs a CUDA GPU and the liger-kernel package; fix: pip install -e \".[liger]\" on a GPU "
+                "machine, or loss=chunked (the same memory saving, in plain PyTorch)"]
+    return []
+
+
+def _step_in_backward_problems(cfg: DictConfig) -> list[str]:
+    """``optimizer.step_in_backward`` consumes each gradient as it is made: nothing can wait for
+    the whole gradient (accumulation, global-norm clipping, loss scaling, a DDP all-reduce)."""
+    problems = []
+    if "batch" in cfg and batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size) is None:
+        accumulate = cfg.batch.global_batch_size // cfg.batch.micro_batch_size
+        if accumulate != 1:
+            problems.append(
+                f"optimizer.step_in_backward=true steps on every micro-batch, but batch.global_batch_size="
+                f"{cfg.batch.global_batch_size} / batch.micro_batch_size={cfg.batch.micro_batch_size} accumulates {accumulate}; "
+                f"fix: batch.global_batch_size={cfg.batch.micro_batch_size}, or optimizer.step_in_backward=false"
+            )
+    if "trainer" in cfg:
+        clip = cfg.trainer.get("gradient_clip_val")
+        if clip not in (None, 0, 0.0):
+            problems.append(f"optimizer.step_in_backward=true cannot clip by the global gradient norm (trainer.gradient_clip_val={clip}): "
+                            "the norm is known only after every parameter has stepped; fix: trainer.gradient_clip_val=null")
+        if str(cfg.trainer.get("precision")) == "16-mixed":
+            problems.append("optimizer.step_in_backward=true with precision=16-mixed: the loss scaler must see every gradient "
+                            "before any step; fix: precision=bf16-mixed")
+        devices = cfg.trainer.get("devices")
+        if devices not in (1, "1", None) or cfg.trainer.get("num_nodes", 1) != 1:
+            problems.append(f"optimizer.step_in_backward=true runs on one device (trainer.devices={devices}): DDP all-reduces "
+                            "gradients after backward; fix: trainer.devices=1")
+    return problems
+
+
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Valid but risky choices, said out loud by train and plan (never silently).
+
+    - ``bf16-true`` with a full fine-tune: weights and AdamW state are bf16 (8 significant bits),
+      so an update smaller than ~1/256 of a weight rounds to nothing; at a fine-tuning LR of 2e-5
+      most updates are that small and most weights never change.  We warn rather than keep
+      hidden fp32 master copies: the point of bf16-true is the memory those copies would take.
+    """
+    warnings = []
+    trainer = cfg.get("trainer") or {}
+    peft = cfg.get("peft") or {}
+    full_fine_tune = peft.get("method", "none") == "none" and bool((cfg.get("model") or {}).get("name_or_path"))
+    if str(trainer.get("precision")) == "bf16-true" and full_fine_tune:
+        lr = (cfg.get("optimizer") or {}).get("lr")
+        warnings.append(
+            f"precision=bf16-true with a full fine-tune: weights and optimizer state are bf16, and an update "
+            f"below ~1/256 of a weight rounds away (at optimizer.lr={lr} most do: many weights never change). "
+            "Prefer precision=bf16-mixed (fp32 master weights); to save memory instead, optimizer=adamw_8bit, "
+            "checkpointing=full, optimizer.step_in_backward=true, or peft=lora."
+        )
+    return warnings
 
 
 def _task_problems(cfg: DictConfig) -> list[str]:

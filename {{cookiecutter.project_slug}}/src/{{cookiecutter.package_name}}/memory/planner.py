@@ -1,0 +1,474 @@
+"""Predict the peak GPU memory of a training run from its config, on the CPU.
+
+Method: build the configured model (same builder, precision, PEFT, attention, activation
+checkpointing, loss and optimizer as ``train``) on fake tensors, run one steady-state training
+step (optimizer state already allocated) of one micro-batch of ``data.max_length`` tokens under
+the memory tracker (:mod:`.tracer`), then add what the trace cannot see:
+
+- **4-bit weights (QLoRA)**: traced in bf16, counted as NF4: 0.5 byte/weight plus one 8-bit
+  constant per 64 weights and one fp32 constant per 64 x 256 with double quantization, else one
+  fp32 constant per 64 (QLoRA paper, Section 3); plus one bf16 copy of the largest quantized
+  weight, dequantized for each matmul (a temporary).
+- **8-bit optimizer state** (bitsandbytes): traced as fp32 AdamW, counted as 2 bytes/param plus
+  two fp32 block maxima per 256 values, for tensors of at least 4,096 values; smaller tensors keep
+  8 bytes/param (bitsandbytes' ``min_8bit_size``; block size measured on bitsandbytes 0.50).
+  Paged state lives in CUDA unified memory, outside PyTorch's allocator: reported, not in the total.
+- **CUDA vs CPU**: the trace runs on CPU fake tensors.  Attention: CPU sdpa runs the flash-
+  attention CPU kernel, which saves the same (output, log-sum-exp) as CUDA's flash/memory-
+  efficient kernels, so no correction; ``flash_attention_2`` is traced as sdpa (same saved
+  tensors).  Autocast: the CPU list keeps layer_norm/softmax in bf16 where CUDA computes them in
+  fp32; the tracer emulates CUDA's float32 list (:class:`.tracer.CudaAutocastEmulation`).
+  Logits: bf16 from the lm_head under autocast on both, and fp32 in our loss on both.
+- **CUDA context + allocator reserve**: one fixed margin, :data:`CUDA_OVERHEAD_GIB`.
+- ``compile`` is not traced (eager): Inductor's fusions usually lower activation memory, so the
+  plan is an upper bound there.
+
+The figures are for one device; the global batch only decides the accumulation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from omegaconf import DictConfig
+from transformers import AutoConfig, PretrainedConfig
+
+from ..models.levers import enable_activation_checkpointing
+from ..optim import StepInBackward, build_optimizer
+from ..utils.config import ConfigError, to_plain, uses_cuda
+from . import tracer
+
+GIB = 2**30
+# A PyTorch process's CUDA context takes ~0.3-0.6 GiB on Ampere/Ada with CUDA 12's lazy module
+# loading (PyTorch "CUDA semantics" notes: CUDA_MODULE_LOADING=LAZY; nvidia-smi of a process that
+# allocated nothing); cuBLAS/cuDNN workspaces and the caching allocator's rounding and
+# fragmentation take a few hundred MiB more at these sizes.  Not tuned to any published figure.
+CUDA_OVERHEAD_GIB = 0.75
+# bitsandbytes 8-bit state: 1 byte per moment (2 moments), block-wise fp32 maxima per 256 values.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+# QLoRA NF4 (Dettmers et al. 2023, Section 3): 64-weight blocks; double quantization stores the
+# block constants in 8 bits with one fp32 constant per 256 of them.
+NF4_BLOCK = 64
+NF4_SECOND_BLOCK = 256
+# loss=liger runs Triton kernels, so the trace runs the chunked loss instead: both keep only one
+# chunk of logits at a time (Liger sizes its chunks from hidden size and vocabulary).
+LIGER_TRACED_CHUNK = 1024
+
+
+@dataclass
+class MemoryPlan:
+    """What ``plan`` reports.  Byte fields are what is alive at the peak moment of a step (they
+    sum to ``peak_allocated``, the figure ``torch.cuda.max_memory_allocated`` measures);
+    ``total = peak_allocated + overhead`` is what the card must hold."""
+
+    micro_batch: int
+    seq_len: int
+    accumulate: int
+    params: int
+    buffers: int
+    grads: int
+    optimizer: int
+    activations: int
+    temporaries: int
+    peak_allocated: int
+    overhead: int
+    total: int
+    budget: int
+    fits: bool
+    paged_optimizer: int = 0
+    max_micro_batch: int = 0
+    max_micro_batch_accumulate: int | None = None
+    counts: dict = field(default_factory=dict)
+    corrections: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        """Plain JSON: every byte field also as ``<name>_gib`` (GiB, 3 decimals)."""
+        out = asdict(self)
+        for name in ("params", "buffers", "grads", "optimizer", "activations", "temporaries", "peak_allocated",
+                     "overhead", "total", "budget", "paged_optimizer"):
+            out[f"{name}_gib"] = round(out[name] / GIB, 3)
+        return out
+
+    def table(self, hardware: str) -> str:
+        """The human-readable report."""
+        rows = [("parameters", self.params + self.buffers), ("gradients", self.grads), ("optimizer state", self.optimizer),
+                ("activations", self.activations), ("temporaries", self.temporaries),
+                ("= peak allocated", self.peak_allocated), ("CUDA context + allocator", self.overhead), ("= total", self.total)]
+        lines = [f"Memory plan: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}"]
+        lines += [f"  {name:<26}{size / GIB:>8.2f} GiB" for name, size in rows]
+        if self.paged_optimizer:
+            lines.append(f"  (paged optimizer state      {self.paged_optimizer / GIB:.2f} GiB in unified memory, not counted)")
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"Verdict: {self.total / GIB:.2f} GiB {verdict} in {self.budget / GIB:.2f} GiB ({hardware})")
+        if self.max_micro_batch:
+            lines.append(f"Largest micro-batch that fits: {self.max_micro_batch} "
+                         f"(batch.micro_batch_size={self.max_micro_batch}, accumulation {self.max_micro_batch_accumulate})")
+        else:
+            lines.append("No micro-batch fits; try: " + "; ".join(self.advice))
+        lines += [f"  note: {note}" for note in self.corrections]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- configs
+def architecture(cfg: DictConfig) -> PretrainedConfig:
+    """The HF config the planner builds, read without network or weights.
+
+    From scratch (``model.config``): that config, with the tokenizer's vocabulary size when the
+    tokenizer is on disk, else ``model.architecture.vocab_size``.  Pretrained: the published
+    ``model.architecture`` numbers when the model file gives them, else ``config.json`` of a local
+    ``model.name_or_path``.
+
+    Raises:
+        ConfigError: none of these is available (the message says what to set).
+    """
+    spec = cfg.model
+    published = to_plain(spec.architecture) if spec.get("architecture") else None
+    if spec.get("config"):
+        fields = to_plain(spec.config)
+        vocab = _tokenizer_vocab(spec.get("tokenizer")) or (published or {}).get("vocab_size")
+        if vocab is None:
+            raise ConfigError(f"plan needs the vocabulary size of model.tokenizer={spec.get('tokenizer')!r}, which is not on disk; "
+                              "fix: +model.architecture.vocab_size=<N>, or fetch the tokenizer once (train does)")
+        return AutoConfig.for_model(fields.pop("model_type"), vocab_size=vocab, **fields)
+    if published:
+        return AutoConfig.for_model(published.pop("model_type"), **published)
+    path = spec.get("name_or_path")
+    if path and Path(path, "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    raise ConfigError(f"plan reads no weights and no network, and model.name_or_path={path!r} is not a local model folder; "
+                      "fix: add the published config.json numbers as model.architecture (see configs/model/llama31_8b.yaml)")
+
+
+def _tokenizer_vocab(name: str | None) -> int | None:
+    if not name:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(name, local_files_only=True))
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------- trace
+@dataclass
+class _Traced:
+    peak: dict[str, int]
+    n_params: int
+    n_trainable: int
+    trainable: list[tuple[int, int]]  # (numel, bytes per value) of each trainable tensor
+    param_bytes: int
+    quantized_numels: list[int]
+
+
+def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Traced:
+    """Trace one training step of ``micro_batch`` sequences of ``data.max_length`` tokens on fake
+    tensors; the autocast ops follow CUDA's rules (see the module docstring)."""
+    with torch.device("meta"):
+        built = _build(cfg, config, str(cfg.trainer.precision))
+    with tracer.fake_tensors():
+        tracer.materialize_fake(built[0])
+        setup = training_step(cfg, config, micro_batch, built)
+        optimizer = setup.optimizer
+        tracked = [setup.loss, *(optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer])]
+        peak = tracer.peak_bytes(setup.step, tracked, mixed=str(cfg.trainer.precision).endswith("-mixed"))
+        if isinstance(optimizer, StepInBackward):
+            optimizer.remove_hooks()
+        parameters = list(setup.loss.model.parameters())  # unique: tied weights once
+        trainable = [(p.numel(), p.element_size()) for p in parameters if p.requires_grad]
+        param_bytes = sum(p.numel() * p.element_size() for p in parameters)
+        return _Traced(peak, sum(p.numel() for p in parameters), sum(n for n, _ in trainable), trainable,
+                       param_bytes, setup.quantized_numels)
+
+
+@dataclass
+class StepSetup:
+    """What :func:`training_step` builds: ``step()`` runs forward (``loss()``, a module call
+    wrapping the model), backward and the optimizer step."""
+
+    loss: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    quantized_numels: list[int]
+
+    def step(self) -> None:
+        self.loss().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def training_step(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, built: tuple | None = None) -> StepSetup:
+    """The model, optimizer (state allocated) and a ``step()`` closure doing one training step of
+    ``micro_batch`` x ``data.max_length`` random tokens, as ``train`` would: same builder,
+    precision, PEFT, activation checkpointing, loss and optimizer (bitsandbytes classes replaced
+    by fp32 AdamW, corrected by :func:`optimizer_state_bytes`).  Real tensors unless called
+    inside :func:`.tracer.fake_tensors` (``bench/planner_accuracy.py`` runs it for real) with
+    ``built``, the :func:`_build` output materialized as fake tensors.
+
+    Returns:
+        the :class:`StepSetup`; ``quantized_numels`` are the weights a QLoRA base holds in 4 bits.
+    """
+    precision = str(cfg.trainer.precision)
+    mixed = precision.endswith("-mixed")
+    autocast_dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+    model, module, quantized = built or _build(cfg, config, precision)
+    model.train()
+    if cfg.checkpointing.mode == "full":
+        enable_activation_checkpointing(model)
+    optimizer_cfg = to_plain(cfg.optimizer)
+    if optimizer_cfg["_target_"].startswith("bitsandbytes."):
+        optimizer_cfg["_target_"] = "torch.optim.AdamW"
+    optimizer = build_optimizer(model, optimizer_cfg, device_type="cuda")
+    _allocate_optimizer_state(model, optimizer)
+    input_ids = torch.randint(0, config.vocab_size, (micro_batch, cfg.data.max_length))  # (B, T)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    def loss_fn() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=mixed):
+            if cfg.task.name == "causal_lm":
+                loss_sum, n_targets = module.model_step({**batch, "labels": input_ids})
+                return loss_sum / n_targets
+            logits = model(**batch).logits  # (B, num_labels)
+            return torch.nn.functional.cross_entropy(logits.float(), torch.zeros(micro_batch, dtype=torch.long))
+
+    return StepSetup(_Loss(model, loss_fn), optimizer, quantized)
+
+
+class _Loss(torch.nn.Module):
+    """The forward + loss of a step as one module call: the memory tracker accepts a submodule
+    called several times per step (the chunked loss's lm_head) only inside a root module."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self) -> torch.Tensor:
+        return self.loss_fn()
+
+
+def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
+    """The model as ``train`` builds it, from ``config`` (random fake weights); returns the model,
+    the task module holding it (its ``model_step`` is the loss) and the numels of the weights a
+    QLoRA base would hold in 4 bits."""
+    attention = cfg.attention.implementation
+    if attention == "flash_attention_2":
+        attention = "sdpa"  # the same saved tensors; flash-attn does not run on the CPU
+    module_class = hydra.utils.get_class(cfg.task.module)
+    module = module_class(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
+    quantized: list[int] = []
+    if cfg.task.name == "causal_lm":
+        from transformers import AutoModelForCausalLM
+
+        from ..models.adapters import wrap_with_lora
+        from ..models.causal_lm import COMPUTE_DTYPES, load_dtype
+
+        if module.loss_implementation == "liger":  # Triton: no CPU; traced as the chunked loss
+            module.hparams.loss = {"implementation": "chunked", "chunk_size": LIGER_TRACED_CHUNK}
+        method = module.peft_method
+        config, modules = module._architecture(precision, cfg.data.max_length, config=config)
+        dtype = COMPUTE_DTYPES.get(precision, torch.float32) if method == "qlora" else load_dtype(precision, method)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
+        if method == "qlora":
+            quantized = _quantized_weights(model)
+        if method != "none":
+            model = wrap_with_lora(model, to_plain(cfg.peft), modules)
+        module.model = model
+    else:
+        from transformers import AutoModelForSequenceClassification
+
+        config.num_labels = 2  # the head's size barely matters; the labels come with the data
+        if config.pad_token_id is None:
+            config.pad_token_id = 0  # HF's classifiers read the last non-pad token; the trace has no padding
+        model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attention)
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)  # Lightning's bf16-true converts every floating tensor
+    return model, module, quantized
+
+
+def _quantized_weights(model: torch.nn.Module) -> list[int]:
+    """Numels of the weights a 4-bit load quantizes: every linear layer but the lm_head
+    (transformers keeps the output embedding unquantized).  They are traced in bf16 and
+    re-counted as NF4 afterwards; everything else stays in the compute dtype (see
+    ``models.adapters.wrap_with_lora``)."""
+    output = model.get_output_embeddings()
+    return [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+
+
+def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One step on zero gradients, so the traced step is the steady state (state already there)."""
+    inner = optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer]
+    for opt in inner:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------ the plan
+def optimizer_state_bytes(trainable: list[tuple[int, int]], target: str) -> int:
+    """Optimizer state bytes of AdamW-style optimizers for trainable tensors of ``(numel, bytes
+    per value)``: torch AdamW keeps two moments in the parameter's dtype (8 bytes/value in fp32)
+    and a 4-byte ``step`` tensor per parameter; bitsandbytes 8-bit (see module docstring) 2
+    bytes/value plus two fp32 maxima per 256 values for tensors of >= 4,096 values, 8 bytes/value
+    below that (the bytes bitsandbytes 0.50 allocates: ``tests/test_planner.py`` compares them)."""
+    if not target.startswith("bitsandbytes."):
+        return sum(2 * numel * size + 4 for numel, size in trainable)
+    numels = [numel for numel, _ in trainable]
+    total = 0
+    for numel in numels:
+        if numel >= BNB_MIN_8BIT_SIZE:
+            total += 2 * numel + 2 * 4 * math.ceil(numel / BNB_BLOCK)
+        else:
+            total += 8 * numel
+    if any(numel >= BNB_MIN_8BIT_SIZE for numel in numels):
+        total += 2 * 256 * 4  # the two quantization maps (256 fp32 values each), shared by every tensor
+    return total
+
+
+def nf4_bytes(numel: int, double_quant: bool) -> int:
+    """Bytes of one weight of ``numel`` values in 4-bit NF4 with its quantization constants (as
+    ``bitsandbytes.functional.quantize_4bit`` stores them, less its ~1 KiB of code tables)."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    constants = blocks + 4 * math.ceil(blocks / NF4_SECOND_BLOCK) if double_quant else 4 * blocks
+    return math.ceil(numel / 2) + constants
+
+
+def plan_memory(
+    cfg: DictConfig, micro_batch: int | None = None, search: bool = True, config: PretrainedConfig | None = None
+) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``cfg`` (a composed ``train`` config) at ``micro_batch``
+    (default ``batch.micro_batch_size``), with the largest micro-batch that fits when ``search``.
+
+    The search traces micro-batches 1 and 2, extrapolates linearly (activations grow with the
+    micro-batch, the rest does not), takes the largest divisor of the global batch under the
+    estimate (so the global batch is kept), and confirms it with a trace of its own, stepping
+    down through the divisors until one fits.
+
+    Raises:
+        ConfigError: the architecture cannot be read (see :func:`architecture`; or pass ``config``),
+            or the module's own checks (max positions, LoRA targets...).
+    """
+    config = config or architecture(cfg)
+    global_batch = cfg.batch.global_batch_size
+    micro_batch = micro_batch or cfg.batch.micro_batch_size
+    budget = int(cfg.hardware.budget_gib * GIB)
+    plan = _plan_at(cfg, config, micro_batch, budget)
+    if not search:
+        return plan
+    divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+    one = plan if micro_batch == 1 else _plan_at(cfg, config, 1, budget)
+    two = plan if micro_batch == 2 else (_plan_at(cfg, config, 2, budget) if global_batch >= 2 else one)
+    per_sample = max(1, two.total - one.total)
+    estimate = 1 + (budget - one.total) // per_sample if one.fits else 0
+    best, checked = 0, {p.micro_batch: p for p in (plan, one, two)}
+    for candidate in reversed([d for d in divisors if d <= estimate]):
+        trial = checked.get(candidate) or _plan_at(cfg, config, candidate, budget)
+        if trial.fits:
+            best = candidate
+            break
+    plan.max_micro_batch = best
+    plan.max_micro_batch_accumulate = global_batch // best if best else None
+    if not plan.fits or not best:
+        plan.advice = _advice(cfg)
+    return plan
+
+
+def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget: int) -> MemoryPlan:
+    traced = trace(cfg, config, micro_batch)
+    peak = dict(traced.peak)
+    notes = []
+    target = cfg.optimizer._target_
+    state = optimizer_state_bytes(traced.trainable, target)
+    param_bytes = traced.param_bytes
+    paged = 0
+    if target.startswith("bitsandbytes."):
+        notes.append(f"8-bit optimizer state counted as bitsandbytes stores it ({state / GIB:.2f} GiB), not as traced fp32 AdamW")
+        peak["optimizer"] = state
+        if "Paged" in target:
+            paged, peak["optimizer"] = state, 0
+            notes.append("paged optimizer state is in CUDA unified memory, outside PyTorch's allocator: not in the total")
+    if traced.quantized_numels:
+        double_quant = cfg.peft.double_quant
+        bf16 = 2 * sum(traced.quantized_numels)
+        nf4 = sum(nf4_bytes(n, double_quant) for n in traced.quantized_numels)
+        peak["params"] += nf4 - bf16
+        param_bytes += nf4 - bf16
+        peak["temporaries"] += 2 * max(traced.quantized_numels)  # one dequantized bf16 weight at a time
+        notes.append(f"QLoRA base counted in NF4 ({nf4 / GIB:.2f} GiB) instead of the traced bf16 ({bf16 / GIB:.2f} GiB)")
+    if cfg.get("loss") and cfg.loss.implementation == "liger":
+        notes.append(f"loss=liger traced as the chunked loss ({LIGER_TRACED_CHUNK} positions per chunk): Triton does not run on the CPU")
+    if cfg.compile.mode != "off":
+        notes.append("traced without torch.compile: compiled steps usually need less activation memory")
+    allocated = sum(peak[k] for k in ("params", "buffers", "grads", "optimizer", "activations", "temporaries"))
+    overhead = int(CUDA_OVERHEAD_GIB * GIB)
+    counts = {  # the full sizes, by arithmetic (the table is what is alive at the peak)
+        "parameters": traced.n_params, "trainable": traced.n_trainable, "param_bytes": param_bytes,
+        "grad_bytes": sum(numel * size for numel, size in traced.trainable), "optimizer_bytes": state,
+    }
+    return MemoryPlan(
+        micro_batch=micro_batch, seq_len=cfg.data.max_length, accumulate=max(1, cfg.batch.global_batch_size // micro_batch),
+        params=peak["params"], buffers=peak["buffers"], grads=peak["grads"], optimizer=peak["optimizer"],
+        activations=peak["activations"], temporaries=peak["temporaries"], peak_allocated=allocated, overhead=overhead,
+        total=allocated + overhead, budget=budget, fits=allocated + overhead <= budget, paged_optimizer=paged,
+        counts=counts, corrections=notes,
+    )
+
+
+def _advice(cfg: DictConfig) -> list[str]:
+    """The levers not pulled yet, cheapest in speed first."""
+    advice = []
+    if cfg.task.name == "causal_lm" and cfg.loss.implementation == "plain":
+        advice.append("loss=chunked")
+    if cfg.checkpointing.mode == "none":
+        advice.append("checkpointing=full")
+    if not str(cfg.optimizer._target_).startswith("bitsandbytes."):
+        advice.append("optimizer=adamw_8bit")
+    if not cfg.optimizer.step_in_backward and (cfg.get("peft") or {}).get("method", "none") == "none":
+        advice.append("optimizer.step_in_backward=true (with batch.global_batch_size=batch.micro_batch_size, trainer.gradient_clip_val=null)")
+    if cfg.task.name == "causal_lm" and cfg.peft.method == "none":
+        advice.append("peft=lora (or qlora)")
+    elif cfg.task.name == "causal_lm" and cfg.peft.method == "lora":
+        advice.append("peft=qlora")
+    advice.append(f"a shorter data.max_length (now {cfg.data.max_length})")
+    return advice
+
+
+def write_plan(plan: MemoryPlan, run_dir: Path, hardware: str) -> None:
+    """``plan.json`` and ``plan.txt`` in ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "plan.json").write_text(json.dumps({**plan.as_json(), "hardware": hardware}, indent=2) + "\n")
+    (run_dir / "plan.txt").write_text(plan.table(hardware) + "\n")
+
+
+def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
+    """Before a GPU run (``plan_before_fit: true``), plan it and refuse one that will not fit.
+
+    Writes ``plan.json``/``plan.txt`` into ``run_dir`` either way.  Skipped on the CPU (the
+    budget is a GPU's), with ``plan_before_fit=false``, and (with a warning) when the
+    architecture cannot be read yet.
+
+    Raises:
+        ConfigError: the plan's total is above ``hardware.budget_gib``; the message holds the
+            table and the levers to pull.
+    """
+    if not cfg.get("plan_before_fit") or not uses_cuda(cfg):
+        return
+    try:
+        config = architecture(cfg)
+    except ConfigError as error:  # e.g. a scratch model whose tokenizer is not fetched yet
+        rank_zero_warn(f"memory plan skipped, the architecture is unknown before the first fetch: {error}")
+        return
+    plan = plan_memory(cfg, config=config)
+    write_plan(plan, run_dir, cfg.hardware.name)
+    if not plan.fits:
+        fix = (f"batch.micro_batch_size={plan.max_micro_batch}" if plan.max_micro_batch else "; ".join(plan.advice))
+        raise ConfigError(f"this run will not fit in {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}):\n"
+                          f"{plan.table(cfg.hardware.name)}\nfix: {fix}; or plan_before_fit=false to run anyway")

@@ -1,0 +1,153 @@
+"""Peak memory of one training step, traced on fake tensors.
+
+The only module that touches PyTorch's private tracing API
+(``torch._subclasses.fake_tensor.FakeTensorMode`` and
+``torch.distributed._tools.mem_tracker.MemTracker``, both underscored: they may change between
+PyTorch releases, and ``tests/test_planner.py`` pins what we rely on).  Fake tensors carry shape,
+dtype and device but no storage, so an 8B-parameter step is traced in seconds with no real memory;
+the tracker counts every allocation and free by category and keeps the moment of the peak.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# MemTracker's categories -> ours (the planner's table rows).
+CATEGORIES = {
+    "PARAM": "params",
+    "BUFFER": "buffers",
+    "GRAD": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations",  # allocated in forward and alive at the peak (saved for backward)
+    "TEMP": "temporaries",  # allocated in backward: activation gradients, recomputation, workspaces
+    "OTH": "temporaries",  # anything else (inputs, loss scalars)
+}
+
+# Ops CUDA autocast runs in float32 ("CUDA Ops that can autocast to float32", PyTorch AMP docs),
+# where CPU autocast keeps the input's bf16.  Emulated so the CPU trace holds CUDA's dtypes.
+CUDA_FP32_FUNCTIONS = {
+    F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss,
+    torch.layer_norm, torch.group_norm, torch.softmax, torch.log_softmax,
+    torch.Tensor.softmax, torch.Tensor.log_softmax,
+}
+
+
+class CudaAutocastEmulation(TorchFunctionMode):
+    """Under CPU autocast, run the ops CUDA autocast promotes to float32 in float32 (cast the
+    floating inputs up, autocast off), as CUDA would; everything else is untouched.  CPU and CUDA
+    autocast agree on the matmul-class ops (linear, matmul, bmm, baddbmm, sdpa run in bf16/fp16)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in CUDA_FP32_FUNCTIONS and torch.is_autocast_enabled("cpu"):
+            up = lambda value: value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value  # noqa: E731
+            with torch.autocast("cpu", enabled=False):
+                return func(*[up(a) for a in args], **{k: up(v) for k, v in kwargs.items()})
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def fake_tensors() -> Iterator[None]:
+    """Every tensor created inside is a fake CPU tensor (no storage, no real memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        yield
+
+
+def materialize_fake(model: torch.nn.Module) -> None:
+    """Replace every parameter and buffer of a model built on the ``meta`` device by a fake CPU
+    tensor of the same shape, dtype and ``requires_grad``; shared (tied) parameters stay shared.
+    Call inside :func:`fake_tensors`.
+
+    Why build on ``meta`` first: ``nn.Module.to`` cannot convert fake parameters in place
+    (``_apply`` must swap them, and fake tensors carry weakrefs that forbid swapping), and peft
+    and Lightning-style casts call it; on ``meta`` every builder step runs as usual.
+    """
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in replaced:
+                    fake = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+                    replaced[id(param)] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+                module._parameters[name] = replaced[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _tracker():
+    """``MemTracker`` with two changes, both pinned by ``tests/test_planner.py``:
+
+    - only the global peak is kept: its per-op update also walks every tracked module for
+      per-module peaks we do not use, which makes a trace quadratic in depth (an 8B model took
+      minutes); without it an 8B step traces in seconds;
+    - frozen parameters are left alone: it installs a gradient hook on every parameter, which
+      PyTorch refuses for one that needs no gradient (LoRA's frozen base); marking those as hooked
+      already (with a handle whose ``remove`` does nothing) skips them.
+    """
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class GlobalPeakMemTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = deepcopy(snapshot)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for param in module.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return GlobalPeakMemTracker()
+
+
+def peak_bytes(step: Callable[[], None], tracked: list[torch.nn.Module | torch.optim.Optimizer], mixed: bool) -> dict[str, int]:
+    """Run ``step`` (one forward + backward + optimizer step, built inside :func:`fake_tensors`)
+    under the memory tracker.
+
+    Args:
+        step: the training step.  Optimizer state should exist already (the steady state): the
+            first step of a run allocates it only at its end.
+        tracked: the modules and optimizers whose tensors are named params/buffers/grads/state.
+        mixed: the step runs under CPU autocast; emulate CUDA's float32 ops (see above).
+
+    Returns:
+        Bytes alive at the peak, by category (``params``, ``buffers``, ``grads``, ``optimizer``,
+        ``activations``, ``temporaries``), and ``total``.
+    """
+    tracker = _tracker()
+    tracker.track_external(*tracked)
+    with tracker, warnings.catch_warnings():
+        # Under optimizer.step_in_backward our hook frees each gradient before the tracker's own
+        # hook reads it; the tracker then warns that it got None (the free is still counted).
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+        if mixed:
+            with CudaAutocastEmulation():
+                step()
+        else:
+            step()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    result = dict.fromkeys(["params", "buffers", "grads", "optimizer", "activations", "temporaries"], 0)
+    for per_device in snapshot.values():
+        for kind, size in per_device.items():
+            if kind != "Total":
+                result[CATEGORIES[kind.name]] += size
+    result["total"] = sum(per_device["Total"] for per_device in snapshot.values())
+    return result

@@ -1,0 +1,193 @@
+"""The memory planner: exact arithmetic where it is arithmetic, bitsandbytes' real byte counts,
+the auto-fit search, the pre-flight refusal, the entry point's files, and every 24 GB
+experiment's header figure."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from {{ cookiecutter.package_name }}.memory import planner
+from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, nf4_bytes, optimizer_state_bytes, plan_memory
+from {{ cookiecutter.package_name }}.memory.tracer import CudaAutocastEmulation
+from {{ cookiecutter.package_name }}.utils.config import ConfigError
+
+from .conftest import compose_config
+
+EXPERIMENTS = resources.files("{{ cookiecutter.package_name }}") / "configs" / "experiment"
+HEADER = re.compile(r"planner: ([0-9.]+) GiB")
+
+
+def plan_cfg(*overrides: str):
+    return compose_config("plan", ["hardware=cpu", *overrides])
+{%- if cookiecutter.tasks != "classification" %}
+
+
+# A small Llama from scratch: vocabulary from the SmolLM2 architecture numbers (no files needed).
+TINY_LM = ("experiment=demo_lm_scratch", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+           "model.config.num_hidden_layers=2", "data.max_length=16", "precision=32-true")
+
+
+def _real_model(cfg):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(architecture(cfg))
+
+
+def test_parameter_gradient_and_optimizer_bytes_are_exact():
+    """The arithmetic parts against a real model, its real gradients and a real AdamW's state."""
+    cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
+    model = _real_model(cfg)
+    ids = torch.randint(0, 100, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    optimizer.step()
+    real_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    real_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    real_state = sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values())
+    plan = plan_memory(cfg, search=False)
+    assert plan.counts["param_bytes"] == real_params and plan.counts["grad_bytes"] == real_grads
+    assert plan.counts["optimizer_bytes"] == real_state
+    # The trace sees the same: all parameters and the whole (steady-state) optimizer state are
+    # alive at the peak, whatever the peak's moment.
+    assert plan.params == real_params and plan.optimizer == real_state
+    assert plan.total == plan.peak_allocated + plan.overhead
+    assert plan.peak_allocated >= real_params + real_state + real_grads  # the optimizer step holds all three
+
+
+def test_step_in_backward_plans_no_full_gradient_set():
+    cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1",
+                   "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null")
+    n = sum(p.numel() for p in _real_model(cfg).parameters())
+    plan = plan_memory(cfg, search=False)
+    assert plan.grads < 4 * n / 2, plan  # gradients are stepped and freed one tensor at a time
+
+
+def test_8bit_state_is_what_bitsandbytes_allocates():
+    bnb = pytest.importorskip("bitsandbytes")
+    cfg = plan_cfg(*TINY_LM)
+    model = _real_model(cfg)
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    storages = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.numel() > 1:
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    trainable = [(p.numel(), p.element_size()) for p in model.parameters()]
+    assert optimizer_state_bytes(trainable, "bitsandbytes.optim.AdamW8bit") == sum(storages.values())
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_nf4_bytes_are_what_bitsandbytes_stores(double_quant):
+    functional = pytest.importorskip("bitsandbytes.functional")
+    weight = torch.randn(300, 640, dtype=torch.bfloat16)
+    packed, state = functional.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+    stored = packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
+    if double_quant:
+        stored += state.state2.absmax.numel() * state.state2.absmax.element_size()
+    assert nf4_bytes(weight.numel(), double_quant) == stored
+
+
+def test_autofit_picks_the_largest_divisor_that_fits_and_keeps_the_global_batch():
+    base = (*TINY_LM, "data.max_length=64", "batch.global_batch_size=12")
+    sizes = {mb: plan_memory(plan_cfg(*base, f"batch.micro_batch_size={mb}"), search=False).total for mb in (3, 4)}
+    budget_gib = (sizes[3] + sizes[4]) / 2 / GIB  # 3 fits, 4 does not
+    plan = plan_memory(plan_cfg(*base, "batch.micro_batch_size=12", f"hardware.budget_gib={budget_gib}"))
+    assert not plan.fits
+    assert plan.max_micro_batch == 3 and plan.max_micro_batch_accumulate == 4
+    assert "checkpointing=full" in plan.advice
+
+
+def test_plan_entry_point_writes_json_and_text(tmp_path):
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.plan", *TINY_LM, f"hydra.run.dir={run}"],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    written = json.loads((run / "plan.json").read_text())
+    for key in ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "total_gib", "budget_gib", "fits", "max_micro_batch"):
+        assert key in written, key
+    assert written["fits"] is True and written["max_micro_batch"] == 16
+    assert "Verdict:" in (run / "plan.txt").read_text() and "Verdict:" in result.stdout
+
+
+def test_plan_accepts_gpu_only_choices_on_a_cpu_machine(tmp_path):
+    """plan is for the hardware group, not this machine: 16-mixed is planned, not refused."""
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.plan", *TINY_LM[:-1], "precision=16-mixed", "hardware=rtx4090_24gb",
+         f"hydra.run.dir={run}"], capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((run / "plan.json").read_text())["hardware"] == "rtx4090_24gb"
+
+
+def test_train_refuses_a_gpu_run_that_will_not_fit(tmp_path, monkeypatch):
+    cfg = plan_cfg(*TINY_LM, "hardware.budget_gib=0.01")
+    monkeypatch.setattr(planner, "uses_cuda", lambda cfg: True)
+    with pytest.raises(ConfigError, match="will not fit"):
+        planner.check_memory_plan(cfg, tmp_path)
+    assert json.loads((tmp_path / "plan.json").read_text())["fits"] is False
+    cfg.plan_before_fit = False
+    planner.check_memory_plan(cfg, tmp_path / "skipped")
+    assert not (tmp_path / "skipped").exists()
+
+
+def test_chunked_loss_plans_less_memory_for_a_large_vocabulary():
+    common = (*TINY_LM, "data.max_length=256", "batch.micro_batch_size=4", "batch.global_batch_size=4")
+    plain = plan_memory(plan_cfg(*common), search=False)
+    chunked = plan_memory(plan_cfg(*common, "loss=chunked", "loss.chunk_size=64"), search=False)
+    logits_bytes = 4 * 256 * 49152 * 4  # fp32 (B, T, V)
+    assert plain.peak_allocated - chunked.peak_allocated > logits_bytes, (plain.peak_allocated, chunked.peak_allocated)
+{%- endif %}
+
+
+def test_cuda_autocast_emulation_runs_layer_norm_in_fp32():
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = torch.nn.functional.linear(x, torch.randn(8, 8))
+        assert F.layer_norm(hidden, (8,)).dtype == torch.bfloat16  # CPU autocast's own rule
+        with CudaAutocastEmulation():
+            assert F.layer_norm(hidden, (8,)).dtype == torch.float32  # CUDA's
+            assert F.linear(hidden, torch.randn(8, 8)).dtype == torch.bfloat16
+
+
+def test_architecture_without_numbers_or_files_names_the_fix():
+    cfg = plan_cfg("model.name_or_path=org/unknown-model", "model.config=null", "model.fetch=null", "~model.architecture")
+    with pytest.raises(ConfigError, match="model.architecture"):
+        architecture(cfg)
+
+
+def experiment_headers() -> list[tuple[str, float]]:
+    """(experiment, GiB) of every experiment whose header states the planner's figure."""
+    found = []
+    for path in sorted(EXPERIMENTS.iterdir()):
+        match = HEADER.search(path.read_text())
+        if match:
+            found.append((path.name.removesuffix(".yaml"), float(match.group(1))))
+    return found
+
+
+def test_every_24gb_experiment_states_its_plan():
+    names = {name for name, _ in experiment_headers()}
+    stated = {path.name.removesuffix(".yaml") for path in EXPERIMENTS.iterdir() if "24 GB" in path.read_text()}
+    assert stated <= names, f"24 GB experiments without a planner figure: {sorted(stated - names)}"
+
+
+@pytest.mark.parametrize(("experiment", "gib"), experiment_headers())
+def test_experiment_header_matches_the_plan(experiment, gib):
+    cfg = compose_config("plan", [f"experiment={experiment}"])
+    plan = plan_memory(cfg, search=False)
+    assert abs(plan.total / GIB - gib) <= 0.1, f"{experiment}: header {gib} GiB, plan {plan.total / GIB:.2f} GiB"
+    assert plan.fits
