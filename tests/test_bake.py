@@ -66,7 +66,7 @@ def test_default_bake_yaml_and_toml_parse(default_project):
         yaml.safe_load(path.read_text())
     project = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
     assert project["name"] == "my_4090_project"
-    assert set(project["scripts"]) == {f"my_4090_project-{name}" for name in ("train", "eval", "predict", "generate", "export")}
+    assert set(project["scripts"]) == {f"my_4090_project-{name}" for name in ("train", "eval", "plan", "doctor", "predict", "generate", "export")}
     assert all(">=" in dep and "==" not in dep for dep in project["dependencies"])  # lower bounds, no pins
 
 

@@ -105,7 +105,22 @@ def test_autofit_picks_the_largest_divisor_that_fits_and_keeps_the_global_batch(
     plan = plan_memory(plan_cfg(*base, "batch.micro_batch_size=12", f"hardware.budget_gib={budget_gib}"))
     assert not plan.fits
     assert plan.max_micro_batch == 3 and plan.max_micro_batch_accumulate == 4
-    assert "checkpointing=full" in plan.advice
+    assert plan.advice == []  # a smaller micro-batch is the fix
+
+
+def test_advice_lists_only_levers_that_lower_the_plan():
+    base = (*TINY_LM, "data.max_length=256", "batch.micro_batch_size=1", "batch.global_batch_size=1")
+    plain = plan_memory(plan_cfg(*base), search=False).total
+    checkpointed = plan_memory(plan_cfg(*base, "checkpointing=full"), search=False).total
+    assert checkpointed < plain
+    plan = plan_memory(plan_cfg(*base, f"hardware.budget_gib={(plain + checkpointed) / 2 / GIB}"))
+    assert plan.max_micro_batch == 0
+    levers = [advice for advice in plan.advice if "GiB)" in advice]
+    assert any(advice.startswith("checkpointing=full (-") for advice in levers), plan.advice
+    # step_in_backward saves nothing when the peak comes before any gradient exists: not advised
+    # unless its own plan is lower.
+    in_backward = plan_memory(plan_cfg(*base, "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"), search=False).total
+    assert any("step_in_backward" in advice for advice in levers) == (in_backward < plain)
 
 
 def test_plan_entry_point_writes_json_and_text(tmp_path):
@@ -144,6 +159,11 @@ def test_train_refuses_a_gpu_run_that_will_not_fit(tmp_path, monkeypatch):
     assert not (tmp_path / "skipped").exists()
 
 
+def test_an_encoder_is_refused_for_the_causal_lm_task():
+    with pytest.raises(ConfigError, match="needs a decoder"):
+        plan_memory(plan_cfg(*TINY_LM, "model.config.model_type=bert"), search=False)
+
+
 def test_chunked_loss_plans_less_memory_for_a_large_vocabulary():
     common = (*TINY_LM, "data.max_length=256", "batch.micro_batch_size=4", "batch.global_batch_size=4")
     plain = plan_memory(plan_cfg(*common), search=False)
@@ -166,6 +186,13 @@ def test_cuda_autocast_emulation_runs_layer_norm_in_fp32():
 def test_architecture_without_numbers_or_files_names_the_fix():
     cfg = plan_cfg("model.name_or_path=org/unknown-model", "model.config=null", "model.fetch=null", "~model.architecture")
     with pytest.raises(ConfigError, match="model.architecture"):
+        architecture(cfg)
+
+
+def test_another_name_is_not_planned_with_the_model_files_numbers():
+    """model.name_or_path=<another model> must not silently plan the shape the file describes."""
+    cfg = plan_cfg("model.name_or_path=org/some-70b", "model.fetch=null")
+    with pytest.raises(ConfigError, match="describes"):
         architecture(cfg)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,18 @@ def test_each_job_closes_its_offline_wandb_run(make_cfg, tmp_path, monkeypatch, 
         train(cfg)
     assert wandb.run is None  # finished, so the next job of a multirun starts its own run
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        ("checkpointing=full", "attention=eager"),
+        ("optimizer=adamw_8bit",),
+        ("optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"),
+    ],
+    ids=lambda levers: "+".join(levers),
+)
+def test_memory_levers_train_the_classifier(make_cfg, levers):
+    metrics = train(make_cfg("debug=fdr", *levers))
+    assert math.isfinite(metrics["train/loss"])
+    assert 0.0 <= metrics["test/acc"] <= 1.0

@@ -62,21 +62,21 @@ EXTRAS = {
 }
 
 
-def task_requirements() -> dict[str, tuple[str, str, str]]:
+def task_requirements() -> dict[str, tuple[str, str]]:
     """The packages the project's task configs name under ``task.requires`` (import name =
-    distribution name -> what it enables), as :data:`EXTRAS` entries installed by ``pip install -e .``:
-    each task declares its own, so a project without a task never hears of its packages."""
+    distribution name -> minimum version), as :data:`REQUIRED` entries: each task declares its
+    own, so a project without a task never hears of its packages."""
     import yaml  # PyYAML, a dependency of omegaconf
 
     found = {}
     for path in sorted(TASK_CONFIGS.glob("*.yaml")):
         task = (yaml.safe_load(path.read_text()) or {}).get("task") or {}
-        for module, enables in (task.get("requires") or {}).items():
-            found[module] = (module, enables, "pip install -e .")
+        for module, minimum in (task.get("requires") or {}).items():
+            found[module] = (module, str(minimum))
     return found
 
 
-EXTRAS.update(task_requirements())
+REQUIRED.update(task_requirements())
 # Where the CUDA builds of torch live; pick the tag matching your torch version and driver at
 # https://pytorch.org/get-started/locally/ (cu126 wheels exist for torch 2.6 and later).
 CUDA_INDEX_URL = "https://download.pytorch.org/whl/cu126"

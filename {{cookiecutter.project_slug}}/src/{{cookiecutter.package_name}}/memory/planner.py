@@ -19,7 +19,8 @@ the memory tracker (:mod:`.tracer`), then add what the trace cannot see:
   tensors).  Autocast: the CPU list keeps layer_norm/softmax in bf16 where CUDA computes them in
   fp32; the tracer emulates CUDA's float32 list (:class:`.tracer.CudaAutocastEmulation`).
   Logits: bf16 from the lm_head under autocast on both, and fp32 in our loss on both.
-- **CUDA context + allocator reserve**: one fixed margin, :data:`CUDA_OVERHEAD_GIB`.
+- **CUDA context + allocator reserve**: one fixed margin, ``hardware.context_gib`` (its source
+  is in ``configs/hardware/rtx4090_24gb.yaml``; 0 for ``hardware=cpu``).
 - ``compile`` is not traced (eager): Inductor's fusions usually lower activation memory, so the
   plan is an upper bound there.
 
@@ -28,6 +29,7 @@ The figures are for one device; the global batch only decides the accumulation.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -36,7 +38,7 @@ from pathlib import Path
 import hydra
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, PretrainedConfig
 
 from ..models.levers import enable_activation_checkpointing
@@ -45,11 +47,6 @@ from ..utils.config import ConfigError, to_plain, uses_cuda
 from . import tracer
 
 GIB = 2**30
-# A PyTorch process's CUDA context takes ~0.3-0.6 GiB on Ampere/Ada with CUDA 12's lazy module
-# loading (PyTorch "CUDA semantics" notes: CUDA_MODULE_LOADING=LAZY; nvidia-smi of a process that
-# allocated nothing); cuBLAS/cuDNN workspaces and the caching allocator's rounding and
-# fragmentation take a few hundred MiB more at these sizes.  Not tuned to any published figure.
-CUDA_OVERHEAD_GIB = 0.75
 # bitsandbytes 8-bit state: 1 byte per moment (2 moments), block-wise fp32 maxima per 256 values.
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
@@ -57,9 +54,8 @@ BNB_BLOCK = 256
 # block constants in 8 bits with one fp32 constant per 256 of them.
 NF4_BLOCK = 64
 NF4_SECOND_BLOCK = 256
-# loss=liger runs Triton kernels, so the trace runs the chunked loss instead: both keep only one
-# chunk of logits at a time (Liger sizes its chunks from hidden size and vocabulary).
-LIGER_TRACED_CHUNK = 1024
+# The chunk size of the chunked loss, used when advice tries it (configs/loss/chunked.yaml).
+CHUNKED_LOSS_POSITIONS = 256
 
 
 @dataclass
@@ -102,13 +98,17 @@ class MemoryPlan:
         rows = [("parameters", self.params + self.buffers), ("gradients", self.grads), ("optimizer state", self.optimizer),
                 ("activations", self.activations), ("temporaries", self.temporaries),
                 ("= peak allocated", self.peak_allocated), ("CUDA context + allocator", self.overhead), ("= total", self.total)]
-        lines = [f"Memory plan: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}"]
+        lines = [f"Memory plan: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}",
+                 "  (what is alive at the peak moment; full sizes in plan.json \"counts\")"]
         lines += [f"  {name:<26}{size / GIB:>8.2f} GiB" for name, size in rows]
         if self.paged_optimizer:
             lines.append(f"  (paged optimizer state      {self.paged_optimizer / GIB:.2f} GiB in unified memory, not counted)")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"Verdict: {self.total / GIB:.2f} GiB {verdict} in {self.budget / GIB:.2f} GiB ({hardware})")
-        if self.max_micro_batch:
+        if self.max_micro_batch and self.max_micro_batch_accumulate == 1:
+            lines.append(f"Largest micro-batch: {self.max_micro_batch}, the whole global batch (memory is left over: "
+                         "a larger batch.global_batch_size would fit too)")
+        elif self.max_micro_batch:
             lines.append(f"Largest micro-batch that fits: {self.max_micro_batch} "
                          f"(batch.micro_batch_size={self.max_micro_batch}, accumulation {self.max_micro_batch_accumulate})")
         else:
@@ -122,29 +122,33 @@ def architecture(cfg: DictConfig) -> PretrainedConfig:
     """The HF config the planner builds, read without network or weights.
 
     From scratch (``model.config``): that config, with the tokenizer's vocabulary size when the
-    tokenizer is on disk, else ``model.architecture.vocab_size``.  Pretrained: the published
-    ``model.architecture`` numbers when the model file gives them, else ``config.json`` of a local
-    ``model.name_or_path``.
+    tokenizer is on disk, else ``model.architecture.vocab_size``.  Pretrained: ``config.json`` of a
+    local ``model.name_or_path`` when there is one, else the published ``model.architecture``
+    numbers of the model file, but only when ``model.architecture.of`` names that same model (a
+    ``model.name_or_path=`` override must not be planned with another model's shape).
 
     Raises:
         ConfigError: none of these is available (the message says what to set).
     """
     spec = cfg.model
-    published = to_plain(spec.architecture) if spec.get("architecture") else None
+    published = to_plain(spec.architecture) if spec.get("architecture") else {}
+    described = published.pop("of", None)
     if spec.get("config"):
         fields = to_plain(spec.config)
-        vocab = _tokenizer_vocab(spec.get("tokenizer")) or (published or {}).get("vocab_size")
+        vocab = _tokenizer_vocab(spec.get("tokenizer")) or published.get("vocab_size")
         if vocab is None:
             raise ConfigError(f"plan needs the vocabulary size of model.tokenizer={spec.get('tokenizer')!r}, which is not on disk; "
                               "fix: +model.architecture.vocab_size=<N>, or fetch the tokenizer once (train does)")
         return AutoConfig.for_model(fields.pop("model_type"), vocab_size=vocab, **fields)
-    if published:
-        return AutoConfig.for_model(published.pop("model_type"), **published)
     path = spec.get("name_or_path")
     if path and Path(path, "config.json").is_file():
         return AutoConfig.from_pretrained(path)
-    raise ConfigError(f"plan reads no weights and no network, and model.name_or_path={path!r} is not a local model folder; "
-                      "fix: add the published config.json numbers as model.architecture (see configs/model/llama31_8b.yaml)")
+    if published and described == path:
+        return AutoConfig.for_model(published.pop("model_type"), **published)
+    known = f" (model.architecture describes {described!r})" if described else ""
+    raise ConfigError(f"plan reads no weights and no network, and model.name_or_path={path!r} is not a local model folder{known}; "
+                      "fix: a model file whose architecture block names it (see configs/model/llama31_8b.yaml), "
+                      "or the model's config.json numbers as +model.architecture.* with model.architecture.of set to it")
 
 
 def _tokenizer_vocab(name: str | None) -> int | None:
@@ -270,7 +274,7 @@ def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
         from ..models.causal_lm import COMPUTE_DTYPES, load_dtype
 
         if module.loss_implementation == "liger":  # Triton: no CPU; traced as the chunked loss
-            module.hparams.loss = {"implementation": "chunked", "chunk_size": LIGER_TRACED_CHUNK}
+            module.hparams.loss = {"implementation": "chunked", "chunk_size": liger_chunk_positions(config, cfg.data.max_length)}
         method = module.peft_method
         config, modules = module._architecture(precision, cfg.data.max_length, config=config)
         dtype = COMPUTE_DTYPES.get(precision, torch.float32) if method == "qlora" else load_dtype(precision, method)
@@ -290,6 +294,13 @@ def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
     if precision == "bf16-true":
         model.to(torch.bfloat16)  # Lightning's bf16-true converts every floating tensor
     return model, module, quantized
+
+
+def liger_chunk_positions(config: PretrainedConfig, seq_len: int) -> int:
+    """Positions per chunk that Liger's fused linear cross-entropy holds logits for: it splits the
+    B*T rows into ceil(V / H) chunks (``liger_kernel.ops.fused_linear_cross_entropy``: chunk size
+    ~ B*T / ceil(V / H)), so one chunk's logits are about as large as the hidden states."""
+    return max(1, math.ceil(seq_len / math.ceil(config.vocab_size / config.hidden_size)))
 
 
 def _quantized_weights(model: torch.nn.Module) -> list[int]:
@@ -376,8 +387,8 @@ def plan_memory(
             break
     plan.max_micro_batch = best
     plan.max_micro_batch_accumulate = global_batch // best if best else None
-    if not plan.fits or not best:
-        plan.advice = _advice(cfg)
+    if not best:
+        plan.advice = _advice(cfg, config, budget, one)
     return plan
 
 
@@ -404,11 +415,11 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         peak["temporaries"] += 2 * max(traced.quantized_numels)  # one dequantized bf16 weight at a time
         notes.append(f"QLoRA base counted in NF4 ({nf4 / GIB:.2f} GiB) instead of the traced bf16 ({bf16 / GIB:.2f} GiB)")
     if cfg.get("loss") and cfg.loss.implementation == "liger":
-        notes.append(f"loss=liger traced as the chunked loss ({LIGER_TRACED_CHUNK} positions per chunk): Triton does not run on the CPU")
+        notes.append("loss=liger traced as the chunked loss with Liger's chunk count, ceil(vocab / hidden): Triton does not run on the CPU")
     if cfg.compile.mode != "off":
         notes.append("traced without torch.compile: compiled steps usually need less activation memory")
     allocated = sum(peak[k] for k in ("params", "buffers", "grads", "optimizer", "activations", "temporaries"))
-    overhead = int(CUDA_OVERHEAD_GIB * GIB)
+    overhead = int(cfg.hardware.context_gib * GIB)
     counts = {  # the full sizes, by arithmetic (the table is what is alive at the peak)
         "parameters": traced.n_params, "trainable": traced.n_trainable, "param_bytes": param_bytes,
         "grad_bytes": sum(numel * size for numel, size in traced.trainable), "optimizer_bytes": state,
@@ -422,21 +433,32 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
     )
 
 
-def _advice(cfg: DictConfig) -> list[str]:
-    """The levers not pulled yet, cheapest in speed first."""
-    advice = []
+def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryPlan) -> list[str]:
+    """When not even micro-batch 1 fits: the levers not pulled yet, each planned at micro-batch 1
+    and kept only if it lowers the total (with the saving), largest saving first; then the
+    levers the planner cannot try by itself (a PEFT method needs its own config group)."""
+    candidates = {}
     if cfg.task.name == "causal_lm" and cfg.loss.implementation == "plain":
-        advice.append("loss=chunked")
+        candidates["loss=chunked"] = {"loss.implementation": "chunked", "loss.chunk_size": CHUNKED_LOSS_POSITIONS}
     if cfg.checkpointing.mode == "none":
-        advice.append("checkpointing=full")
+        candidates["checkpointing=full"] = {"checkpointing.mode": "full"}
     if not str(cfg.optimizer._target_).startswith("bitsandbytes."):
-        advice.append("optimizer=adamw_8bit")
-    if not cfg.optimizer.step_in_backward and (cfg.get("peft") or {}).get("method", "none") == "none":
-        advice.append("optimizer.step_in_backward=true (with batch.global_batch_size=batch.micro_batch_size, trainer.gradient_clip_val=null)")
-    if cfg.task.name == "causal_lm" and cfg.peft.method == "none":
-        advice.append("peft=lora (or qlora)")
-    elif cfg.task.name == "causal_lm" and cfg.peft.method == "lora":
-        advice.append("peft=qlora")
+        candidates["optimizer=adamw_8bit"] = {"optimizer._target_": "bitsandbytes.optim.AdamW8bit"}
+    if not cfg.optimizer.step_in_backward:
+        candidates["optimizer.step_in_backward=true (with batch.global_batch_size=batch.micro_batch_size, "
+                   "trainer.gradient_clip_val=null)"] = {"optimizer.step_in_backward": True}
+    savings = []
+    for advice, changes in candidates.items():
+        trial = copy.deepcopy(cfg)
+        for key, value in changes.items():
+            OmegaConf.update(trial, key, value, merge=False)
+        saved = one.total - _plan_at(trial, config, 1, budget).total
+        if saved > 0:
+            savings.append((saved, f"{advice} (-{saved / GIB:.2f} GiB)"))
+    advice = [text for _, text in sorted(savings, reverse=True)]
+    weights = one.params + one.grads + one.optimizer
+    if cfg.task.name == "causal_lm" and cfg.peft.method != "qlora" and weights > one.activations + one.temporaries:
+        advice.append("peft=lora or peft=qlora (the weights, not the activations, dominate; plan it to see)")
     advice.append(f"a shorter data.max_length (now {cfg.data.max_length})")
     return advice
 
@@ -466,7 +488,9 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
     except ConfigError as error:  # e.g. a scratch model whose tokenizer is not fetched yet
         rank_zero_warn(f"memory plan skipped, the architecture is unknown before the first fetch: {error}")
         return
-    plan = plan_memory(cfg, config=config)
+    plan = plan_memory(cfg, config=config, search=False)  # one trace when it fits (the usual case)
+    if not plan.fits:
+        plan = plan_memory(cfg, config=config)  # the search, for the advice
     write_plan(plan, run_dir, cfg.hardware.name)
     if not plan.fits:
         fix = (f"batch.micro_batch_size={plan.max_micro_batch}" if plan.max_micro_batch else "; ".join(plan.advice))

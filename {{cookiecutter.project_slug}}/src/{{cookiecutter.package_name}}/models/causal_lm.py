@@ -86,6 +86,8 @@ def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.M
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+# Bidirectional encoders: transformers maps some to a "*LMHeadModel", but they are not causal LMs.
+ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert", "modernbert")
 # Config fields of model families whose logits are rescaled or capped after the lm_head (Gemma 2,
 # Cohere, Granite): the chunked loss calls the lm_head directly and would skip that step.
 LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -223,6 +225,10 @@ class CausalLMModule(HFModule):
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         elif config is None:
             config = causal_lm_config(spec, self.tokenizer)
+        if config.model_type in ENCODER_ONLY:
+            raise ConfigError(f"task=causal_lm needs a decoder, but the model is a {config.model_type} encoder "
+                              f"(model.name_or_path={spec.get('name_or_path')!r}); fix: a causal LM such as model=smollm2_135m, "
+                              "or task=classification")
         limit = max_positions(config)
         if max_length is not None and limit is not None and max_length > limit:
             raise ConfigError(

@@ -53,7 +53,7 @@ def batch_problem(global_batch_size: object, micro_batch_size: object) -> str | 
     """Describe what is wrong with a global/micro-batch pair, or return ``None``."""
     for field, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            return f"batch.{field}={value!r} must be a positive integer"
+            return f"batch.{field}={value!r} must be a positive integer; fix: e.g. batch.{field}=8"
     if global_batch_size % micro_batch_size:
         divisors = [d for d in range(1, micro_batch_size + 1) if global_batch_size % d == 0]
         return (
@@ -235,12 +235,16 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     peft = cfg.get("peft") or {}
     full_fine_tune = peft.get("method", "none") == "none" and bool((cfg.get("model") or {}).get("name_or_path"))
     if str(trainer.get("precision")) == "bf16-true" and full_fine_tune:
-        lr = (cfg.get("optimizer") or {}).get("lr")
+        optimizer = cfg.get("optimizer") or {}
+        unused = [lever for lever, on in (
+            ("optimizer=adamw_8bit", str(optimizer.get("_target_", "")).startswith("bitsandbytes.")),
+            ("checkpointing=full", (cfg.get("checkpointing") or {}).get("mode") == "full"),
+            ("optimizer.step_in_backward=true", bool(optimizer.get("step_in_backward"))),
+        ) if not on] + ["peft=lora"]
         warnings.append(
             f"precision=bf16-true with a full fine-tune: weights and optimizer state are bf16, and an update "
-            f"below ~1/256 of a weight rounds away (at optimizer.lr={lr} most do: many weights never change). "
-            "Prefer precision=bf16-mixed (fp32 master weights); to save memory instead, optimizer=adamw_8bit, "
-            "checkpointing=full, optimizer.step_in_backward=true, or peft=lora."
+            f"below ~1/256 of a weight rounds away (at optimizer.lr={optimizer.get('lr')} most do: many weights never "
+            f"change). Prefer precision=bf16-mixed (fp32 master weights) if it fits; to save memory instead: {', '.join(unused)}."
         )
     return warnings
 
