@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
 
 import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
@@ -26,6 +27,22 @@ def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
     """Compose ``configs/<config_name>.yaml`` as the entry point would (without running Hydra)."""
     with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
         return compose(config_name=config_name, overrides=overrides)
+
+
+class RecordingLogger(Logger):
+    """A Lightning logger for callback tests: keeps every ``log_metrics`` call as ``(step, metrics)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[int, dict]] = []
+
+    name, version = "recording", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.records.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
 
 
 def common_overrides(run_dir: Path) -> list[str]:

@@ -9,29 +9,14 @@ import lightning as L
 import pynvml
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
 from {{ cookiecutter.package_name }}.callbacks import gpu_stats
 from {{ cookiecutter.package_name }}.callbacks.gpu_stats import GIB, GPUStats, memory_stats, nvml_stats
 
+from .conftest import RecordingLogger
+
 CUDA0 = torch.device("cuda", 0)
-
-
-class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``(step, metrics)``."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[tuple[int, dict]] = []
-
-    name, version = "recording", 0
-
-    def log_metrics(self, metrics, step=None):
-        self.records.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
 
 
 class Regression(L.LightningModule):

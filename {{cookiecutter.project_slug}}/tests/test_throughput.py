@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
 {%- if cookiecutter.tasks != "classification" %}
 from peft import LoraConfig, get_peft_model  # a dependency of causal-LM projects only
 {%- endif %}
@@ -25,6 +24,8 @@ from {{ cookiecutter.package_name }}.callbacks.throughput import (
     peak_tflops_for,
     resolve_peak_tflops,
 )
+
+from .conftest import RecordingLogger
 
 # A tiny Llama with grouped-query attention: d=64, 2 layers, 4 query heads of 16, 2 KV heads.
 D, FFN, VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 96, 2, 4, 2, 16
@@ -126,22 +127,6 @@ def test_resolving_the_peak(monkeypatch):
 
 # ------------------------------------------------------------------------- real CPU fits
 SEQ_LEN, REAL_TOKENS = 8, 5  # every sequence: 5 real tokens, 3 padding
-
-
-class RecordingLogger(Logger):
-    """Keeps every ``log_metrics`` call as ``(step, metrics)``."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[tuple[int, dict]] = []
-
-    name, version = "recording", 0
-
-    def log_metrics(self, metrics, step=None):
-        self.records.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
 
 
 class HFTask(L.LightningModule):
