@@ -167,3 +167,69 @@ def test_single_class_training_set_is_refused(make_datamodule, tmp_path):
     train = write_csv(tmp_path / "one.csv", [{"text": "good", "label": "positive"}] * 8)
     with pytest.raises(DataError, match="at least two classes"):
         make_datamodule(splits={"train": str(train)}).setup("fit")
+
+
+# ------------------------------------------------------------------ messy files (edge cases)
+def test_blank_and_missing_texts_are_dropped_with_a_count(make_datamodule, tmp_path, caplog):
+    rows = toy_rows(12, seed=3) + [{"text": "", "label": "positive"}, {"text": "   \t", "label": "negative"}]
+    train = write_csv(tmp_path / "train.csv", rows + [{"text": None, "label": "negative"}])  # None -> an empty CSV cell
+    datamodule = make_datamodule(splits={"train": str(train), "validation": str(train)})
+    datamodule.setup("fit")
+    assert len(datamodule.datasets["train"]) == 12
+    assert "dropped 3 of 15 rows whose text is empty, whitespace or missing" in caplog.text
+
+
+def test_a_file_of_only_blank_texts_is_refused(make_datamodule, tmp_path):
+    train = write_csv(tmp_path / "blank.csv", [{"text": " ", "label": "positive"}, {"text": "", "label": "negative"}])
+    with pytest.raises(DataError, match=r"data.splits.train: all 2 row\(s\) have empty or whitespace-only text"):
+        make_datamodule(splits={"train": str(train)}).setup("fit")
+
+
+def test_duplicates_are_kept_and_counted_and_leaks_into_validation_named(make_datamodule, tmp_path, caplog):
+    rows = toy_rows(10, seed=4)
+    train = write_csv(tmp_path / "train.csv", rows + rows[:3])
+    validation = write_csv(tmp_path / "validation.csv", rows[:2] + toy_rows(6, seed=5))
+    datamodule = make_datamodule(splits={"train": str(train), "validation": str(validation)})
+    datamodule.setup("fit")
+    assert len(datamodule.datasets["train"]) == 13
+    assert "3 of 13 rows repeat an earlier row's text (kept)" in caplog.text
+    assert "data.splits.validation: 2 of 8 rows have the same text as a training row" in caplog.text
+
+
+def test_non_utf8_csv_names_the_file_and_the_byte(make_datamodule, tmp_path):
+    train = tmp_path / "latin1.csv"
+    train.write_bytes("text,label\ncafé good,positive\nbad,negative\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.csv \(byte 14: b'\\xe9'\) is not UTF-8 text; fix: re-encode it"):
+        make_datamodule(splits={"train": str(train), "validation": str(train)}).setup("fit")
+
+
+def test_a_very_long_text_keeps_its_first_max_length_tokens(make_datamodule, tmp_path):
+    long_text = " ".join(["good"] + ["movie"] * 50_000)
+    train = write_csv(tmp_path / "train.csv", [{"text": long_text, "label": "positive"}, {"text": "bad", "label": "negative"}])
+    datamodule = make_datamodule(splits={"train": str(train), "validation": str(train)}, max_length=32)
+    datamodule.setup("fit")
+    lengths = sorted(len(ids) for ids in datamodule.datasets["train"]["input_ids"])
+    assert lengths[-1] == 32
+    first = datamodule.datasets["train"].filter(lambda row: len(row["input_ids"]) == 32)[0]["input_ids"]
+    assert datamodule.tokenizer.convert_ids_to_tokens(first[:3]) == ["[CLS]", "good", "movie"]
+
+
+def test_a_train_file_too_small_to_hold_out_validation_is_refused(make_datamodule, tmp_path):
+    rows = [{"text": "good fun", "label": "positive"}, {"text": " ", "label": "negative"}, {"text": "bad", "label": "negative"}]
+    train = write_csv(tmp_path / "train.csv", rows[:2])  # one usable row once the blank one is dropped
+    with pytest.raises(DataError, match=r"has 1 usable row\(s\), too few to hold out data.val_fraction=0.25"):
+        make_datamodule(splits={"train": str(train)}).setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("ragged.csv", 'text,label\ngood,positive\nbad, awful,negative\n', "Expected 2 fields in line 3, saw 3"),
+        ("broken.jsonl", '{"text": "good", "label": "positive"}\n{"text": "bad", label: "negative"}\n', "JSON parse error"),
+    ],
+)
+def test_a_file_that_does_not_parse_names_the_reader_error_and_the_format(make_datamodule, tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError, match=rf"data.splits.train=.*{name}' cannot be read as .*{message}.*; fix: "):
+        make_datamodule(splits={"train": str(path), "validation": str(path)}).setup("fit")

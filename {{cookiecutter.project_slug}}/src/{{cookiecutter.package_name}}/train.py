@@ -5,11 +5,17 @@
     python -m <package>.train experiment=demo_lm_scratch trainer.max_steps=300
 
 Writes ``metrics.json``, ``config_tree.log`` and ``checkpoints/`` into the run directory
-(``hydra.run.dir=DIR`` sets it).
+(``hydra.run.dir=DIR`` sets it).  ``ckpt_path=last`` (same ``hydra.run.dir``) resumes a killed or
+stopped run exactly where its ``last.ckpt`` left it.
+
+Exit codes: 0 done; 1 an error (bad config or data: the message says which field and the fix);
+3 CUDA out of memory (``oom_report.txt`` in the run directory); 4 non-finite loss; 128 + N
+stopped by signal N (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), with ``last.ckpt`` saved.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +25,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
+from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped
+from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
+from .utils.checkpoints import read_checkpoint, resolve_ckpt_path
 from .utils.config import config_warnings, to_plain, validate_config
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, print_config_tree, write_metrics
@@ -29,10 +38,14 @@ def train(cfg: DictConfig) -> dict:
     """Run fit (+ test on the best checkpoint) for a composed config; return the final metrics.
 
     Raises:
-        ConfigError: the config is invalid (raised before any data or weights load).
+        ConfigError: the config is invalid, or ``ckpt_path`` names no readable checkpoint
+            (raised before any data or weights load).
         DataError: the data does not match the config (raised before any weights load).
+        RunStopped: a signal, a CUDA out-of-memory error or non-finite losses stopped training
+            (``exit_code`` says which; a checkpoint to resume from is saved where it is safe).
     """
     validate_config(cfg)
+    ckpt_path = resolve_ckpt_path(cfg)
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
     run_dir = Path(cfg.paths.output_dir)
@@ -45,7 +58,7 @@ def train(cfg: DictConfig) -> dict:
 
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.get_class(cfg.task.module)(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
-    loggers = instantiate_loggers(cfg)
+    loggers = instantiate_loggers(cfg, resume_wandb_id=read_checkpoint(ckpt_path, "wandb_run_id") if ckpt_path else None)
     trainer = instantiate_trainer(cfg, instantiate_callbacks(cfg), loggers)
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))
@@ -54,11 +67,16 @@ def train(cfg: DictConfig) -> dict:
     try:
         start = time.perf_counter()
         metrics = {}
-        if cfg.task.validate_before_fit and cfg.ckpt_path is None:
+        if cfg.task.validate_before_fit and ckpt_path is None:
             # The starting point, from the same validation loop as the final figures.
             trainer.validate(module, datamodule=datamodule)
             metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except torch.OutOfMemoryError as error:
+            guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
+            text = write_oom_report(cfg, run_dir, guard.report if guard else None, error)
+            raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
         if metrics and getattr(module, "validated_at_step", None) != trainer.global_step:
             # Training stopped between validations: validate the final weights, so val/* never
             # repeats the *_start figures (or an older pass) as if it were the result.
@@ -84,8 +102,13 @@ def train(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Console script / ``python -m`` entry; returns the monitored metric (for sweeps)."""
-    return train(cfg).get(cfg.task.monitor)
+    """Console script / ``python -m`` entry; returns the monitored metric (for sweeps).  A
+    :class:`RunStopped` ends the process with its exit code (see the module docstring)."""
+    try:
+        return train(cfg).get(cfg.task.monitor)
+    except RunStopped as stop:
+        print(f"\n{stop}", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr
 
 
 class WarmupDecayLR(L.Callback):
-    """Set every param group's LR to ``peak_lr * lr_factor(trainer.global_step, ...)`` before each batch.
+    """Set every param group's LR to ``peak_lr * lr_factor(step, ...)`` before each batch, where
+    ``step`` is ``trainer.global_step`` less the module's ``skipped_steps`` (updates skipped on a
+    non-finite loss do not advance the schedule).
 
     The peak LR is each group's ``lr`` when training starts, kept as ``group["peak_lr"]`` (saved
     with the optimizer state).  ``total_steps`` is ``trainer.estimated_stepping_batches``: optimizer
@@ -62,7 +64,9 @@ class WarmupDecayLR(L.Callback):
                 group.setdefault("peak_lr", group["lr"])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
-        factor = lr_factor(trainer.global_step, self.total_steps, self.warmup_steps, self.decay, self.min_lr_ratio)
+        # Steps whose update was skipped (non-finite loss) do not advance the schedule.
+        step = trainer.global_step - getattr(pl_module, "skipped_steps", 0)
+        factor = lr_factor(step, self.total_steps, self.warmup_steps, self.decay, self.min_lr_ratio)
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["peak_lr"] * factor

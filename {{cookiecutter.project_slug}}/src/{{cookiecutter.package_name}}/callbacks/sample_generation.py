@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -68,7 +69,11 @@ class SampleGeneration(L.Callback):
     def generate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         """Generate now (all ranks run the model; rank 0 writes); return the completions."""
         self._last_step = trainer.global_step
-        completions = pl_module.generate_text(self.prompts, **self.generation)
+        # On a fork of the RNG: sampling must not shift the training stream (a resumed run, which
+        # may not generate at the same steps, would otherwise draw other dropout masks).
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            completions = pl_module.generate_text(self.prompts, **self.generation)
         self._write(trainer, completions)
         return completions
 

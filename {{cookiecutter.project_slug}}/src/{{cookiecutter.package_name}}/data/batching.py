@@ -7,10 +7,11 @@ from collections.abc import Callable
 import math
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader
-from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from ..utils.config import ConfigError
+from .sampling import ResumableDataLoader, ResumableSampler
 from .tokenization import disable_tokenizer_parallelism
 
 
@@ -18,9 +19,20 @@ class TokenizedDataModule(L.LightningDataModule):
     """Base of the task data modules: ``self.datasets[split]`` holds tokenised rows with an
     ``input_ids`` column; subclasses give the collator and say whether to group by length.
 
-    Subclasses set ``splits``, ``fetch``, ``batch_size``, ``num_workers``, ``datasets`` in
-    ``__init__`` and implement :meth:`collator` and :attr:`groups_by_length`.
+    Subclasses set ``splits``, ``fetch``, ``batch_size``, ``num_workers``, ``datasets`` and
+    ``seed`` in ``__init__`` and implement :meth:`collator` and :attr:`groups_by_length`.
+
+    **Resuming mid-epoch.**  The training order is a function of ``(seed, epoch)``
+    (:class:`.sampling.ResumableSampler`); :meth:`state_dict` stores the epoch and the rows already
+    trained on (from Lightning's loop counters) in every checkpoint, and the first
+    ``train_dataloader`` after a resume continues from there.  No loader draws from the global
+    RNG (each has its own seeded generator), so a validation pass between two optimizer steps
+    cannot shift the dropout masks of the next step: a resumed run sees the same batches and,
+    with the RNG callback, the same random numbers as the uninterrupted run.
     """
+
+    seed: int | None = None
+    _resume_at: dict | None = None
 
     @property
     def has_test(self) -> bool:
@@ -28,7 +40,7 @@ class TokenizedDataModule(L.LightningDataModule):
 
     @property
     def groups_by_length(self) -> bool:
-        """Draw training batches of similar length (transformers' ``LengthGroupedSampler``:
+        """Draw training batches of similar length (transformers' ``get_length_grouped_indices``:
         shuffled mega-batches of 50 batches, each sorted by length), so padding wastes little."""
         raise NotImplementedError
 
@@ -61,29 +73,58 @@ class TokenizedDataModule(L.LightningDataModule):
         if self.fetch is not None:
             self.fetch()
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+    @property
+    def order_seed(self) -> int:
+        """The seed of the training order: ``seed``, or (``seed: null``) one drawn once per process."""
+        if self.seed is None:
+            self.seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        return self.seed
+
+    def state_dict(self) -> dict[str, int]:
+        """Where training stands in the data: ``epoch`` and ``rows_done`` in it (saved in checkpoints).
+
+        ``rows_done`` counts the micro-batches whose training step finished (Lightning's
+        ``batch_progress.current.processed``) times the micro-batch size, so it stays right when
+        a resumed run changes ``batch.micro_batch_size``.
+        """
+        trainer = self.trainer
+        if trainer is None or not trainer.training:
+            return {}
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": trainer.current_epoch, "rows_done": done * self.batch_size, "seed": self.order_seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Keep the checkpoint's position for the next ``train_dataloader``."""
+        self._resume_at = state or None
+
+    def _generator(self) -> torch.Generator:
+        # Worker seeds come from the loader's generator, not the global RNG (see the class docstring).
+        return torch.Generator().manual_seed(self.order_seed)
+
+    def _loader(self, split: str, sampler: ResumableSampler | None = None) -> DataLoader:
         if self.num_workers > 0:
             disable_tokenizer_parallelism()  # before the workers fork (tokenising is done by now)
-        dataset = self.datasets[split]
-        sampler = None
-        if shuffle and self.groups_by_length:
-            sampler = LengthGroupedSampler(self.batch_size, lengths=self.sequence_lengths(split))
-            shuffle = False
-        return DataLoader(
-            dataset,
+        return (ResumableDataLoader if sampler is not None else DataLoader)(
+            self.datasets[split],
             batch_size=self.batch_size,
-            shuffle=shuffle,
             sampler=sampler,
+            generator=self._generator(),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             collate_fn=self.collator(),
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        """Shuffled (or length-grouped) training batches; after a resume, from the saved position."""
+        lengths = self.sequence_lengths("train") if self.groups_by_length else None
+        sampler = ResumableSampler(len(self.datasets["train"]), self.order_seed, lengths, self.batch_size)
+        if self._resume_at:
+            sampler.resume_at(self._resume_at["epoch"], self._resume_at["rows_done"])
+            self._resume_at = None
+        return self._loader("train", sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", shuffle=False)
+        return self._loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return self._loader("test")

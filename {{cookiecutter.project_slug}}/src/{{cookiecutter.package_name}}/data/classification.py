@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import datasets
@@ -10,7 +11,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
-from .loading import DataError, load_split, require_columns
+from .loading import DataError, drop_blank_rows, load_split, require_columns
 from .tokenization import load_tokenizer, tokenize_batch
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,9 @@ class ClassificationDataModule(TokenizedDataModule):
         fetch: called once in ``prepare_data`` to download/convert the files (demo data).
         predict_file: a file to predict on (``predict`` stage only).
         group_by_length: draw training batches of similar length (transformers'
-            ``LengthGroupedSampler``: shuffled mega-batches of 50 batches, each sorted by length),
-            so dynamic padding wastes little; the order stays random and seeded.
+            ``get_length_grouped_indices``: shuffled mega-batches of 50 batches, each sorted by
+            length), so dynamic padding wastes little; the order stays random and seeded.
+        seed: seeds the training order (with the epoch); ``None`` = one drawn per process.
 
     Raises (from ``setup``, before any model weights load):
         DataError: missing file or column, empty file, unknown label in validation/test.
@@ -117,6 +119,7 @@ class ClassificationDataModule(TokenizedDataModule):
         group_by_length: bool,
         cache_dir: str | None,
         fetch: Callable[[], object] | None,
+        seed: int | None = None,
         label2id: dict[str, int] | None = None,
         predict_file: str | None = None,
     ) -> None:
@@ -131,6 +134,7 @@ class ClassificationDataModule(TokenizedDataModule):
         self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
         self.group_by_length = group_by_length
         self.cache_dir, self.fetch = cache_dir, fetch
+        self.seed = seed
         self.label2id = label2id
         self.predict_file = predict_file
         self.datasets: dict[str, datasets.Dataset] = {}
@@ -159,17 +163,29 @@ class ClassificationDataModule(TokenizedDataModule):
         if stage in ("fit", "validate"):  # train.py validates before fitting
             self.check_validation_interval()
 
+    @property
+    def text_columns(self) -> list[str]:
+        return [self.text_column] + ([self.text_pair_column] if self.text_pair_column else [])
+
     def _load(self, split: str) -> datasets.Dataset:
+        """One split, with its columns checked and its blank-text rows dropped (with a warning)."""
         source = self.splits[split]
         dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
         require_columns(
             dataset, split, source,
             {"text_column": self.text_column, "text_pair_column": self.text_pair_column, "label_column": self.label_column},
         )
-        return dataset
+        return drop_blank_rows(dataset, split, self.text_columns)
 
     def _setup_train_and_validation(self) -> None:
         train = self._load("train")
+        if "validation" not in self.splits and len(train) - math.ceil(len(train) * self.val_fraction) < 1:
+            # (datasets rounds the held-out part up)
+            raise DataError(
+                f"data.splits.train={self.splits['train']!r} has {len(train)} usable row(s), too few to hold out "
+                f"data.val_fraction={self.val_fraction} for validation and still train; fix: "
+                "data.splits.validation=path/to/val.csv, or more rows"
+            )
         if self.label2id is None:
             self.label2id = build_label_map(train, self.label_column, self.splits["train"])
             log.info("Labels -> ids: %s", self.label2id)
@@ -179,8 +195,26 @@ class ClassificationDataModule(TokenizedDataModule):
             parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
             train, validation = parts["train"], parts["test"]
             log.info("No validation split given: took %d rows of train (seed %d)", len(validation), self.val_split_seed)
+        self._warn_about_duplicates(train, {"validation": validation})
         self.datasets["train"] = self._prepare("train", train)
         self.datasets["validation"] = self._prepare("validation", validation)
+
+    def _warn_about_duplicates(self, train: datasets.Dataset, others: dict[str, datasets.Dataset]) -> None:
+        """Duplicates are kept (they may be meant as weighting); say how many there are, and how
+        many evaluation rows also appear in train (their scores would flatter the model)."""
+        def texts(dataset: datasets.Dataset) -> list[tuple]:
+            return list(zip(*(dataset[column] for column in self.text_columns)))
+
+        seen = texts(train)
+        repeated = len(seen) - len(set(seen))
+        if repeated:
+            log.warning("data.splits.train: %d of %d rows repeat an earlier row's text (kept)", repeated, len(seen))
+        known = set(seen)
+        for split, dataset in others.items():
+            leaked = sum(1 for row in texts(dataset) if row in known)
+            if leaked:
+                log.warning("data.splits.%s: %d of %d rows have the same text as a training row; their scores overstate "
+                            "the model (fix: remove them from one of the two files)", split, leaked, len(dataset))
 
     def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
         """Labels -> ids (refusing unknown ones), then tokenise; both maps are cached by datasets."""
@@ -235,4 +269,4 @@ class ClassificationDataModule(TokenizedDataModule):
         return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader("predict", shuffle=False)
+        return self._loader("predict")

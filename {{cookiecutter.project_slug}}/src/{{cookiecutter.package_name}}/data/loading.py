@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import datasets
+
+log = logging.getLogger(__name__)
 
 # File suffix -> (datasets builder, extra builder kwargs).
 BUILDERS = {
@@ -13,6 +16,14 @@ BUILDERS = {
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
+}
+
+
+# What a well-formed file of each kind looks like, for the message when one cannot be parsed.
+FORMAT_HINTS = {
+    "csv": "one header line, then rows with as many fields as the header (quote fields that hold the separator)",
+    "json": "one JSON object per line (jsonl), keys in double quotes",
+    "parquet": "a parquet file as pandas/pyarrow write it",
 }
 
 
@@ -34,7 +45,8 @@ def load_split(
         source: a local file path, or the hub's split name when ``hub_name`` is set.
 
     Raises:
-        DataError: the file is missing, has an unknown suffix, is empty or has no rows.
+        DataError: the file is missing, has an unknown suffix, is empty, has no rows, is not
+            UTF-8 or cannot be parsed (the reader's message is included).
     """
     field = f"data.splits.{split}"
     if hub_name is not None:
@@ -51,7 +63,16 @@ def load_split(
     whole_file_read = path.stat().st_size <= len(head)
     if builder == "csv" and whole_file_read and len([line for line in head.splitlines() if line.strip()]) < 2:
         raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
-    dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **kwargs)
+    try:
+        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **kwargs)
+    except Exception as error:  # datasets wraps the reader's error (decoding, parsing) in DatasetGenerationError
+        bad = first_non_utf8([str(path)]) if builder != "parquet" else None
+        if bad is not None:
+            raise DataError(f"{field}={source!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. "
+                            f"iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}") from error
+        cause = error.__cause__ or error.__context__ or error
+        raise DataError(f"{field}={source!r} cannot be read as {path.suffix.lstrip('.').lower()}: "
+                        f"{type(cause).__name__}: {str(cause).strip()[:300]}; fix: {FORMAT_HINTS[builder]}") from error
     if len(dataset) == 0:
         raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
     return dataset
@@ -74,3 +95,39 @@ def require_columns(dataset: datasets.Dataset, split: str, source: str, fields: 
             for field, column in missing
         ]
         raise DataError("\n".join(lines))
+
+
+def first_non_utf8(files: list[str]) -> str | None:
+    """The first file that does not decode as UTF-8, with the byte offset; ``None`` if all do."""
+    for path in files:
+        data = Path(path).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return f"{path} (byte {error.start}: {data[error.start:error.start + 1]!r})"
+    return None
+
+
+def is_blank(value: object) -> bool:
+    """Missing (null) text, or text that is empty or only whitespace."""
+    return value is None or not str(value).strip()
+
+
+def drop_blank_rows(dataset: datasets.Dataset, split: str, columns: list[str]) -> datasets.Dataset:
+    """Drop the rows whose text ``columns`` are null, empty or whitespace (they carry no input),
+    with a warning that counts them.
+
+    Raises:
+        DataError: no row is left.
+    """
+    def keep(row: dict) -> bool:
+        return not any(is_blank(row[column]) for column in columns)
+
+    kept = dataset.filter(keep, desc=f"Dropping blank rows of {split}")
+    if len(kept) == 0:
+        raise DataError(f"data.splits.{split}: all {len(dataset)} row(s) have empty or whitespace-only text in {columns}; "
+                        "fix: point it at a file with text, or data.text_column=<the column that holds it>")
+    if len(kept) < len(dataset):
+        log.warning("data.splits.%s: dropped %d of %d rows whose %s is empty, whitespace or missing",
+                    split, len(dataset) - len(kept), len(dataset), " / ".join(columns))
+    return kept

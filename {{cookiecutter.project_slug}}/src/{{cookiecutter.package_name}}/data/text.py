@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
-from .loading import DataError, load_split, require_columns
+from .loading import DataError, first_non_utf8, load_split, require_columns
 from .tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,16 +73,6 @@ def truncate_documents(batch: dict[str, list], max_length: int) -> dict[str, lis
 def has_target(row: dict) -> bool:
     """A sequence of one token has nothing to predict (the first token is never a target)."""
     return row["length"] >= 2
-
-
-def first_non_utf8(files: list[str]) -> str | None:
-    """The first file that does not decode as UTF-8, with the byte offset; ``None`` if all do."""
-    for path in files:
-        try:
-            Path(path).read_bytes().decode("utf-8")
-        except UnicodeDecodeError as error:
-            return f"{path} (byte {error.start}: {Path(path).read_bytes()[error.start:error.start + 1]!r})"
-    return None
 
 
 def has_text(row: dict, text_column: str) -> bool:
@@ -153,6 +143,7 @@ class TextDataModule(TokenizedDataModule):
         max_length: tokens per sequence (the block size when packing).
         tokenizer: hub name / local folder of a fast tokenizer, or a tokenizer object.
         fetch: called once in ``prepare_data`` to download/convert the files (demo data).
+        seed: seeds the training order (with the epoch); ``None`` = one drawn per process.
 
     Raises (from ``setup``, before any model weights load):
         DataError: missing file or column, a split with no text (empty, or only blank lines),
@@ -178,6 +169,7 @@ class TextDataModule(TokenizedDataModule):
         group_by_length: bool,
         cache_dir: str | None,
         fetch: Callable[[], object] | None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         self.splits = {split: source for split, source in splits.items() if source}
@@ -190,6 +182,7 @@ class TextDataModule(TokenizedDataModule):
         self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
         self.group_by_length = group_by_length
         self.cache_dir, self.fetch = cache_dir, fetch
+        self.seed = seed
         self.datasets: dict[str, datasets.Dataset] = {}
         self.split_sizes: dict[str, int] = {}  # documents per split
         self.token_counts: dict[str, int] = {}  # real (non-pad) tokens per split, EOS included

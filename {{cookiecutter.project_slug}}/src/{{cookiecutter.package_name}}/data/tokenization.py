@@ -44,10 +44,17 @@ def tokenize_batch(
     """Tokenise a batch of texts (or text pairs), truncated to ``max_length`` tokens, unpadded.
 
     Padding happens per micro-batch in the collator (dynamic padding), so short batches stay short.
+    A longer text keeps its first ``max_length`` tokens (the end is cut; for pairs, the longer of
+    the two texts is cut first: ``truncation=True`` is the tokenizer's ``longest_first``).
+    Null texts are tokenised as empty strings (training drops such rows before; predict keeps
+    every row so its output lines up with its input).
 
     Returns:
         ``input_ids``, ``attention_mask`` (and ``token_type_ids`` for BERT-style models):
         one list of token ids per row, each at most ``max_length`` long.
     """
-    pairs = batch[text_pair_column] if text_pair_column else None
-    return tokenizer(batch[text_column], pairs, truncation=True, max_length=max_length)
+    def text(values: list) -> list[str]:
+        return ["" if value is None else str(value) for value in values]  # predict keeps null rows: "" in, a row out
+
+    pairs = text(batch[text_pair_column]) if text_pair_column else None
+    return tokenizer(text(batch[text_column]), pairs, truncation=True, max_length=max_length)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.loggers import WandbLogger
 
 from ..optim import build_optimizer
 from .builder import tokenizer_from_files, tokenizer_to_files
@@ -22,6 +23,21 @@ class HFModule(L.LightningModule):
     With ``optimizer.step_in_backward`` the module runs under manual optimization
     (:meth:`backward_and_step`); otherwise Lightning's automatic loop.
 
+    **Loss normalisation** (both tasks).  ``training_step`` feeds :meth:`add_to_window` the
+    *sum* of the per-item losses of its micro-batch (per token for a causal LM, per row for a
+    classifier) and the item count; before the optimizer step the gradients are divided by the
+    items of the whole accumulated batch (all micro-batches of the step, all devices).  So a step
+    follows the mean over every item of the global batch, whatever the micro-batch size, and a
+    last, partial accumulation window of an epoch (fewer micro-batches, or a smaller last
+    micro-batch) is the mean over the items it has -- not shrunk by ``accumulate_grad_batches``
+    as Lightning's per-micro-batch division would leave it.  This is the normalisation HF's
+    Trainer reaches with ``num_items_in_batch`` (transformers PR #34191).  ``train/loss`` is
+    logged once per optimizer step as that mean (:meth:`step_loss`).
+
+    ``skipped_steps`` counts optimizer steps whose update was skipped (non-finite loss, see
+    :class:`..callbacks.guards.NonFiniteLoss`); the LR schedule does not advance on them.  It is
+    saved in checkpoints.
+
     Checkpoints carry the tokenizer's files as text (``checkpoint["tokenizer_files"]``), so
     eval/predict/generate need nothing but the checkpoint.
     """
@@ -31,6 +47,12 @@ class HFModule(L.LightningModule):
         self.model = None  # built in configure_model
         self.tokenizer = None
         self._tokenizer_files: dict[str, str] | None = None
+        self.skipped_steps = 0
+        self._loss_divisor = 1.0
+        self._window_loss = torch.zeros(())
+        self._window_items = torch.zeros((), dtype=torch.long)
+        self._step_loss: torch.Tensor | None = None
+        self._step_items = torch.zeros(())
 
     def prepare_data(self) -> None:
         """Install the model files once (``model.fetch``), before anything reads them."""
@@ -56,20 +78,80 @@ class HFModule(L.LightningModule):
         # the same way for every optimizer below (fused, 8-bit, stepped in backward).
         return build_optimizer(self.model, self.hparams.optimizer, self.device.type)
 
+    # ------------------------------------------------------------------ loss normalisation
+    def loss_divisor(self) -> float:
+        """A constant the summed micro-batch loss is divided by before backward (any value works,
+        the gradients are rescaled before the step; one that keeps the loss near the per-item
+        scale keeps fp16 loss scaling in its usual range)."""
+        raise NotImplementedError
+
+    def on_train_start(self) -> None:
+        self._loss_divisor = float(self.loss_divisor())
+        self._window_loss = torch.zeros((), device=self.device)
+        self._window_items = torch.zeros((), dtype=torch.long, device=self.device)
+        self._step_loss = None
+
+    def add_to_window(self, loss_sum: torch.Tensor, items: torch.Tensor) -> torch.Tensor | None:
+        """Count one micro-batch (``loss_sum``: fp32 scalar, summed over its ``items``) and return
+        what ``training_step`` returns: the loss to backpropagate (automatic optimization), or
+        ``None`` after stepping here (``optimizer.step_in_backward``)."""
+        self._window_loss += loss_sum.detach()
+        self._window_items += items
+        if not self.automatic_optimization:
+            # step_in_backward: no accumulation, one device, so this micro-batch is the whole
+            # batch: normalise now, as the update happens during backward.
+            self.backward_and_step(loss_sum / items)
+            return None
+        # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both
+        # constants and divides by the accumulated batch's item count instead.
+        return loss_sum / self._loss_divisor
+
+    def step_loss(self) -> torch.Tensor:
+        """Mean loss per item of the optimizer step being taken (every micro-batch, every device);
+        a 0-dim tensor, computed once per step (callbacks read it before the module logs it)."""
+        if self._step_loss is None:
+            items = self.trainer.strategy.reduce(self._window_items.float(), reduce_op="sum")
+            self._step_loss = self.trainer.strategy.reduce(self._window_loss, reduce_op="sum") / items
+            self._step_items = items
+        return self._step_loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        loss = self.step_loss()
+        if self._step_items <= 0:  # cannot happen with our data modules
+            raise RuntimeError("an optimizer step with nothing to learn from: every label is -100")
+        if self.automatic_optimization:  # (stepped in backward, the loss was normalised already)
+            # DDP averages gradients over devices, hence the world-size factor.
+            scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / float(self._step_items)
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)  # one fused launch
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self._window_loss.zero_()
+        self._window_items.zero_()
+        self._step_loss = None
+
     def backward_and_step(self, loss: torch.Tensor) -> None:
         """The manual-optimization step of ``optimizer.step_in_backward``: ``backward`` updates
         every parameter as its gradient completes; ``step()`` then only counts the step (global
         step, so the LR schedule and step-based checkpoints advance) and runs Lightning's
-        optimizer hooks."""
-        self.manual_backward(loss)
+        optimizer hooks.  A non-finite loss is not backpropagated (the update would be applied
+        before anything could look at it): the step is counted, and the non-finite-loss
+        callback sees it in ``on_before_optimizer_step``."""
+        if torch.isfinite(loss):
+            self.manual_backward(loss)
         self.optimizers().step()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self._tokenizer_files is None:
             self._tokenizer_files = tokenizer_to_files(self.tokenizer)
         checkpoint["tokenizer_files"] = self._tokenizer_files
+        checkpoint["skipped_steps"] = self.skipped_steps
+        for logger in self.loggers if self._trainer is not None else []:
+            if isinstance(logger, WandbLogger) and logger._experiment is not None:
+                checkpoint["wandb_run_id"] = logger.version  # a resume continues this W&B run
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         if self.tokenizer is None:
             self._tokenizer_files = checkpoint["tokenizer_files"]
             self.tokenizer = tokenizer_from_files(self._tokenizer_files)

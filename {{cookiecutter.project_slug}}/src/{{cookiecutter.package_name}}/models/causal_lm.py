@@ -114,14 +114,10 @@ class CausalLMModule(HFModule):
     Batches are dicts of ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)``
     (see :class:`..data.text.CausalLMCollator`); ``forward`` returns logits ``(B, T, V)``.
 
-    **Loss normalisation.**  Each micro-batch's loss is the *sum* of the token losses; before
-    the optimizer step the gradients are divided by the number of target tokens in the whole
-    accumulated batch (all micro-batches of the step, and all devices under DDP).  So one step
-    follows the mean loss over every target token of the global batch, whatever the micro-batch
-    size: micro-batch 1 x accumulation 2 gives the same gradient as micro-batch 2, even when
-    the sequences have different lengths (averaging per-micro-batch means would weight the
-    tokens of a short sequence more).  This is the normalisation HF's Trainer reaches with
-    ``num_items_in_batch`` (transformers PR #34191, the gradient-accumulation loss fix).
+    **Loss normalisation**: per target token over the whole accumulated batch (see
+    :class:`.base.HFModule`), so micro-batch 1 x accumulation 2 gives the same gradient as
+    micro-batch 2, even when the sequences have different lengths (averaging per-micro-batch
+    means would weight the tokens of a short sequence more).
 
     Logged: ``train/loss`` (per optimizer step, the token mean above), ``train/tokens`` (input
     tokens seen, padding excluded), ``train/padding_fraction``, ``val/loss``, ``val/ppl``
@@ -161,10 +157,7 @@ class CausalLMModule(HFModule):
         self.setup_optimization()
         self.tokens_seen = 0
         self.validated_at_step: int | None = None
-        self._window_loss = torch.zeros(())
-        self._window_targets = torch.zeros((), dtype=torch.long)
         self._window_tokens = torch.zeros((), dtype=torch.long)
-        self._loss_divisor = 1.0
 
     # ----------------------------------------------------------------------------- building
     @property
@@ -295,45 +288,28 @@ class CausalLMModule(HFModule):
             return liger_token_loss_sum(hidden, lm_head, batch["labels"])
         return chunked_token_loss_sum(hidden, lm_head, batch["labels"], self.hparams.loss["chunk_size"])
 
-    def on_train_start(self) -> None:
+    def loss_divisor(self) -> float:
+        # The largest possible token count of a micro-batch keeps the loss at the per-token scale
+        # (1 when fit on a bare DataLoader).
         datamodule = self.trainer.datamodule
-        # Any constant works (the gradients are rescaled by the true token count before the
-        # step); the largest possible token count keeps the loss at the usual per-token scale.
-        self._loss_divisor = float(datamodule.batch_size * datamodule.max_length)
-        self._window_loss = torch.zeros((), device=self.device)
-        self._window_targets = torch.zeros((), dtype=torch.long, device=self.device)
+        return datamodule.batch_size * datamodule.max_length if datamodule is not None else 1
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
         self._window_tokens = torch.zeros((), dtype=torch.long, device=self.device)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss_sum, n_targets = self.model_step(batch)
-        self._window_loss += loss_sum.detach()
-        self._window_targets += n_targets
         mask = batch["attention_mask"]
         self._window_tokens += mask.sum()  # a tensor: no host sync per micro-batch
         self.log("train/padding_fraction", 1.0 - mask.float().mean(), on_step=True, on_epoch=False)
-        if not self.automatic_optimization:
-            # optimizer.step_in_backward: no accumulation, one device, so this micro-batch is the
-            # whole batch: normalise now, as the step happens during backward.
-            self.backward_and_step(loss_sum / n_targets)
-            return None
-        # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both
-        # constants and divides by the accumulated batch's target-token count instead.
-        return loss_sum / self._loss_divisor
+        return self.add_to_window(loss_sum, n_targets)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        targets = self.trainer.strategy.reduce(self._window_targets.float(), reduce_op="sum")
-        loss_sum = self.trainer.strategy.reduce(self._window_loss, reduce_op="sum")
-        if targets <= 0:  # cannot happen with our data modules: every sequence has >= 2 tokens
-            raise RuntimeError("an optimizer step with no target tokens: every label is -100")
-        if self.automatic_optimization:  # (stepped in backward, the loss was normalised already)
-            # DDP averages gradients over devices, hence the world-size factor.
-            scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / float(targets)
-            torch._foreach_mul_([p.grad for p in self.parameters() if p.grad is not None], scale)  # one fused launch
+        super().on_before_optimizer_step(optimizer)  # rescales the gradients, logs train/loss
         self.tokens_seen += int(self._window_tokens)  # one host sync per optimizer step
-        self.log("train/loss", loss_sum / targets, on_step=True, on_epoch=False, prog_bar=True)
         self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False, reduce_fx="max")
-        for window in (self._window_loss, self._window_targets, self._window_tokens):
-            window.zero_()
+        self._window_tokens.zero_()
 
     def _eval_step(self, batch: dict[str, torch.Tensor], metric: MeanMetric) -> None:
         loss_sum, n_targets = self.model_step(batch)

@@ -94,24 +94,23 @@ class SequenceClassificationModule(HFModule):
         return self.model(**inputs).logits  # (B, num_labels)
 
     def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and loss, shared by train/val/test.
-
-        The loss is the mean cross-entropy over the micro-batch; under gradient accumulation
-        Lightning divides it by ``accumulate_grad_batches``, so each optimizer step follows the
-        mean over the global batch (exactly, when all micro-batches have the same size).
-        """
+        """Forward and the mean cross-entropy over the micro-batch, shared by val/test (training
+        sums instead, see :meth:`training_step`).  Returns ``(loss, logits (B, num_labels))``."""
         logits = self(batch)  # (B, num_labels)
-        loss = F.cross_entropy(logits.float(), batch["labels"])
-        return loss, logits
+        return F.cross_entropy(logits.float(), batch["labels"]), logits
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, logits = self.model_step(batch)
+    def loss_divisor(self) -> float:
+        # The summed loss of a full micro-batch -> its mean (1 when fit on a bare DataLoader).
+        return getattr(self.trainer.datamodule, "batch_size", None) or 1
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        """The summed cross-entropy of the rows, normalised over the whole accumulated batch
+        (see :class:`.base.HFModule`): each optimizer step follows the mean over its rows."""
+        logits = self(batch)  # (B, num_labels)
         self.train_metrics.update(logits, batch["labels"])
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=len(logits))
         self.log_dict(self.train_metrics, on_step=False, on_epoch=True)
-        if not self.automatic_optimization:  # optimizer.step_in_backward
-            self.backward_and_step(loss)
-        return loss
+        loss_sum = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
+        return self.add_to_window(loss_sum, batch["labels"].new_tensor(len(logits)))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, logits = self.model_step(batch)

@@ -143,8 +143,10 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
     for key in missing:
         problems.append(f"{key} is required; fix: {key}={REQUIRED_EXAMPLES[key]}")
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is not None and not Path(ckpt_path).is_file():
-        problems.append(f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)")
+    resumes_last = ckpt_path == "last" and "ckpt_path" not in required  # train: this run's last.ckpt, if any
+    if ckpt_path is not None and not resumes_last and not Path(ckpt_path).is_file():
+        problems.append(f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)"
+                        + ("" if "ckpt_path" in required else ", or ckpt_path=last to resume the run in hydra.run.dir"))
 
     if problems:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))

@@ -22,9 +22,23 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
     return [hydra.utils.instantiate(cfg.scheduler), *instantiate_group(cfg.get("callbacks"))]
 
 
-def instantiate_loggers(cfg: DictConfig) -> list[Logger]:
-    """Loggers of the ``logger`` group (empty for ``logger=none``)."""
-    return instantiate_group(cfg.get("logger"))
+def instantiate_loggers(cfg: DictConfig, resume_wandb_id: str | None = None) -> list[Logger]:
+    """Loggers of the ``logger`` group (empty for ``logger=none``).
+
+    ``resume_wandb_id`` (from the checkpoint a run resumes) continues that W&B run: the same run
+    id, ``resume="allow"``.  Offline, wandb writes the resumed part to a second folder,
+    ``<run>/wandb/offline-run-<time>-<id>``; ``wandb sync <run>/wandb/offline-run-*-<id>`` uploads
+    both parts into the one run.
+    """
+    loggers = []
+    for name, node in (cfg.get("logger") or {}).items():
+        if node is None:
+            continue
+        extra = {}
+        if resume_wandb_id and str(node.get("_target_", "")).endswith("WandbLogger"):
+            extra = {"id": resume_wandb_id, "resume": "allow"}
+        loggers.append(hydra.utils.instantiate(node, **extra))
+    return loggers
 
 
 def instantiate_trainer(cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger]):

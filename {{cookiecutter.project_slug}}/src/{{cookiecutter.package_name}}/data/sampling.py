@@ -1,0 +1,99 @@
+"""A training order that a resumed run can re-enter part-way through an epoch.
+
+Exact resume needs the rows of epoch ``e`` in the same order as the uninterrupted run, from the
+row the checkpoint stopped at.  So the order is a pure function of ``(seed, epoch)`` (a generator
+seeded from both, like torch's ``DistributedSampler``), never of the global RNG, and a resumed
+sampler skips the rows the checkpoint's epoch had already trained on.
+
+Where the position lives: :class:`..data.batching.TokenizedDataModule` saves
+``(epoch, rows done)`` in the checkpoint from Lightning's own loop counters (its ``state_dict``
+hook) and hands them to the sampler in ``train_dataloader``.  A data loader cannot count this
+itself: Lightning fetches one batch ahead, so a loader's count runs one batch past the loop's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A CPU generator seeded from ``(seed, epoch)``: the same pair, the same stream, in any process.
+
+    ``hash`` of a tuple of ints does not depend on ``PYTHONHASHSEED`` (only str/bytes hashes do).
+    """
+    return torch.Generator().manual_seed(hash((seed, epoch)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+class ResumableSampler(Sampler[int]):
+    """Row indices of one training epoch, shuffled (or length-grouped) as a function of
+    ``(seed, epoch)`` only, optionally starting ``start`` rows into the epoch.
+
+    Args:
+        num_rows: rows in the training split.
+        seed: the run's seed (``seed`` of the train config).
+        lengths: tokens per row; given, the order is transformers' ``get_length_grouped_indices``
+            (random mega-batches of 50 micro-batches, each sorted by length) for ``batch_size``.
+        batch_size: micro-batch size (only used with ``lengths``).
+
+    ``len()`` is always the whole epoch (Lightning counts an epoch's batches from it); after
+    :meth:`resume_at` the next ``iter()`` yields only the rows not yet trained on.
+    """
+
+    def __init__(self, num_rows: int, seed: int, lengths: Sequence[int] | None = None, batch_size: int = 1) -> None:
+        self.num_rows, self.seed, self.lengths, self.batch_size = num_rows, seed, lengths, batch_size
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this before each epoch (as for a ``DistributedSampler``)."""
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, rows_done: int) -> None:
+        """Make the next ``iter()`` continue ``epoch`` after its first ``rows_done`` rows; an epoch
+        that was already finished continues with the next one from its first row."""
+        if rows_done >= self.num_rows:
+            epoch, rows_done = epoch + 1, 0
+        self.epoch, self.start = epoch, rows_done
+
+    def order(self, epoch: int) -> list[int]:
+        """Every row index once, in the order of ``epoch``."""
+        generator = epoch_generator(self.seed, epoch)
+        if self.lengths is not None:
+            return get_length_grouped_indices(list(self.lengths), self.batch_size, generator=generator)
+        return torch.randperm(self.num_rows, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0
+        return iter(self.order(self.epoch)[start:])
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableSampler` that Lightning recognises as resumable.
+
+    Its ``state_dict`` is the sampler's seed: a run resumed with another ``seed`` would see
+    another order, which :meth:`load_state_dict` warns about.  (The position itself is restored
+    by the data module; see the module docstring.)  Lightning may rebuild the loader around
+    another sampler (``overfit_batches``: a sequential one); the state is then empty.
+    """
+
+    def state_dict(self) -> dict[str, int]:
+        seed = getattr(self.sampler, "seed", None)
+        return {} if seed is None else {"seed": seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        seed = getattr(self.sampler, "seed", None)
+        if seed is not None and state.get("seed", seed) != seed:
+            warnings.warn(
+                f"resuming with seed={seed}, but the checkpoint was trained with seed={state['seed']}: "
+                "the rest of this epoch follows another order (rows may repeat or be skipped); "
+                f"fix: seed={state['seed']} to continue exactly",
+                stacklevel=2,
+            )

@@ -1,0 +1,100 @@
+"""Checkpoint files that survive a kill, and finding the one to resume from.
+
+Lightning's ``TorchCheckpointIO`` serialises a checkpoint in memory and then writes it over the
+target path: a kill during that write leaves a truncated ``last.ckpt``, and the run can no longer
+resume.  :class:`AtomicCheckpointIO` writes to a hidden temporary file next to the target,
+flushes it to disk and renames it into place (``os.replace``: atomic on POSIX and Windows file
+systems), so ``last.ckpt`` is always either the previous complete checkpoint or the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from omegaconf import DictConfig
+
+from .config import ConfigError
+
+log = logging.getLogger(__name__)
+
+PARTIAL_PREFIX = ".partial-"  # temporary files of AtomicCheckpointIO (left behind only by a kill)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are all-or-nothing (see the module docstring).
+
+    Set through ``trainer.plugins``; remote paths (``s3://``...) fall back to Lightning's save.
+    Stale temporary files of a killed save (``.partial-*``) are removed by the next save.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
+        if not isinstance(get_filesystem(path), type(get_filesystem("."))):
+            super().save_checkpoint(checkpoint, path)
+            return
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f"{PARTIAL_PREFIX}*"):
+            stale.unlink(missing_ok=True)
+        partial = path.with_name(f"{PARTIAL_PREFIX}{path.name}")
+        try:
+            with partial.open("wb") as file:
+                self.write(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())  # the bytes are on disk before the name points at them
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def write(self, checkpoint: dict[str, Any], file: Any) -> None:
+        """Serialise ``checkpoint`` into the open temporary ``file`` (a seam for fault-injection tests)."""
+        torch.save(checkpoint, file)
+
+
+def last_checkpoint(cfg: DictConfig) -> Path:
+    """Where ``last.ckpt`` of this run lives: the folder of the checkpoint callback that keeps it."""
+    for callback in (cfg.get("callbacks") or {}).values():
+        if callback is not None and callback.get("save_last") and callback.get("dirpath"):
+            return Path(callback.dirpath) / "last.ckpt"
+    return Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
+    """The checkpoint ``ckpt_path`` names: ``null`` -> none; ``last`` -> this run's ``last.ckpt``,
+    or none (a fresh start, logged) when the run has not saved one yet; else that file
+    (``validate_config`` has checked that it exists).
+
+    Raises:
+        ConfigError: the file is not a readable checkpoint (checked before any data or weights load).
+    """
+    value = cfg.get("ckpt_path")
+    if value is None:
+        return None
+    path = last_checkpoint(cfg) if str(value) == "last" else Path(str(value))
+    if str(value) == "last" and not path.is_file():
+        log.warning("ckpt_path=last: no %s yet, so training starts from scratch", path)
+        return None
+    read_checkpoint(path, "epoch")  # a truncated or foreign file fails here, with its name
+    return path
+
+
+def read_checkpoint(path: Path, key: str) -> Any:
+    """One top-level entry of a checkpoint, read memory-mapped with ``weights_only=True`` (so a
+    multi-GB checkpoint is not read whole, and no pickled code runs).
+
+    Raises:
+        ConfigError: the file is not a complete checkpoint (e.g. cut short by a full disk).
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # torch raises RuntimeError/UnpicklingError/EOFError for damaged files
+        raise ConfigError(f"ckpt_path={str(path)!r} is not a readable checkpoint ({type(error).__name__}: {error}); "
+                          "fix: resume from another checkpoint of the run (RUN/checkpoints/*.ckpt)") from error
+    return checkpoint.get(key)

@@ -1,0 +1,96 @@
+"""Fault injection for the reliability tests, loaded into real training runs by ``_target_``
+overrides with this folder on ``PYTHONPATH`` (nothing here ships in the package):
+
+    PYTHONPATH=tests python -m {{ cookiecutter.package_name }}.train ... +callbacks.fault._target_=faults.KillAt +callbacks.fault.step=3
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning as L
+import torch
+
+from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+
+
+def _micro_batch_of_step(trainer: L.Trainer, batch_idx: int) -> int:
+    return batch_idx % trainer.accumulate_grad_batches
+
+
+class KillAt(L.Callback):
+    """SIGKILL this process just before micro-batch ``micro_batch`` (0-based) of optimizer step
+    ``step`` (0-based): ``micro_batch: 0`` is a step boundary, ``>= 1`` is between the micro-batches
+    of one step.  ``signal_name`` sends another signal instead (e.g. ``SIGTERM``)."""
+
+    def __init__(self, step: int, micro_batch: int = 0, signal_name: str = "SIGKILL") -> None:
+        self.step, self.micro_batch, self.signum = step, micro_batch, getattr(signal, signal_name)
+        self.sent = False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.sent and trainer.global_step == self.step and _micro_batch_of_step(trainer, batch_idx) == self.micro_batch:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
+class KillDuringSave(AtomicCheckpointIO):
+    """Checkpoint IO that SIGKILLs the process half-way through writing its ``save``-th checkpoint
+    (1-based), after the first half of the bytes is on disk."""
+
+    def __init__(self, save: int) -> None:
+        super().__init__()
+        self.save, self.saves = save, 0
+
+    def write(self, checkpoint, file) -> None:
+        self.saves += 1
+        if self.saves < self.save:
+            return super().write(checkpoint, file)
+        import io
+
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        data = buffer.getvalue()
+        file.write(data[: len(data) // 2])
+        file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _OnSteps(L.Callback):
+    """Base: act on the model's forward pass during the given optimizer steps."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = set(steps)
+        self._handle = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if trainer.global_step in self.steps:
+            self._handle = self.hook(pl_module.model)
+
+    def hook(self, model: torch.nn.Module):
+        raise NotImplementedError
+
+
+class RaiseOOM(_OnSteps):
+    """Raise ``torch.OutOfMemoryError`` from inside the forward pass of the given steps: the
+    CPU stand-in for a CUDA OOM in a training step."""
+
+    def hook(self, model):
+        def raise_oom(module, args, kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated by tests/faults.py)")
+
+        return model.register_forward_pre_hook(raise_oom, with_kwargs=True)
+
+
+class NaNLogits(_OnSteps):
+    """Make the logits NaN in the forward passes of the given steps (a diverged step)."""
+
+    def hook(self, model):
+        def poison(module, args, output):
+            output.logits = output.logits * float("nan")
+            return output
+
+        return model.register_forward_hook(poison)

@@ -1,0 +1,176 @@
+"""Out-of-memory and non-finite-loss stops, seeds, kill-safe files, W&B resume, and the batch
+edge cases (a data set smaller than one batch, fewer batches than the accumulation factor)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_NON_FINITE_LOSS, EXIT_OUT_OF_MEMORY, RunStopped
+from {{ cookiecutter.package_name }}.train import train
+from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+from {{ cookiecutter.package_name }}.utils.csv_log import ResumableCSVLogger
+
+from .test_resume import run_train, step_losses, without_output_dir
+
+
+def csv_rows(run_dir: Path) -> list[dict]:
+    with (run_dir / "csv" / "metrics.csv").open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+# ------------------------------------------------------------------------ kill-safe files
+class _Torn(RuntimeError):
+    pass
+
+
+class TornWrite(AtomicCheckpointIO):
+    """Writes half a checkpoint, then fails: what a kill or a full disk does mid-save."""
+
+    def write(self, checkpoint, file) -> None:
+        file.write(b"half a checkpoint")
+        raise _Torn
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_file_whole(tmp_path):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1, "w": torch.ones(3)}, path)
+    with pytest.raises(_Torn):
+        TornWrite().save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_resumed_csv_log_keeps_earlier_rows_and_drops_the_ones_logged_again(tmp_path):
+    first = ResumableCSVLogger(tmp_path, name="csv", version="", flush_logs_every_n_steps=1)
+    for step in range(6):
+        first.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+        first.save()
+    # killed after step 5; the checkpoint was at step 3, so the resumed run logs steps 3, 4, ... again
+    resumed = ResumableCSVLogger(tmp_path, name="csv", version="", flush_logs_every_n_steps=1)
+    resumed.log_metrics({"train/loss": 0.3, "val/loss": 0.5}, step=3)
+    resumed.save()
+    rows = csv_rows(tmp_path)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert [r["train/loss"] for r in rows] == ["1.0", "0.5", str(1 / 3), "0.3"]
+    assert rows[3]["val/loss"] == "0.5" and rows[0]["val/loss"] == ""
+{%- if cookiecutter.tasks != "causal_lm" %}
+
+
+# ------------------------------------------------------------------------ out of memory
+def test_cuda_oom_in_a_step_writes_a_report_saves_and_exits_3(tokenizer_dir, toy_data, tmp_path):
+    from .conftest import tiny_overrides
+
+    base = without_output_dir(tiny_overrides(tokenizer_dir, toy_data, tmp_path / "run"))
+    run_dir = tmp_path / "run"
+    fault = ["batch.global_batch_size=16", "batch.micro_batch_size=8", "+callbacks.fault._target_=faults.RaiseOOM",
+             "+callbacks.fault.steps=[2]", "callbacks.step_checkpoint.every_n_train_steps=1000"]
+    result = run_train(run_dir, base + fault)
+    assert result.returncode == EXIT_OUT_OF_MEMORY, result.stderr[-3000:]
+    report = json.loads((run_dir / "oom_report.json").read_text())
+    assert report["optimizer_step"] == 2 and report["micro_batch_of_step"] == 1 and report["batch_shape"][0] == 8
+    assert report["suggested_micro_batch"] == 4 and report["suggested_accumulation"] == 4
+    # The error came in the first micro-batch of step 2, before any update: the state is step 2's, saved.
+    assert report["checkpoint_step"] == 2
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    text = (run_dir / "oom_report.txt").read_text()
+    assert text in result.stderr  # printed too
+    assert "CUDA out of memory at optimizer step 2 (epoch 0, batch 4 of the epoch, micro-batch 1 of 2" in text
+    assert "fix: batch.micro_batch_size=4 (accumulation 4 keeps the global batch of 16)" in text
+
+
+# ---------------------------------------------------------------------- non-finite loss
+def test_a_nan_step_is_skipped_and_does_not_advance_the_lr_schedule(make_cfg, tmp_path, recwarn):
+    cfg = make_cfg("+callbacks.fault._target_=tests.faults.NaNLogits", "+callbacks.fault.steps=[2]",
+                   "callbacks.non_finite_loss.action=skip", "trainer.max_steps=6", "scheduler=linear_warmup",
+                   "batch.micro_batch_size=8", "test_after_fit=false")
+    train(cfg)
+    rows = csv_rows(tmp_path / "run")
+    losses = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    lrs = {int(r["step"]): float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")}  # LR used in that step
+    assert str(losses[2]) == "nan" and all(loss == loss for step, loss in losses.items() if step != 2)
+    assert lrs[3] == lrs[2] and lrs[4] < lrs[3]  # (linear decay: the skipped step did not move it)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert state["skipped_steps"] == 1 and all(torch.isfinite(t).all() for t in state["state_dict"].values())
+    assert any("at optimizer step 2 (epoch 0, micro-batches 4-5 of the epoch): update skipped" in str(w.message) for w in recwarn)
+
+
+def test_consecutive_nan_steps_stop_with_the_last_good_weights(make_cfg, tmp_path):
+    cfg = make_cfg("+callbacks.fault._target_=tests.faults.NaNLogits", "+callbacks.fault.steps=[3,4]",
+                   "callbacks.non_finite_loss.patience=2", "trainer.max_steps=8", "test_after_fit=false")
+    with pytest.raises(RunStopped) as stop:
+        train(cfg)
+    assert stop.value.exit_code == EXIT_NON_FINITE_LOSS
+    assert "non-finite for 2 optimizer steps in a row, the last at optimizer step 4" in str(stop.value)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert state["global_step"] == 5 and state["skipped_steps"] == 2
+    assert all(torch.isfinite(t).all() for t in state["state_dict"].values())
+    assert max(int(r["step"]) for r in csv_rows(tmp_path / "run") if r.get("train/loss")) == 4  # the stop step is logged
+
+
+# ------------------------------------------------------------------------- W&B on resume
+def test_a_resumed_run_continues_its_wandb_run_id_in_a_second_offline_folder(make_cfg, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    common = ("logger=wandb", "test_after_fit=false", "batch.micro_batch_size=8")
+    train(make_cfg(*common, "trainer.max_steps=3"))
+    run_id = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["wandb_run_id"]
+    train(make_cfg(*common, "trainer.max_steps=5", "ckpt_path=last"))
+    # docs/reliability.md: `wandb sync RUN/wandb/offline-run-*-<id>` uploads both parts into one run.
+    parts = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(parts) == 2, sorted(p.name for p in (tmp_path / "run" / "wandb").iterdir())
+    assert all(list(part.glob(f"run-{run_id}.wandb")) for part in parts)
+
+
+# ------------------------------------------------------------------------------- seeds
+def first_losses(make_cfg, run: str, *overrides: str) -> list[float]:
+    cfg = make_cfg("trainer.max_steps=4", "batch.micro_batch_size=8", "test_after_fit=false",
+                   "task.validate_before_fit=false", "trainer.num_sanity_val_steps=0", *overrides)
+    cfg.paths.output_dir = str(Path(cfg.paths.output_dir).parent / run)
+    train(cfg)
+    return list(step_losses(Path(cfg.paths.output_dir)).values())
+
+
+def test_the_same_seed_repeats_the_losses_and_seed_0_is_a_seed(make_cfg):
+    zero = first_losses(make_cfg, "a", "seed=0")
+    assert first_losses(make_cfg, "b", "seed=0") == zero
+    assert first_losses(make_cfg, "c", "seed=1") != zero
+
+
+# ------------------------------------------------------------------- small data, batches
+def test_a_data_set_smaller_than_one_batch_trains_one_step_per_epoch(make_cfg, tmp_path):
+    from .conftest import toy_rows, write_csv
+
+    small = write_csv(tmp_path / "small.csv", toy_rows(5, seed=7))
+    metrics = train(make_cfg(f"data.splits.train={small}", "batch.micro_batch_size=16", "trainer.max_epochs=3"))
+    assert metrics["rows"]["train"] == 5
+    assert max(step_losses(tmp_path / "run")) == 2  # steps 0, 1, 2: one per epoch
+
+
+def one_step_weights(make_cfg, tmp_path: Path, rows: Path, micro_batch: int, global_batch: int, run: str) -> dict:
+    cfg = make_cfg(f"data.splits.train={rows}", f"batch.micro_batch_size={micro_batch}", f"batch.global_batch_size={global_batch}",
+                   "trainer.max_epochs=1", "data.group_by_length=false", "+model.config.hidden_dropout_prob=0.0",
+                   "+model.config.attention_probs_dropout_prob=0.0", "trainer.gradient_clip_val=null",
+                   "test_after_fit=false", "task.validate_before_fit=false")
+    cfg.paths.output_dir = str(tmp_path / run)
+    train(cfg)
+    return torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+def test_a_partial_accumulation_window_steps_on_the_mean_of_its_rows(make_cfg, tmp_path):
+    from .conftest import toy_rows, write_csv
+
+    rows = write_csv(tmp_path / "twenty.csv", toy_rows(20, seed=8))
+    # 20 rows as micro-batches 8 + 8 + 4 of a global batch of 64: fewer batches than the
+    # accumulation factor (8), so the epoch's only step is a partial window ...
+    partial = one_step_weights(make_cfg, tmp_path, rows, micro_batch=8, global_batch=64, run="partial")
+    # ... which must update the weights as one batch of the same 20 rows does.
+    whole = one_step_weights(make_cfg, tmp_path, rows, micro_batch=20, global_batch=20, run="whole")
+    for name, value in whole.items():
+        torch.testing.assert_close(partial[name], value, rtol=1e-5, atol=1e-6, msg=name)
+{%- endif %}

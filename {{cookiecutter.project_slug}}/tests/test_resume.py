@@ -1,0 +1,168 @@
+"""Kill real training processes and resume them: the resumed run must log the same per-step
+losses as a run that was never interrupted (bit-identical on CPU), and ``last.ckpt`` must never
+be torn.  Faults come from ``tests/faults.py``, loaded by ``_target_`` overrides.
+
+Each run is ``python -m {{ cookiecutter.package_name }}.train ... hydra.run.dir=RUN logger=csv``, the way a user runs it.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).parent
+EVERY = 3  # callbacks.step_checkpoint.every_n_train_steps in these runs
+
+
+def run_train(run_dir: Path, overrides: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    """``python -m <package>.train`` in a subprocess, with ``tests/`` on PYTHONPATH (for faults.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """``step -> train/loss`` from the run's CSV log; each step must appear once."""
+    with (run_dir / "csv" / "metrics.csv").open(newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
+    steps = [int(row["step"]) for row in rows]
+    assert len(steps) == len(set(steps)), f"a step is logged twice: {sorted(steps)}"
+    return {int(row["step"]): float(row["train/loss"]) for row in rows}
+
+
+def checkpoint_step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+def without_output_dir(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("paths.output_dir")]
+
+
+def uninterrupted_losses(base: list[str], run_dir: Path) -> dict[int, float]:
+    """Per-step losses of the run that is never interrupted, logged from step 0 without a gap."""
+    result = run_train(run_dir, base)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = step_losses(run_dir)
+    assert sorted(losses) == list(range(len(losses)))
+    return losses
+
+
+def assert_same_losses(reference: dict[int, float], resumed: dict[int, float], context: str) -> None:
+    assert sorted(resumed) == sorted(reference), f"{context}: steps {sorted(resumed)} != {sorted(reference)}"
+    differing = {step: (reference[step], resumed[step]) for step in reference if resumed[step] != reference[step]}
+    assert not differing, f"{context}: steps whose loss differs from the uninterrupted run: {differing}"
+
+
+def kill_and_resume(base: list[str], tmp_path: Path, fault: list[str], expect_code: int) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run with ``fault`` (which must kill or stop the run), then resume with ``ckpt_path=last``."""
+    run_dir = tmp_path / "killed"
+    killed = run_train(run_dir, base + fault)
+    assert killed.returncode == expect_code, f"expected exit {expect_code}, got {killed.returncode}:\n{killed.stderr[-3000:]}"
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file(), "no last.ckpt to resume from"
+    checkpoint_step(run_dir / "checkpoints" / "last.ckpt")  # loads with weights_only=True
+    resumed = run_train(run_dir, base + ["ckpt_path=last"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return run_dir, resumed
+{%- if cookiecutter.tasks != "causal_lm" %}
+
+
+# ------------------------------------------------------------------------- classification
+# 96 training rows, micro-batch 8, accumulation 2: 6 optimizer steps per epoch, 3 epochs.
+CLS_STEPS = 18
+
+
+@pytest.fixture(scope="module")
+def cls_base(tokenizer_dir, toy_data, tmp_path_factory) -> list[str]:
+    from .conftest import tiny_overrides
+
+    return without_output_dir(tiny_overrides(tokenizer_dir, toy_data, tmp_path_factory.mktemp("cls") / "run")) + [
+        "batch.global_batch_size=16", "batch.micro_batch_size=8", "trainer.max_epochs=3", "trainer.deterministic=true",
+        f"callbacks.step_checkpoint.every_n_train_steps={EVERY}", "optimizer.lr=1e-3", "test_after_fit=false",
+        # (BERT's dropout is on, 0.1: the RNG state must be restored too)
+    ]
+
+
+@pytest.fixture(scope="module")
+def cls_reference(cls_base, tmp_path_factory) -> dict[int, float]:
+    losses = uninterrupted_losses(cls_base, tmp_path_factory.mktemp("cls_reference"))
+    assert len(losses) == CLS_STEPS
+    return losses
+
+
+def test_classifier_killed_between_micro_batches_resumes_bit_identically(cls_base, cls_reference, tmp_path):
+    rng = random.Random()
+    step = rng.randrange(EVERY + 1, CLS_STEPS - 1)  # after the first step checkpoint, mid-epoch or not
+    context = f"SIGKILL before micro-batch 2 of step {step}"
+    fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={step}", "+callbacks.fault.micro_batch=1"]
+    run_dir, _ = kill_and_resume(cls_base, tmp_path, fault, expect_code=-signal.SIGKILL)
+    assert_same_losses(cls_reference, step_losses(run_dir), context)
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
+
+
+# ----------------------------------------------------------------------------- causal LM
+@pytest.fixture(scope="module")
+def lm_base(lm_tokenizer_dir, lm_text, tmp_path_factory) -> list[str]:
+    from .conftest import lm_overrides
+
+    return without_output_dir(lm_overrides(lm_tokenizer_dir, lm_text, tmp_path_factory.mktemp("lm") / "run")) + [
+        "batch.global_batch_size=4", "batch.micro_batch_size=2", "data.max_length=16", "trainer.max_epochs=2",
+        "trainer.deterministic=true", f"callbacks.step_checkpoint.every_n_train_steps={EVERY}", "optimizer.lr=3e-3",
+        "test_after_fit=false", "callbacks.sample_generation.every_n_steps=4", "callbacks.sample_generation.do_sample=true",
+        "+model.config.attention_dropout=0.1",  # dropout on: the RNG state must be restored too
+    ]
+
+
+@pytest.fixture(scope="module")
+def lm_reference(lm_base, tmp_path_factory) -> dict[int, float]:
+    losses = uninterrupted_losses(lm_base, tmp_path_factory.mktemp("lm_reference"))
+    assert len(losses) > 2 * EVERY + 2
+    return losses
+
+
+def test_lm_killed_at_a_random_point_resumes_bit_identically(lm_base, lm_reference, tmp_path):
+    rng = random.Random()
+    step, micro_batch = rng.randrange(EVERY + 1, len(lm_reference) - 1), rng.randrange(2)
+    context = f"SIGKILL before micro-batch {micro_batch + 1} of step {step}"
+    fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={step}", f"+callbacks.fault.micro_batch={micro_batch}"]
+    run_dir, _ = kill_and_resume(lm_base, tmp_path, fault, expect_code=-signal.SIGKILL)
+    assert_same_losses(lm_reference, step_losses(run_dir), context)
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_last_ckpt(lm_base, lm_reference, tmp_path):
+    # The 2nd save is the step checkpoint after step 2 * EVERY; the kill tears its write in half.
+    fault = ["trainer.plugins=[{_target_: faults.KillDuringSave, save: 2}]"]
+    run_dir = tmp_path / "killed"
+    killed = run_train(run_dir, lm_base + fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(last) == EVERY  # the first save, whole
+    assert list((run_dir / "checkpoints").glob(".partial-*")), "the torn write should be a temporary file"
+    resumed = run_train(run_dir, lm_base + ["ckpt_path=last"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not list((run_dir / "checkpoints").glob(".partial-*"))
+    assert_same_losses(lm_reference, step_losses(run_dir), "kill during the second checkpoint write")
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_143(lm_base, lm_reference, tmp_path):
+    step = EVERY + 1  # not a step-checkpoint step: this last.ckpt can only come from the signal
+    fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={step}", "+callbacks.fault.micro_batch=1",
+             "+callbacks.fault.signal_name=SIGTERM"]
+    run_dir = tmp_path / "stopped"
+    stopped = run_train(run_dir, lm_base + fault)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert f"Stopped by SIGTERM after optimizer step {step + 1}" in stopped.stderr
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == step + 1  # the step in progress was finished
+    assert max(step_losses(run_dir)) == step  # ... and logged
+    resumed = run_train(run_dir, lm_base + ["ckpt_path=last"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_losses(lm_reference, step_losses(run_dir), f"SIGTERM during step {step}")
+{%- endif %}
