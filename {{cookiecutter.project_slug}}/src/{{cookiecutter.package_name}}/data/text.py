@@ -23,7 +23,6 @@ import glob
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import datasets
 import torch
