@@ -56,6 +56,21 @@ class KillDuringSave(AtomicCheckpointIO):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillAfterSave(AtomicCheckpointIO):
+    """Checkpoint IO that SIGKILLs the process right after its ``save``-th checkpoint is complete
+    and in place: before Lightning would have logged that step."""
+
+    def __init__(self, save: int) -> None:
+        super().__init__()
+        self.save, self.saves = save, 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        super().save_checkpoint(checkpoint, path, storage_options)
+        self.saves += 1
+        if self.saves == self.save:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class _OnSteps(L.Callback):
     """Base: act on the model's forward pass during the given optimizer steps."""
 

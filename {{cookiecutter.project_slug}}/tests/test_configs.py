@@ -203,6 +203,7 @@ def test_cli_rejects_a_bad_batch_before_loading_anything(tmp_path):
     )
     assert result.returncode != 0
     assert "batch.global_batch_size=10 is not divisible by batch.micro_batch_size=4" in result.stderr
+    assert "Traceback" not in result.stderr  # the message alone, not under a stack trace
     assert not (tmp_path / "cache").exists()  # nothing was fetched
     assert not (tmp_path / "checkpoints").exists()
 

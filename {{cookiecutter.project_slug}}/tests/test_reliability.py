@@ -84,6 +84,26 @@ def test_cuda_oom_in_a_step_writes_a_report_saves_and_exits_3(tokenizer_dir, toy
     assert "fix: batch.micro_batch_size=4 (accumulation 4 keeps the global batch of 16)" in text
 
 
+# ------------------------------------------------------------------------------ signals
+@pytest.mark.parametrize("name", ["SIGINT", "SIGUSR1"])
+def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handler(make_cfg, tmp_path, name):
+    signum = getattr(signal, name)
+    requeued = []
+    previous = signal.signal(signal.SIGUSR1, lambda *args: requeued.append(args[0]))  # stands in for Lightning's SLURM requeue
+    try:
+        cfg = make_cfg("+callbacks.fault._target_=tests.faults.KillAt", "+callbacks.fault.step=2", "+callbacks.fault.micro_batch=1",
+                       f"+callbacks.fault.signal_name={name}", "batch.micro_batch_size=8", "test_after_fit=false")
+        with pytest.raises(RunStopped) as stop:
+            train(cfg)
+        assert stop.value.exit_code == 128 + signum
+        assert f"Stopped by {name} after optimizer step 3" in str(stop.value)
+        assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+        assert requeued == ([signal.SIGUSR1] if name == "SIGUSR1" else [])  # the earlier handler still ran
+        assert signal.getsignal(signum) is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 # ---------------------------------------------------------------------- non-finite loss
 def test_a_nan_step_is_skipped_and_does_not_advance_the_lr_schedule(make_cfg, tmp_path, recwarn):
     cfg = make_cfg("+callbacks.fault._target_=tests.faults.NaNLogits", "+callbacks.fault.steps=[2]",

@@ -52,6 +52,8 @@ def uninterrupted_losses(base: list[str], run_dir: Path) -> dict[int, float]:
     assert result.returncode == 0, result.stderr[-3000:]
     losses = step_losses(run_dir)
     assert sorted(losses) == list(range(len(losses)))
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == len(losses)  # last.ckpt is the final state
+    assert not list((run_dir / "checkpoints").glob("last-v*.ckpt"))
     return losses
 
 
@@ -150,6 +152,14 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_last_ckpt(lm_base, l
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not list((run_dir / "checkpoints").glob(".partial-*"))
     assert_same_losses(lm_reference, step_losses(run_dir), "kill during the second checkpoint write")
+
+
+def test_a_kill_right_after_a_checkpoint_loses_no_logged_step(lm_base, lm_reference, tmp_path):
+    # The 2nd save (step 2 * EVERY) completes, then the process dies before the step is logged
+    # the usual way: the row must already be in the CSV, since the resumed run starts after it.
+    fault = ["trainer.plugins=[{_target_: faults.KillAfterSave, save: 2}]"]
+    run_dir, _ = kill_and_resume(lm_base, tmp_path, fault, expect_code=-signal.SIGKILL)
+    assert_same_losses(lm_reference, step_losses(run_dir), "kill right after the second checkpoint write")
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_143(lm_base, lm_reference, tmp_path):

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from .utils.config import validate_config
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
-from .utils.run import close_loggers, print_config_tree, write_metrics
+from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
 
 
 def evaluate(cfg: DictConfig) -> dict:
@@ -46,7 +46,8 @@ def evaluate(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
-    evaluate(cfg)
+    with exit_on_bad_input():
+        evaluate(cfg)
 
 
 if __name__ == "__main__":

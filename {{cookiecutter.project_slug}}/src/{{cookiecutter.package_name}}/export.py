@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from .models.causal_lm import CausalLMModule
 from .utils.config import ConfigError, validate_config
+from .utils.run import exit_on_bad_input
 
 
 def export(cfg: DictConfig) -> Path:
@@ -58,7 +59,8 @@ def export(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
 def main(cfg: DictConfig) -> None:
-    export(cfg)
+    with exit_on_bad_input():
+        export(cfg)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from .utils.config import ConfigError, to_plain, validate_config
-from .utils.run import atomic_write_path
+from .utils.run import atomic_write_path, exit_on_bad_input
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -84,7 +84,8 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
-    generate(cfg)
+    with exit_on_bad_input():
+        generate(cfg)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,18 @@ from omegaconf import DictConfig
 
 from .memory.planner import plan_memory, write_plan
 from .utils.config import config_warnings, validate_config
+from .utils.run import exit_on_bad_input
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="plan")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry."""
-    validate_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
-    for warning in config_warnings(cfg):
-        rank_zero_warn(warning)
-    start = time.perf_counter()
-    plan = plan_memory(cfg)
+    with exit_on_bad_input():
+        validate_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
+        for warning in config_warnings(cfg):
+            rank_zero_warn(warning)
+        start = time.perf_counter()
+        plan = plan_memory(cfg)
     run_dir = Path(cfg.paths.output_dir)
     write_plan(plan, run_dir, cfg.hardware.name)
     print(plan.table(cfg.hardware.name))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from .utils.config import ConfigError, to_plain, validate_config
 from .utils.instantiate import instantiate_trainer
-from .utils.run import atomic_write_path
+from .utils.run import atomic_write_path, exit_on_bad_input
 
 
 def predict(cfg: DictConfig) -> Path:
@@ -55,7 +55,8 @@ def predict(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
-    predict(cfg)
+    with exit_on_bad_input():
+        predict(cfg)
 
 
 if __name__ == "__main__":

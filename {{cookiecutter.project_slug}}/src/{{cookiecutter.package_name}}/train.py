@@ -31,7 +31,7 @@ from .memory.planner import check_memory_plan
 from .utils.checkpoints import read_checkpoint, resolve_ckpt_path
 from .utils.config import config_warnings, to_plain, validate_config
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
-from .utils.run import close_loggers, print_config_tree, write_metrics
+from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
 
 
 def train(cfg: DictConfig) -> dict:
@@ -102,10 +102,11 @@ def train(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Console script / ``python -m`` entry; returns the monitored metric (for sweeps).  A
-    :class:`RunStopped` ends the process with its exit code (see the module docstring)."""
+    """Console script / ``python -m`` entry; returns the monitored metric (for sweeps).  Bad input
+    exits 1 with its message; a :class:`RunStopped` with its exit code (see the module docstring)."""
     try:
-        return train(cfg).get(cfg.task.monitor)
+        with exit_on_bad_input():
+            return train(cfg).get(cfg.task.monitor)
     except RunStopped as stop:
         print(f"\n{stop}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)

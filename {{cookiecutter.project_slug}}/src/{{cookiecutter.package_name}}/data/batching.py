@@ -7,6 +7,7 @@ from collections.abc import Callable
 import math
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 import torch
 from torch.utils.data import DataLoader
 
@@ -88,7 +89,7 @@ class TokenizedDataModule(L.LightningDataModule):
         a resumed run changes ``batch.micro_batch_size``.
         """
         trainer = self.trainer
-        if trainer is None or not trainer.training:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # (validation inside fit saves too)
             return {}
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return {"epoch": trainer.current_epoch, "rows_done": done * self.batch_size, "seed": self.order_seed}

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +15,11 @@ import rich.syntax
 import rich.tree
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
+from hydra.errors import InstantiationException
 from rich.console import Console
+
+from ..data.loading import DataError
+from .config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +75,19 @@ def atomic_write_path(path: Path) -> Iterator[Path]:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+@contextmanager
+def exit_on_bad_input() -> Iterator[None]:
+    """Around an entry point's work: a :class:`ConfigError` or :class:`DataError` (bad input; its
+    message names the field, the value and the fix) is printed alone and exits with code 1,
+    instead of under the traceback Hydra prints for other errors.  Also when Hydra's
+    ``instantiate`` wrapped it (a callback refusing its arguments)."""
+    try:
+        yield
+    except (ConfigError, DataError, InstantiationException) as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if not isinstance(cause, (ConfigError, DataError)):
+            raise
+        print(f"Error: {cause}", file=sys.stderr, flush=True)
+        sys.exit(1)
