@@ -133,6 +133,8 @@ def lm_reference(lm_base, tmp_path_factory) -> dict[int, float]:
 def test_lm_killed_at_a_random_point_resumes_bit_identically(lm_base, lm_reference, tmp_path):
     rng = random.Random()
     step, micro_batch = rng.randrange(EVERY + 1, len(lm_reference) - 1), rng.randrange(2)
+    if (step + 1) % (len(lm_reference) // 2) == 0:
+        micro_batch = 0  # an epoch's last step is a partial window of one micro-batch here (2 epochs)
     context = f"SIGKILL before micro-batch {micro_batch + 1} of step {step}"
     fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={step}", f"+callbacks.fault.micro_batch={micro_batch}"]
     run_dir, _ = kill_and_resume(lm_base, tmp_path, fault, expect_code=-signal.SIGKILL)
