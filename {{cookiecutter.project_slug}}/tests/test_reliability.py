@@ -88,6 +88,7 @@ def test_cuda_oom_in_a_step_writes_a_report_saves_and_exits_3(tokenizer_dir, toy
 @pytest.mark.parametrize("name", ["SIGINT", "SIGUSR1"])
 def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handler(make_cfg, tmp_path, name):
     signum = getattr(signal, name)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     requeued = []
     previous = signal.signal(signal.SIGUSR1, lambda *args: requeued.append(args[0]))  # stands in for Lightning's SLURM requeue
     try:
@@ -99,7 +100,7 @@ def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handle
         assert f"Stopped by {name} after optimizer step 3" in str(stop.value)
         assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
         assert requeued == ([signal.SIGUSR1] if name == "SIGUSR1" else [])  # the earlier handler still ran
-        assert signal.getsignal(signum) is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert {sig: signal.getsignal(sig) for sig in before} == before  # handlers put back after the stop
     finally:
         signal.signal(signal.SIGUSR1, previous)
 

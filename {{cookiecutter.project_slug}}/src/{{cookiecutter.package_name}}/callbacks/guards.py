@@ -70,7 +70,8 @@ class StopOnSignal(_StepBoundary):
     progress, save ``last.ckpt`` and stop with exit code ``128 + signal``.
 
     A second Ctrl-C stops at once (``KeyboardInterrupt``), without a checkpoint.  The handlers
-    are installed when training starts and removed when it ends.  A handler that was there
+    are installed when training starts and the previous ones put back when it ends, however it
+    ends (also on an error or a stop).  A handler that was there
     before (Lightning's SLURM auto-requeue handler for ``SIGUSR1``, which saves its
     ``hpc_ckpt_*.ckpt`` and requeues the job) still runs first: requeueing keeps working.  Send
     the warning signal with ``#SBATCH --signal=SIGUSR1@90`` and resume with ``ckpt_path=last``.
@@ -124,10 +125,20 @@ class StopOnSignal(_StepBoundary):
         raise RunStopped(f"Stopped by {name} after optimizer step {trainer.global_step}; checkpoint: {path}\n"
                          "resume: the same command with ckpt_path=last (and the same hydra.run.dir)", 128 + signal.Signals[name])
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def _restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
+
+    # Lightning calls ``teardown`` only when fit ends normally: restore on every way out.
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()
 
 
 class OutOfMemoryGuard(_StepBoundary):
