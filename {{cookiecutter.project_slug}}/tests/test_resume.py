@@ -149,10 +149,10 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_last_ckpt(lm_base, l
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     last = run_dir / "checkpoints" / "last.ckpt"
     assert checkpoint_step(last) == EVERY  # the first save, whole
-    assert list((run_dir / "checkpoints").glob(".partial-*")), "the torn write should be a temporary file"
+    assert list((run_dir / "checkpoints").glob(".*.partial")), "the torn write should be a temporary file"
     resumed = run_train(run_dir, lm_base + ["ckpt_path=last"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert not list((run_dir / "checkpoints").glob(".partial-*"))
+    assert not list((run_dir / "checkpoints").glob(".*.partial"))
     assert_same_losses(lm_reference, step_losses(run_dir), "kill during the second checkpoint write")
 
 

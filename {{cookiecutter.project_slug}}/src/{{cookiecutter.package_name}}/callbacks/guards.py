@@ -177,11 +177,10 @@ class OutOfMemoryGuard(_StepBoundary):
             torch.cuda.empty_cache()
         micro_batch_of_step = self._batch.get("batch_idx", 0) % trainer.accumulate_grad_batches
         safe = not self._stepped and micro_batch_of_step == 0
-        checkpoint = None
         if safe and trainer.global_step > self._saved_step:
-            checkpoint = str(self.save_last(trainer))
-        elif (self.checkpoint_dir / "last.ckpt").is_file():
-            checkpoint = str(self.checkpoint_dir / "last.ckpt")
+            self.save_last(trainer)  # on_save_checkpoint above sets _saved_step
+        last = self.checkpoint_dir / "last.ckpt"
+        checkpoint = str(last) if last.is_file() and self._saved_step >= 0 else None
         self.report = {
             "optimizer_step": trainer.global_step,
             "epoch": self._batch.get("epoch"),
@@ -193,7 +192,7 @@ class OutOfMemoryGuard(_StepBoundary):
             "peak_allocated_gib": None if peak is None else round(peak / 2**30, 2),
             "device_total_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2) if device.type == "cuda" else None,
             "checkpoint": checkpoint,
-            "checkpoint_step": trainer.global_step if checkpoint and safe else max(self._saved_step, 0) if checkpoint else None,
+            "checkpoint_step": self._saved_step if checkpoint else None,
             "error": str(exception).splitlines()[0][:300],
         }
 

@@ -2,15 +2,14 @@
 
 Lightning's ``TorchCheckpointIO`` serialises a checkpoint in memory and then writes it over the
 target path: a kill during that write leaves a truncated ``last.ckpt``, and the run can no longer
-resume.  :class:`AtomicCheckpointIO` writes to a hidden temporary file next to the target,
-flushes it to disk and renames it into place (``os.replace``: atomic on POSIX and Windows file
+resume.  :class:`AtomicCheckpointIO` writes to a hidden temporary file next to the target
+(``.last.ckpt.partial``), flushes it to disk and renames it into place (``os.replace``: atomic on POSIX and Windows file
 systems), so ``last.ckpt`` is always either the previous complete checkpoint or the new one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +19,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig
 
 from .config import ConfigError
+from .run import atomic_write_path
 
 log = logging.getLogger(__name__)
 
-PARTIAL_PREFIX = ".partial-"  # temporary files of AtomicCheckpointIO (left behind only by a kill)
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are all-or-nothing (see the module docstring).
-
-    Set through ``trainer.plugins``; remote paths (``s3://``...) fall back to Lightning's save.
-    Stale temporary files of a killed save (``.partial-*``) are removed by the next save.
+    """``TorchCheckpointIO`` whose saves are all-or-nothing (see the module docstring): written
+    through :func:`.run.atomic_write_path`.  Set through ``trainer.plugins``; remote paths
+    (``s3://``...) fall back to Lightning's save.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
@@ -39,19 +35,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not isinstance(get_filesystem(path), type(get_filesystem("."))):
             super().save_checkpoint(checkpoint, path)
             return
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f"{PARTIAL_PREFIX}*"):
-            stale.unlink(missing_ok=True)
-        partial = path.with_name(f"{PARTIAL_PREFIX}{path.name}")
-        try:
-            with partial.open("wb") as file:
-                self.write(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())  # the bytes are on disk before the name points at them
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        with atomic_write_path(Path(path)) as partial, partial.open("wb") as file:
+            self.write(checkpoint, file)
 
     def write(self, checkpoint: dict[str, Any], file: Any) -> None:
         """Serialise ``checkpoint`` into the open temporary ``file`` (a seam for fault-injection tests)."""
@@ -69,11 +54,8 @@ def last_checkpoint(cfg: DictConfig) -> Path:
 def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
     """The checkpoint ``ckpt_path`` names: ``null`` -> none; ``last`` -> this run's ``last.ckpt``,
     or none (a fresh start, logged) when the run has not saved one yet; else that file
-    (``validate_config`` has checked that it exists).
-
-    Raises:
-        ConfigError: the file is not a readable checkpoint (checked before any data or weights load).
-    """
+    (``validate_config`` has checked that it exists; :func:`read_checkpoint` checks that it is
+    readable)."""
     value = cfg.get("ckpt_path")
     if value is None:
         return None
@@ -81,7 +63,6 @@ def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
     if str(value) == "last" and not path.is_file():
         log.warning("ckpt_path=last: no %s yet, so training starts from scratch", path)
         return None
-    read_checkpoint(path, "epoch")  # a truncated or foreign file fails here, with its name
     return path
 
 

@@ -21,6 +21,7 @@ import lightning as L
 from lightning.fabric.loggers.csv_logs import _ExperimentWriter as _FabricWriter
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
@@ -51,8 +52,6 @@ class _ResumableWriter(ExperimentWriter):
 
     def log_hparams(self, params: dict) -> None:
         self.hparams.update(params)
-        from lightning.pytorch.core.saving import save_hparams_to_yaml
-
         with atomic_write_path(Path(self.log_dir) / self.NAME_HPARAMS_FILE) as partial:
             save_hparams_to_yaml(partial, self.hparams)
 

@@ -65,13 +65,17 @@ def close_loggers(loggers: list[Logger], failed: bool) -> None:
 
 @contextmanager
 def atomic_write_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path`` to write; on success it is renamed onto ``path``
-    (``os.replace``: atomic on one file system), on error it is deleted.  So ``path`` is
-    either the complete new file or what it was before, never half-written."""
+    """Yield a temporary sibling of ``path`` (``.<name>.partial``) to write; on success it is
+    flushed to disk and renamed onto ``path`` (``os.replace``: atomic on one file system), on
+    error it is deleted.  So ``path`` is either the complete new file or what it was before,
+    never half-written (a kill leaves at most the ``.partial`` file, which the next write of the
+    same path replaces)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     try:
         yield partial
+        with partial.open("rb+") as file:
+            os.fsync(file.fileno())  # the bytes are on disk before the name points at them
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
