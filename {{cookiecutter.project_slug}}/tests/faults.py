@@ -72,16 +72,23 @@ class KillAfterSave(AtomicCheckpointIO):
 
 
 class _OnSteps(L.Callback):
-    """Base: act on the model's forward pass during the given optimizer steps."""
+    """Base: act on the model's forward pass during the given optimizer steps (of the multirun
+    job numbered ``job`` only, when given: one failing trial of a sweep)."""
 
-    def __init__(self, steps: list[int]) -> None:
+    def __init__(self, steps: list[int], job: int | None = None) -> None:
         self.steps = set(steps)
+        self.job = job
         self._handle = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self.job is not None:
+            from hydra.core.hydra_config import HydraConfig
+
+            if HydraConfig.get().job.num != self.job:
+                return
         if trainer.global_step in self.steps:
             self._handle = self.hook(pl_module.model)
 

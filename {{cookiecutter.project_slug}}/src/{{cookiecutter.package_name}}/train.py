@@ -11,6 +11,11 @@ stopped run exactly where its ``last.ckpt`` left it.
 Exit codes: 0 done; 1 an error (bad config or data: the message says which field and the fix);
 3 CUDA out of memory (``oom_report.txt`` in the run directory); 4 non-finite loss; 128 + N
 stopped by signal N (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), with ``last.ckpt`` saved.
+
+In a multirun (``-m``, ``hparams_search=...``) a failed job does not exit: it is recorded as a
+failed trial and the sweep goes on (see :mod:`.utils.sweeps`); each job returns
+``optimized_metric`` to the sweeper.  ``trainer=ddp``/``ddp_cpu``/``fsdp`` run several processes,
+in a multirun too (see :mod:`.utils.distributed`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
 from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped
@@ -30,8 +36,10 @@ from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
 from .utils.checkpoints import read_checkpoint, resolve_ckpt_path
 from .utils.config import config_warnings, to_plain, validate_config
+from .utils.distributed import ddp_child_argv, ddp_job_env
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
+from .utils.sweeps import is_multirun, objective, run_multirun_job
 
 
 def train(cfg: DictConfig) -> dict:
@@ -51,8 +59,10 @@ def train(cfg: DictConfig) -> dict:
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
     run_dir = Path(cfg.paths.output_dir)
-    print_config_tree(cfg, save_to=run_dir / "config_tree.log")
-    check_memory_plan(cfg, run_dir)
+    main_process = rank_zero_only.rank == 0  # the other ranks of a DDP/FSDP run write nothing of their own
+    if main_process:
+        print_config_tree(cfg, save_to=run_dir / "config_tree.log")
+        check_memory_plan(cfg, run_dir)
     if cfg.hardware.tf32:
         torch.set_float32_matmul_precision("high")  # fp32 matmuls (32-true, the fp32 parts of *-mixed) on TF32 tensor cores
     if cfg.seed is not None:
@@ -95,7 +105,8 @@ def train(cfg: DictConfig) -> dict:
         )
         if hasattr(datamodule, "token_counts"):
             metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
-        write_metrics(run_dir / "metrics.json", metrics)
+        if trainer.is_global_zero:
+            write_metrics(run_dir / "metrics.json", metrics)
         failed = False
         return metrics
     finally:
@@ -103,15 +114,29 @@ def train(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """Console script / ``python -m`` entry; returns the monitored metric (for sweeps).  Bad input
-    exits 1 with its message; a :class:`RunStopped` with its exit code (see the module docstring)."""
+def run(cfg: DictConfig) -> float | None:
+    """One Hydra job: train, return ``optimized_metric`` (for sweeps).  Alone, bad input exits 1
+    with its message and a :class:`RunStopped` with its exit code (see the module docstring); in
+    a multirun, a failure is a failed trial (:func:`.utils.sweeps.run_multirun_job`)."""
+    if is_multirun():
+        job = HydraConfig.get()
+        with ddp_job_env(list(job.overrides.task), job.runtime.output_dir):
+            return run_multirun_job(lambda: objective(train(cfg), cfg), Path(job.runtime.output_dir))
     try:
         with exit_on_bad_input():
-            return train(cfg).get(cfg.task.monitor)
+            return objective(train(cfg), cfg)
     except RunStopped as stop:
         print(f"\n{stop}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
+
+
+def main() -> None:
+    """Console script / ``python -m`` entry.  A DDP rank that Lightning started for a multirun
+    job runs that job alone (:func:`.utils.distributed.ddp_child_argv`)."""
+    child_argv = ddp_child_argv(sys.argv)
+    if child_argv is not None:
+        sys.argv = child_argv
+    run()
 
 
 if __name__ == "__main__":

@@ -85,14 +85,16 @@ class TokenizedDataModule(L.LightningDataModule):
         """Where training stands in the data: ``epoch`` and ``rows_done`` in it (saved in checkpoints).
 
         ``rows_done`` counts the micro-batches whose training step finished (Lightning's
-        ``batch_progress.current.processed``) times the micro-batch size, so it stays right when
-        a resumed run changes ``batch.micro_batch_size``.
+        ``batch_progress.current.processed``) times the micro-batch size times the number of
+        processes (each trained on its own share), so it stays right when a resumed run changes
+        ``batch.micro_batch_size``.
         """
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # (validation inside fit saves too)
             return {}
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": trainer.current_epoch, "rows_done": done * self.batch_size, "seed": self.order_seed}
+        rows = done * self.batch_size * trainer.world_size
+        return {"epoch": trainer.current_epoch, "rows_done": rows, "seed": self.order_seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Keep the checkpoint's position for the next ``train_dataloader``."""
@@ -118,7 +120,9 @@ class TokenizedDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Shuffled (or length-grouped) training batches; after a resume, from the saved position."""
         lengths = self.sequence_lengths("train") if self.groups_by_length else None
-        sampler = ResumableSampler(len(self.datasets["train"]), self.order_seed, lengths, self.batch_size)
+        trainer = self.trainer
+        sampler = ResumableSampler(len(self.datasets["train"]), self.order_seed, lengths, self.batch_size,
+                                   num_replicas=trainer.world_size if trainer else 1, rank=trainer.global_rank if trainer else 0)
         if self._resume_at:
             sampler.resume_at(self._resume_at["epoch"], self._resume_at["rows_done"])
             self._resume_at = None

@@ -9,15 +9,23 @@ Where the position lives: :class:`..data.batching.TokenizedDataModule` saves
 ``(epoch, rows done)`` in the checkpoint from Lightning's own loop counters (its ``state_dict``
 hook) and hands them to the sampler in ``train_dataloader``.  A data loader cannot count this
 itself: Lightning fetches one batch ahead, so a loader's count runs one batch past the loop's.
+
+Several processes (DDP): the sampler shards the epoch itself, rank ``r`` of ``W`` taking rows
+``r, r + W, r + 2W, ...`` of the order (padded to a multiple of ``W``, as torch's
+``DistributedSampler`` does).  It subclasses ``DistributedSampler`` so that Lightning leaves it
+alone instead of wrapping it in its ``DistributedSamplerWrapper``, which would neither pass
+``set_epoch`` on nor survive a shortened (resumed) epoch.  Positions are global rows, so a resume
+continues every rank exactly where it stopped.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 
@@ -29,9 +37,10 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash((seed, epoch)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
-class ResumableSampler(Sampler[int]):
+class ResumableSampler(DistributedSampler):
     """Row indices of one training epoch, shuffled (or length-grouped) as a function of
-    ``(seed, epoch)`` only, optionally starting ``start`` rows into the epoch.
+    ``(seed, epoch)`` only, optionally starting part-way into the epoch; with ``num_replicas``
+    processes, this rank's share of them.
 
     Args:
         num_rows: rows in the training split.
@@ -39,23 +48,29 @@ class ResumableSampler(Sampler[int]):
         lengths: tokens per row; given, the order is transformers' ``get_length_grouped_indices``
             (random mega-batches of 50 micro-batches, each sorted by length) for ``batch_size``.
         batch_size: micro-batch size (only used with ``lengths``).
+        num_replicas, rank: processes of a distributed run and this one's rank (``trainer.world_size``,
+            ``trainer.global_rank``); 1 and 0 on one device.
 
-    ``len()`` is always the whole epoch (Lightning counts an epoch's batches from it); after
-    :meth:`resume_at` the next ``iter()`` yields only the rows not yet trained on.
+    ``len()`` is always this rank's whole epoch, ``ceil(num_rows / num_replicas)`` (Lightning
+    counts an epoch's batches from it); after :meth:`resume_at` the next ``iter()`` yields only
+    the rows not yet trained on.
     """
 
-    def __init__(self, num_rows: int, seed: int, lengths: Sequence[int] | None = None, batch_size: int = 1) -> None:
+    def __init__(self, num_rows: int, seed: int, lengths: Sequence[int] | None = None, batch_size: int = 1,
+                 num_replicas: int = 1, rank: int = 0) -> None:
+        # (DistributedSampler's own __init__ would read the process group; nothing of it is used.)
         self.num_rows, self.seed, self.lengths, self.batch_size = num_rows, seed, lengths, batch_size
+        self.num_replicas, self.rank = num_replicas, rank
         self.epoch = 0
-        self.start = 0
+        self.start = 0  # global rows of the epoch already trained on (all ranks together)
 
     def set_epoch(self, epoch: int) -> None:
         """Lightning calls this before each epoch (as for a ``DistributedSampler``)."""
         self.epoch = epoch
 
     def resume_at(self, epoch: int, rows_done: int) -> None:
-        """Make the next ``iter()`` continue ``epoch`` after its first ``rows_done`` rows; an epoch
-        that was already finished continues with the next one from its first row."""
+        """Make the next ``iter()`` continue ``epoch`` after its first ``rows_done`` rows (all ranks
+        together); an epoch that was already finished continues with the next one from its first row."""
         if rows_done >= self.num_rows:
             epoch, rows_done = epoch + 1, 0
         self.epoch, self.start = epoch, rows_done
@@ -69,10 +84,14 @@ class ResumableSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         start, self.start = self.start, 0
-        return iter(self.order(self.epoch)[start:])
+        order = self.order(self.epoch)
+        if self.num_replicas == 1:
+            return iter(order[start:])
+        padded = order + order[: len(self) * self.num_replicas - len(order)]  # every rank gets len(self) rows
+        return iter(padded[self.rank :: self.num_replicas][start // self.num_replicas :])
 
     def __len__(self) -> int:
-        return self.num_rows
+        return math.ceil(self.num_rows / self.num_replicas)
 
 
 class ResumableDataLoader(DataLoader):

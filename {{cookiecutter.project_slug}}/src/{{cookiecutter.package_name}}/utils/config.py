@@ -8,6 +8,7 @@ so a user fixes a bad command line in one round instead of one error per launch.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -32,29 +33,51 @@ class ConfigError(ValueError):
     """A config value is invalid; the message lists every problem found, one per line."""
 
 
-def accumulate_grad_batches(global_batch_size: int, micro_batch_size: int) -> int:
-    """Return the number of micro-batches per optimizer step.
+def accumulate_grad_batches(global_batch_size: int, micro_batch_size: int, devices: object = 1, num_nodes: object = 1) -> int:
+    """Return the number of micro-batches per optimizer step, per process.
 
-    ``global_batch_size`` samples are seen per optimizer step; ``micro_batch_size`` samples per
-    forward/backward pass.  On several GPUs the global batch is also divided by the number of
-    devices; on one GPU it is ``global_batch_size // micro_batch_size``.
+    ``global_batch_size`` samples are seen per optimizer step, all processes together; each of
+    the ``devices x num_nodes`` processes (DDP/FSDP) runs micro-batches of
+    :func:`device_batch_size` and accumulates ``global / (device batch x processes)`` of them,
+    so a recipe keeps its optimization when it moves from one GPU to several (Goyal et al. 2017,
+    "Accurate, Large Minibatch SGD": the learning rate belongs to the global batch).
 
     Raises:
-        ConfigError: a size is not a positive integer, or the micro-batch does not divide the
-            global batch.
+        ConfigError: see :func:`batch_problem`.
     """
-    problem = batch_problem(global_batch_size, micro_batch_size)
+    return global_batch_size // (device_batch_size(global_batch_size, micro_batch_size, devices, num_nodes) * devices * num_nodes)
+
+
+def device_batch_size(global_batch_size: int, micro_batch_size: int, devices: object = 1, num_nodes: object = 1) -> int:
+    """Samples per forward/backward pass of one process: ``micro_batch_size``, or on several
+    processes the largest size below it for which ``size x processes`` divides the global batch
+    (``experiment=...`` with 32 = 32 x 1 runs on 2 GPUs as 16 x 2: same global batch, less memory).
+
+    Raises:
+        ConfigError: see :func:`batch_problem`.
+    """
+    problem = batch_problem(global_batch_size, micro_batch_size, devices, num_nodes)
     if problem:
         raise ConfigError(problem)
-    return global_batch_size // micro_batch_size
+    processes = devices * num_nodes
+    return next(size for size in range(micro_batch_size, 0, -1) if global_batch_size % (size * processes) == 0)
 
 
-def batch_problem(global_batch_size: object, micro_batch_size: object) -> str | None:
-    """Describe what is wrong with a global/micro-batch pair, or return ``None``."""
-    for field, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
+def batch_problem(global_batch_size: object, micro_batch_size: object, devices: object = 1, num_nodes: object = 1) -> str | None:
+    """Describe what is wrong with a global/micro-batch pair on ``devices x num_nodes``
+    processes, or return ``None``: a size that is not a positive integer; on one process, a
+    micro-batch that does not divide the global batch; on several, a global batch that is not a
+    multiple of the number of processes."""
+    for field, value in (("batch.global_batch_size", global_batch_size), ("batch.micro_batch_size", micro_batch_size),
+                         ("trainer.devices", devices), ("trainer.num_nodes", num_nodes)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            return f"batch.{field}={value!r} must be a positive integer; fix: e.g. batch.{field}=8"
-    if global_batch_size % micro_batch_size:
+            why = " (the global batch is divided over the devices, so give their number)" if field.startswith("trainer") else ""
+            return f"{field}={value!r} must be a positive integer{why}; fix: e.g. {field}={2 if why else 8}"
+    processes = devices * num_nodes
+    if processes > 1 and global_batch_size % processes:
+        return (f"batch.global_batch_size={global_batch_size} cannot be split over {processes} processes "
+                f"(trainer.devices={devices} x trainer.num_nodes={num_nodes}); fix: a global batch that is a multiple of {processes}")
+    if processes == 1 and global_batch_size % micro_batch_size:
         divisors = [d for d in range(1, micro_batch_size + 1) if global_batch_size % d == 0]
         return (
             f"batch.global_batch_size={global_batch_size} is not divisible by "
@@ -64,10 +87,29 @@ def batch_problem(global_batch_size: object, micro_batch_size: object) -> str | 
     return None
 
 
+def world_size(cfg: DictConfig) -> tuple[object, object]:
+    """``(trainer.devices, trainer.num_nodes)`` of a config (1, 1 without a trainer group)."""
+    trainer = cfg.get("trainer") or {}
+    return trainer.get("devices", 1), trainer.get("num_nodes", 1)
+
+
 def register_resolvers() -> None:
-    """Register ``${accumulate:global,micro}`` (idempotent)."""
+    """Register ``${accumulate:global,micro,devices,nodes}``, ``${device_batch:...}`` (same arguments), ``${pid:}`` and ``${or:value,default}``
+    (idempotent).  ``or`` gives ``default`` where ``value`` is null (``oc.select`` only does so
+    for a missing key), e.g. a config group left at ``null`` in a folder name.
+
+    ``${pid:}`` is this process's id, cached in the config like Hydra's ``${now:}``: the run and
+    sweep folders carry it, so two runs started in the same second never share a folder, and a
+    job launched elsewhere (submitit) keeps the folder its sweep named.
+    """
     if not OmegaConf.has_resolver("accumulate"):
         OmegaConf.register_new_resolver("accumulate", accumulate_grad_batches)
+    if not OmegaConf.has_resolver("device_batch"):
+        OmegaConf.register_new_resolver("device_batch", device_batch_size)
+    if not OmegaConf.has_resolver("pid"):
+        OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
+    if not OmegaConf.has_resolver("or"):
+        OmegaConf.register_new_resolver("or", lambda value, default: default if value is None else value)
 
 
 def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: bool = True) -> None:
@@ -92,7 +134,7 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         problems.append(f"seed={seed!r} must be an integer (0 is a seed) or null for no seeding")
 
     if "batch" in cfg:
-        problem = batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size)
+        problem = batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, *world_size(cfg))
         if problem:
             problems.append(problem)
 
@@ -108,6 +150,8 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
             problems.append("precision=16-mixed needs a CUDA GPU (fp16 autocast with loss scaling), and none is in use; "
                             "fix: precision=bf16-mixed (or 32-true) on the CPU")
     problems += _lever_problems(cfg, runs_here)
+    if "trainer" in cfg:
+        problems += _distributed_problems(cfg.trainer, runs_here)
 
     if "optimizer" in cfg:
         lr = cfg.optimizer.get("lr")
@@ -158,6 +202,28 @@ def uses_cuda(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def _distributed_problems(trainer: DictConfig, runs_here: bool) -> list[str]:
+    """GPUs that are not there, said before anything loads (Lightning's own errors come later, and
+    FSDP's only after the model is built): FSDP shards over CUDA GPUs (NCCL); ``accelerator: gpu``
+    needs ``devices`` of them."""
+    from .distributed import is_fsdp
+
+    if not runs_here:
+        return []
+    accelerator, devices = str(trainer.get("accelerator")), trainer.get("devices")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if is_fsdp(trainer) and (accelerator == "cpu" or not visible):
+        return [f"trainer=fsdp shards the model over CUDA GPUs, and this run has none (accelerator={accelerator}, "
+                f"CUDA GPUs visible: {visible}); fix: trainer=ddp_cpu to test multi-process training on the CPU, "
+                "or run on a machine with GPUs"]
+    if accelerator in ("gpu", "cuda") and isinstance(devices, int) and devices > visible:
+        return [f"trainer.accelerator={accelerator} with trainer.devices={devices}, but this machine has {visible} CUDA GPU(s); "
+                f"fix: trainer.devices={visible}" if visible else
+                f"trainer.accelerator={accelerator} (trainer=gpu/ddp) needs a CUDA GPU and this machine has none; "
+                "fix: trainer=cpu, or trainer=ddp_cpu for several processes on the CPU"]
+    return []
+
+
 def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
     """The attention / checkpointing / compile / loss / optimizer levers, and their conflicts."""
     problems = []
@@ -201,9 +267,13 @@ def _step_in_backward_problems(cfg: DictConfig) -> list[str]:
     """``optimizer.step_in_backward`` consumes each gradient as it is made: nothing can wait for
     the whole gradient (accumulation, global-norm clipping, loss scaling, a DDP all-reduce)."""
     problems = []
-    if "batch" in cfg and batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size) is None:
-        accumulate = cfg.batch.global_batch_size // cfg.batch.micro_batch_size
-        if accumulate != 1:
+    devices, nodes = world_size(cfg)
+    if "batch" in cfg and batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, devices, nodes) is None:
+        accumulate = accumulate_grad_batches(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, devices, nodes)
+        if devices * nodes > 1:
+            problems.append(f"optimizer.step_in_backward=true steps each parameter before DDP/FSDP can all-reduce its gradient "
+                            f"(trainer.devices={devices}, trainer.num_nodes={nodes}); fix: optimizer.step_in_backward=false")
+        elif accumulate != 1:
             problems.append(
                 f"optimizer.step_in_backward=true steps on every micro-batch, but batch.global_batch_size="
                 f"{cfg.batch.global_batch_size} / batch.micro_batch_size={cfg.batch.micro_batch_size} accumulates {accumulate}; "
@@ -227,6 +297,7 @@ def _step_in_backward_problems(cfg: DictConfig) -> list[str]:
 def config_warnings(cfg: DictConfig) -> list[str]:
     """Valid but risky choices, said out loud by train and plan (never silently).
 
+    - On several processes, a micro-batch lowered to keep the global batch (:func:`device_batch_size`).
     - ``bf16-true`` with a full fine-tune: weights and AdamW state are bf16 (8 significant bits),
       so an update smaller than ~1/256 of a weight rounds to nothing; at a fine-tuning LR of 2e-5
       most updates are that small and most weights never change.  We warn rather than keep
@@ -248,6 +319,13 @@ def config_warnings(cfg: DictConfig) -> list[str]:
             f"below ~1/256 of a weight rounds away (at optimizer.lr={optimizer.get('lr')} most do: many weights never "
             f"change). Prefer precision=bf16-mixed (fp32 master weights) if it fits; to save memory instead: {', '.join(unused)}."
         )
+    devices, nodes = world_size(cfg)
+    batch = cfg.get("batch") or {}
+    if "global_batch_size" in batch and batch_problem(batch.global_batch_size, batch.micro_batch_size, devices, nodes) is None:
+        size = device_batch_size(batch.global_batch_size, batch.micro_batch_size, devices, nodes)
+        if size != batch.micro_batch_size:
+            warnings.append(f"batch.micro_batch_size={batch.micro_batch_size} x {devices * nodes} processes is more than the global batch "
+                            f"of {batch.global_batch_size} allows: each process runs micro-batches of {size} (same global batch, less memory)")
     return warnings
 
 

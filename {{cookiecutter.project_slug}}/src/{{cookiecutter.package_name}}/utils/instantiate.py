@@ -6,7 +6,11 @@ Every entry must carry a ``_target_`` (checked in :func:`validate_config`); an e
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
@@ -25,6 +29,10 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
 def instantiate_loggers(cfg: DictConfig, resume_wandb_id: str | None = None) -> list[Logger]:
     """Loggers of the ``logger`` group (empty for ``logger=none``).
 
+    W&B: one run per Hydra job, grouped by sweep (``group: null`` = the sweep folder's name in a
+    multirun, ``task_name`` alone) and tagged with the task, model and precision (plus the
+    experiment, if any) besides the config's own ``tags``.
+
     ``resume_wandb_id`` (from the checkpoint a run resumes) continues that W&B run: the same run
     id, ``resume="allow"``.  Offline, wandb writes the resumed part to a second folder,
     ``<run>/wandb/offline-run-<time>-<id>``; ``wandb sync <run>/wandb/offline-run-*-<id>`` uploads
@@ -35,10 +43,28 @@ def instantiate_loggers(cfg: DictConfig, resume_wandb_id: str | None = None) -> 
         if node is None:
             continue
         extra = {}
-        if resume_wandb_id and str(node.get("_target_", "")).endswith("WandbLogger"):
-            extra = {"id": resume_wandb_id, "resume": "allow"}
+        if str(node.get("_target_", "")).endswith("WandbLogger"):
+            extra = wandb_run_fields(cfg, node)
+            if resume_wandb_id:
+                extra.update(id=resume_wandb_id, resume="allow")
         loggers.append(hydra.utils.instantiate(node, **extra))
     return loggers
+
+
+def wandb_run_fields(cfg: DictConfig, node: DictConfig) -> dict:
+    """``group`` and ``tags`` of this job's W&B run (see :func:`instantiate_loggers`)."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    group = node.get("group")
+    if group is None:
+        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+        group = Path(HydraConfig.get().sweep.dir).name if multirun else cfg.get("task_name")
+    tags = [
+        f"task:{cfg.task.name}" if "task" in cfg else None,
+        f"model:{choices['model']}" if choices.get("model") else None,
+        f"precision:{cfg.trainer.precision}" if "trainer" in cfg else None,
+        f"experiment:{choices['experiment']}" if choices.get("experiment") else None,
+    ]
+    return {"group": group, "tags": [*(node.get("tags") or []), *filter(None, tags)]}
 
 
 def instantiate_trainer(cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger]):

@@ -1,0 +1,233 @@
+"""Plot a run or a sweep from its local files: no W&B, no server, no network.
+
+    python -m <package>.plot logs/train/runs/<run>          # -> <run>/plots/*.png
+    python -m <package>.plot logs/train/sweeps/<study>      # -> <sweep>/plots/*.png
+    python -m <package>.plot logs/train/multiruns/<sweep>   # a grid multirun: the objective per job
+
+A run folder (its ``csv/metrics.csv``, written by ``logger=csv``, on by default) gives
+``loss.png`` (train/loss per optimizer step, val/loss at each validation), ``lr.png``,
+``throughput.png`` (tokens/s) and ``gpu_memory.png`` (allocated, reserved, peak GiB); a panel whose
+metrics the run did not log (GPU memory on a CPU run) is skipped and said so.
+
+A sweep folder gives ``objective.png``: the objective of each trial and the best so far
+(Optuna's ``plot_optimization_history``, read from ``optuna.db``), and ``importances.png``:
+each parameter's importance (Optuna's ``get_param_importances`` with the mean-decrease-impurity
+evaluator; drawn here, because Optuna 2.10's own importance plot calls a matplotlib function
+removed in matplotlib 3.9, and its default fANOVA evaluator fails under NumPy 2).  A grid
+multirun (no ``optuna.db``) gives ``objective.png`` from each job's ``metrics.json``.
+
+A plain command line, not a Hydra app: it reads files and has nothing to compose.
+Exit code 1 with a message when the folder holds nothing to plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+# Panel file -> (title, y label, the columns it draws: exact names or a prefix ending in "*").
+RUN_PANELS = {
+    "loss.png": ("Loss", "loss", ["train/loss", "val/loss"]),
+    "lr.png": ("Learning rate", "LR", ["lr-*"]),
+    "throughput.png": ("Throughput", "tokens/s", ["perf/tokens_per_sec"]),
+    "gpu_memory.png": ("GPU memory", "GiB", ["gpu/mem_allocated_gib", "gpu/mem_reserved_gib", "gpu/mem_peak_gib"]),
+}
+
+
+class NothingToPlot(ValueError):
+    """The folder is neither a run (``csv/metrics.csv``) nor a sweep (``optuna.db`` or job folders)."""
+
+
+def read_curves(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
+    """``column -> [(step, value), ...]`` from a Lightning CSV log, blank cells skipped.
+
+    Raises:
+        NothingToPlot: the file has no ``step`` column.
+    """
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with metrics_csv.open(newline="") as file:
+        reader = csv.DictReader(file)
+        if "step" not in (reader.fieldnames or []):
+            raise NothingToPlot(f"{metrics_csv} has no 'step' column: not a Lightning CSV log")
+        for row in reader:
+            step = int(float(row["step"]))
+            for name, cell in row.items():
+                if name not in ("step", "epoch") and cell not in ("", None):
+                    curves.setdefault(name, []).append((step, float(cell)))
+    return curves
+
+
+def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
+    """Write the run panels (see the module docstring) into ``out_dir``; return the files written.
+
+    Raises:
+        NothingToPlot: ``run_dir/csv/metrics.csv`` is missing or holds none of the panels' metrics.
+    """
+    metrics_csv = run_dir / "csv" / "metrics.csv"
+    if not metrics_csv.is_file():
+        raise NothingToPlot(f"{metrics_csv} does not exist: plot reads a run's CSV log; fix: train with logger=csv "
+                            "(on by default) or pass a run folder (logs/<task>/runs/<run>)")
+    curves = read_curves(metrics_csv)
+    label = f"{run_dir.parent.name}/{run_dir.name}" if run_dir.name.isdigit() else run_dir.name  # a sweep's job: <sweep>/<n>
+    written = []
+    for filename, (title, ylabel, wanted) in RUN_PANELS.items():
+        names = [n for n in curves for w in wanted if n == w or (w.endswith("*") and n.startswith(w[:-1]))]
+        if not names:
+            print(f"skipped {filename}: the run logged none of {wanted}")
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in names:
+            steps, values = zip(*curves[name])
+            ax.plot(steps, values, label=name, marker="o" if len(steps) < 30 else None)
+        ax.set(xlabel="optimizer step", ylabel=ylabel)
+        ax.set_title(f"{title}\n{label}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(save(fig, out_dir / filename))
+    if not written:
+        raise NothingToPlot(f"{metrics_csv} holds none of the plotted metrics ({[w for p in RUN_PANELS.values() for w in p[2]]})")
+    return written
+
+
+def plot_sweep(sweep_dir: Path, out_dir: Path) -> list[Path]:
+    """Write ``objective.png`` (and, for an Optuna study, ``importances.png``) into ``out_dir``.
+
+    Raises:
+        NothingToPlot: no ``optuna.db`` with a completed trial, and no job folder with a ``metrics.json``.
+    """
+    database = sweep_dir / "optuna.db"
+    if database.is_file():
+        return plot_study(f"sqlite:///{database}", out_dir)
+    jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.json").is_file()),
+                  key=lambda p: int(p.name))
+    if not jobs:
+        raise NothingToPlot(f"{sweep_dir} has no optuna.db and no job folder (0, 1, ...) with a metrics.json")
+    metric = job_objective_name(jobs[0])
+    values = [json.loads((job / "metrics.json").read_text()).get(metric) for job in jobs]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([job.name for job in jobs], [v if v is not None else math.nan for v in values])
+    ax.set(xlabel="job", ylabel=metric)
+    ax.set_title(f"{metric} per job\n{sweep_dir.name}", fontsize=10)
+    return [save(fig, out_dir / "objective.png")]
+
+
+def job_objective_name(job_dir: Path) -> str:
+    """The ``optimized_metric`` a job ran with (its ``.hydra/config.yaml``), else ``val/loss``."""
+    from omegaconf import OmegaConf
+
+    config = job_dir / ".hydra" / "config.yaml"
+    if config.is_file():
+        raw = OmegaConf.load(config)
+        metric = OmegaConf.select(raw, "optimized_metric", throw_on_resolution_failure=False)
+        if isinstance(metric, str) and not metric.startswith("${"):
+            return metric
+        monitor = OmegaConf.select(raw, "task.monitor", throw_on_resolution_failure=False)
+        if isinstance(monitor, str):
+            return monitor
+    return "val/loss"
+
+
+def plot_study(storage: str, out_dir: Path) -> list[Path]:
+    """Objective history and parameter importances of every study in ``storage``.
+
+    Raises:
+        NothingToPlot: Optuna is not installed, or no study has a completed trial.
+    """
+    try:
+        import optuna
+        from optuna.visualization import matplotlib as optuna_plots
+    except ImportError as error:
+        raise NothingToPlot(f"plotting a study needs Optuna ({error}); fix: pip install -e \".[sweep]\"") from error
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    written = []
+    summaries = optuna.get_all_study_summaries(storage)
+    for summary in summaries:
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        suffix = "" if len(summaries) == 1 else f"_{summary.study_name}"
+        completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if not completed:
+            print(f"skipped study {summary.study_name}: no completed trial")
+            continue
+        ax = optuna_plots.plot_optimization_history(study)
+        failed = len(study.trials) - len(completed)
+        ax.set_title(f"{summary.study_name}\n{len(completed)} trials completed, {failed} failed or unfinished", fontsize=10)
+        written.append(save(ax.figure, out_dir / f"objective{suffix}.png"))
+        importances = param_importances(study)
+        if importances:
+            fig, ax = plt.subplots(figsize=(7, 0.6 * len(importances) + 1.5))
+            names = list(importances)[::-1]
+            ax.barh(names, [importances[n] for n in names])
+            ax.set_xlabel("importance (mean decrease in impurity)")
+            ax.set_title(f"Parameter importance\n{summary.study_name}", fontsize=10)
+            written.append(save(fig, out_dir / f"importances{suffix}.png"))
+        else:
+            print(f"skipped importances{suffix}.png: needs 2 completed trials whose parameters differ")
+    if not written:
+        raise NothingToPlot(f"no completed trial in {storage}")
+    return written
+
+
+def param_importances(study) -> dict[str, float]:
+    """``parameter -> importance`` (they sum to 1), or ``{}`` when there is too little to tell."""
+    import optuna
+
+    completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if len(completed) < 2 or not completed[0].params:
+        return {}
+    try:
+        evaluator = optuna.importance.MeanDecreaseImpurityImportanceEvaluator(seed=0)
+        return dict(optuna.importance.get_param_importances(study, evaluator=evaluator))
+    except (ValueError, RuntimeError) as error:  # a single distinct value per parameter, ...
+        print(f"parameter importances not computed: {error}")
+        return {}
+
+
+def save(fig, path: Path) -> Path:
+    """Save ``fig`` as a PNG at ``path`` (folders created) and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def plot(path: Path, out_dir: Path | None = None) -> list[Path]:
+    """Plot a run folder or a sweep folder (see the module docstring) into ``out_dir``
+    (default ``path/plots``); return the PNG files written.
+
+    Raises:
+        NothingToPlot: ``path`` is not a folder, or holds nothing to plot.
+    """
+    if not path.is_dir():
+        raise NothingToPlot(f"{path} is not a folder; fix: pass a run folder (logs/<task>/runs/<run>) or a sweep folder")
+    out_dir = out_dir or path / "plots"
+    is_run = (path / "csv" / "metrics.csv").is_file()
+    return plot_run(path, out_dir) if is_run else plot_sweep(path, out_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script / ``python -m`` entry (see the module docstring)."""
+    parser = argparse.ArgumentParser(description="Plot a run or a sweep folder from its local logs into PNG files.")
+    parser.add_argument("path", type=Path, help="a run folder (logs/<task>/runs/<run>) or a sweep folder")
+    parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: <path>/plots)")
+    args = parser.parse_args(argv)
+    try:
+        plot(args.path, args.out)
+    except NothingToPlot as error:
+        print(f"Error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
