@@ -187,6 +187,9 @@ def test_a_trial_that_did_not_log_the_metric_stops_the_sweep_other_failures_do_n
     assert tell(None, 0.5) == "COMPLETE"
     assert tell(TrialFailed("CUDA out of memory")) == "FAIL"
     assert tell(None, float("nan")) == "FAIL"
+    trial = study.ask()  # a trial whose config did not compose (the launcher raised)
+    sweeper._tell(study, trial, hydra_plugin.failed_job(ValueError("Could not load 'trainer/nonexistent'")), tmp_path)
+    assert study.trials[-1].state.name == "FAIL"
     with pytest.raises(hydra_plugin.SweepConfigError, match="val/accuracy"):
         tell(MetricNotLogged(f"optimized_metric='val/accuracy' was not logged by this run; the run logged ['{METRIC}']"))
     assert study.trials[-1].state.name == "FAIL"

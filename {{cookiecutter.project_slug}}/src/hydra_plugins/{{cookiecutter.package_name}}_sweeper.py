@@ -10,8 +10,8 @@ search-space syntax, same samplers: ``hydra/sweeper: optuna``) with its own tria
   ``n_trials`` *completed* trials (the plugin would run ``n_trials`` more).
 - Each trial runs in the job folder named by its **trial number** (``hydra.job.num``), so a
   resumed sweep, or a second process working on the same study, never reuses a folder.
-- A failed trial (the job raised: bad trial config, out of memory, non-finite loss, ...) is told
-  to Optuna as ``FAIL`` and the sweep goes on.  The sweep stops with an error once more than
+- A failed trial (the job raised: bad trial config, out of memory, non-finite loss, ...; or its
+  config did not compose) is told to Optuna as ``FAIL`` and the sweep goes on.  The sweep stops with an error once more than
   ``max_failure_rate x n_trials`` trials of the study have failed (the plugin counts per batch
   of ``n_jobs``, so with ``n_jobs: 1`` any rate below 1 stops at the first failure).
 - Before the first trial: ``optimized_metric`` must be one of ``task.objectives`` and
@@ -27,12 +27,13 @@ start, also where the ``sweep`` extra is not installed.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobStatus
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
@@ -105,8 +106,12 @@ class ResumableOptunaSweeper(Sweeper):
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)  # before the SQLite file in it is opened
-        study = optuna.create_study(study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler,
-                                    direction=directions[0], load_if_exists=True)
+        # Two launches of one command may open a new database at once: one creates its tables
+        # and the study, the other waits and loads them.
+        with (sweep_dir / ".study.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            study = optuna.create_study(study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler,
+                                        direction=directions[0], load_if_exists=True)
         log.info("Study %s in %s: %d trials so far, topping up to %d completed", study.study_name, impl.storage,
                  len(study.trials), self.n_trials)
 
@@ -119,7 +124,11 @@ class ResumableOptunaSweeper(Sweeper):
                     f"(error.txt, *.log) under {sweep_dir}; fix the cause, or raise hydra.sweeper.max_failure_rate")
             trials = [study.ask() for _ in range(min(self.n_jobs, self.n_trials - done))]
             overrides = impl._configure_trials(trials, distributions, fixed)
-            for trial, job in zip(trials, self._launch(trials, overrides)):
+            try:
+                jobs = self._launch(trials, overrides)
+            except Exception as error:  # noqa: BLE001  (Hydra could not compose a trial: a value the config refuses)
+                jobs = [failed_job(error) for _ in trials]
+            for trial, job in zip(trials, jobs):
                 self._tell(study, trial, job, sweep_dir)
 
         write_best(study, sweep_dir, self.config)
@@ -151,6 +160,13 @@ class ResumableOptunaSweeper(Sweeper):
         log.warning("Trial %d failed (%s): %s; job folder %s", trial.number, trial.params, reason, sweep_dir / str(trial.number))
         if getattr(error, "stops_sweep", False):
             raise SweepConfigError(str(error))
+
+
+def failed_job(error: Exception) -> JobReturn:
+    """A job that never ran (its config did not compose), as Hydra reports a failed one."""
+    job = JobReturn(status=JobStatus.FAILED)
+    job.return_value = error
+    return job
 
 
 def count(study, state: str) -> int:
