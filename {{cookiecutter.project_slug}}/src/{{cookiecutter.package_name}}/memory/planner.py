@@ -474,14 +474,21 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
     """Before a GPU run (``plan_before_fit: true``), plan it and refuse one that will not fit.
 
     Writes ``plan.json``/``plan.txt`` into ``run_dir`` either way.  Skipped on the CPU (the
-    budget is a GPU's), with ``plan_before_fit=false``, and (with a warning) when the
-    architecture cannot be read yet.
+    budget is a GPU's), with ``plan_before_fit=false``, (with a warning) when the
+    architecture cannot be read yet, and (with a warning) under FSDP: the plan is one GPU
+    holding the whole training state, which FSDP shards.
 
     Raises:
         ConfigError: the plan's total is above ``hardware.budget_gib``; the message holds the
             table and the levers to pull.
     """
     if not cfg.get("plan_before_fit") or not uses_cuda(cfg):
+        return
+    from ..utils.distributed import is_fsdp
+
+    if is_fsdp(cfg.trainer):
+        rank_zero_warn("memory plan skipped: trainer=fsdp shards parameters, gradients and optimizer state over the GPUs, "
+                       "and the planner models one GPU holding all of them (plan the run without FSDP for an upper bound)")
         return
     try:
         config = architecture(cfg)

@@ -96,19 +96,24 @@ def run_multirun_job(work: Callable[[], float | None], job_dir: Path) -> float |
             raise SystemExit(stop.exit_code) from None
         message = str(stop)
     except Exception as error:  # noqa: BLE001  (any failure of a trial is recorded, not fatal)
-        cause = error.__cause__ if isinstance(error, InstantiationException) else error
-        if isinstance(cause, (ConfigError, DataError)):
-            message = str(cause)  # bad input: its message says everything
-        else:
-            message = f"{type(error).__name__}: {error}"
-            text = traceback.format_exc()
-            print(text, file=sys.stderr, flush=True)
-            job_dir.mkdir(parents=True, exist_ok=True)
-            (job_dir / "error.txt").write_text(text)
+        message = failure_message(error, job_dir)
     # Here, outside the except blocks, the exception (and the frames holding the model and the
-    # trainer) is gone: the collection frees them.
+    # trainer) is gone, no local refers to it: the collection frees them.
     release_memory()
     if message is None:
         return value
     log.error("Trial failed: %s", message)
     raise TrialFailed(message)
+
+
+def failure_message(error: Exception, job_dir: Path) -> str:
+    """One line for a failed job: a bad-input error's own message (it names the field and the
+    fix), else ``Type: message`` with the traceback printed and kept in ``job_dir/error.txt``."""
+    cause = error.__cause__ if isinstance(error, InstantiationException) else error
+    if isinstance(cause, (ConfigError, DataError)):
+        return str(cause)
+    text = "".join(traceback.format_exception(error))
+    print(text, file=sys.stderr, flush=True)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "error.txt").write_text(text)
+    return f"{type(error).__name__}: {error}"
