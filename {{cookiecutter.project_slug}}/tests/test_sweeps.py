@@ -249,18 +249,34 @@ def test_every_objective_of_the_task_is_logged_by_a_run(single_process_run):
 
 
 # ---------------------------------------------------------------------- folders and launchers
-def test_two_multiruns_started_in_the_same_second_get_their_own_folders(base, tmp_path):
-    args = ["-m", *base, f"paths.log_dir={tmp_path / 'logs'}", "optimizer.lr=1e-4", "logger=csv"]
-    env = {**os.environ, "WANDB_MODE": "offline"}
+def start_together(args: list[str], cwd: Path, copies: int = 2) -> None:
+    """Start ``copies`` identical ``train`` commands at the same moment; all must succeed."""
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", *args]
-    first, second = (subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                     for _ in range(2))
-    for process in (first, second):
-        _, stderr = process.communicate(timeout=300)
+    processes = [subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(copies)]
+    for process in processes:
+        _, stderr = process.communicate(timeout=400)
         assert process.returncode == 0, stderr[-3000:]
+
+
+def test_two_multiruns_started_in_the_same_second_get_their_own_folders(base, tmp_path):
+    start_together(["-m", *base, f"paths.log_dir={tmp_path / 'logs'}", "optimizer.lr=1e-4", "logger=csv"], tmp_path)
     folders = sorted((tmp_path / "logs" / "train" / "multiruns").iterdir())
     assert len(folders) == 2, folders
     assert all((folder / "0" / "metrics.json").is_file() for folder in folders)
+    ok(run_module("plot", [str(folders[0])], cwd=tmp_path))  # a grid multirun: the objective per job
+    assert is_png(folders[0] / "plots" / "objective.png")
+
+
+def test_two_identical_optuna_sweeps_started_together_share_the_study_without_collisions(base, tmp_path):
+    start_together([*base, f"paths.log_dir={tmp_path / 'logs'}", f"hparams_search={SEARCH}", "hydra.sweeper.n_trials=2",
+                    "logger=csv"], tmp_path)
+    (sweep_dir,) = (tmp_path / "logs" / "train" / "sweeps").iterdir()
+    states = study_states(sweep_dir)  # both worked on one study, each trial in its own folder
+    assert 2 <= list(states.values()).count("COMPLETE") <= 3 and "FAIL" not in states.values()
+    assert sorted(int(p.name) for p in sweep_dir.iterdir() if p.name.isdigit()) == sorted(states)
+    assert all((sweep_dir / str(number) / "metrics.json").is_file() for number in states)
 
 
 def test_submitit_local_launcher_runs_a_two_job_multirun(base, tmp_path):
