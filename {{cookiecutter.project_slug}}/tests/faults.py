@@ -22,13 +22,17 @@ def _micro_batch_of_step(trainer: L.Trainer, batch_idx: int) -> int:
 class KillAt(L.Callback):
     """SIGKILL this process just before micro-batch ``micro_batch`` (0-based) of optimizer step
     ``step`` (0-based): ``micro_batch: 0`` is a step boundary, ``>= 1`` is between the micro-batches
-    of one step.  ``signal_name`` sends another signal instead (e.g. ``SIGTERM``)."""
+    of one step.  ``signal_name`` sends another signal instead (e.g. ``SIGTERM``); ``rank``: only
+    in that process of a DDP run."""
 
-    def __init__(self, step: int, micro_batch: int = 0, signal_name: str = "SIGKILL") -> None:
+    def __init__(self, step: int, micro_batch: int = 0, signal_name: str = "SIGKILL", rank: int | None = None) -> None:
         self.step, self.micro_batch, self.signum = step, micro_batch, getattr(signal, signal_name)
+        self.rank = rank
         self.sent = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.rank is not None and trainer.global_rank != self.rank:
+            return
         if not self.sent and trainer.global_step == self.step and _micro_batch_of_step(trainer, batch_idx) == self.micro_batch:
             self.sent = True
             os.kill(os.getpid(), self.signum)
@@ -73,7 +77,8 @@ class KillAfterSave(AtomicCheckpointIO):
 
 class _OnSteps(L.Callback):
     """Base: act on the model's forward pass during the given optimizer steps (of the multirun
-    job numbered ``job`` only, when given: one failing trial of a sweep)."""
+    job numbered ``job`` only, when given: one failing trial of a sweep; read from the job's
+    folder name, which the DDP ranks of a job share)."""
 
     def __init__(self, steps: list[int], job: int | None = None) -> None:
         self.steps = set(steps)
@@ -87,7 +92,7 @@ class _OnSteps(L.Callback):
         if self.job is not None:
             from hydra.core.hydra_config import HydraConfig
 
-            if HydraConfig.get().job.num != self.job:
+            if os.path.basename(HydraConfig.get().runtime.output_dir) != str(self.job):
                 return
         if trainer.global_step in self.steps:
             self._handle = self.hook(pl_module.model)

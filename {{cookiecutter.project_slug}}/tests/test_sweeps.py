@@ -5,6 +5,7 @@ line, which only a real process shows).  The other tests here run in-process and
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -305,15 +306,37 @@ def test_ddp_cpu_trains_with_two_processes(base, single_process_run, tmp_path):
     assert not list(tmp_path.glob("logs"))  # the rank-1 process wrote no run folder of its own
 
 
-def test_multirun_with_ddp_leaves_exactly_one_sweep_folder(base, tmp_path):
-    ok(run_module("train", ["-m", *base, f"paths.log_dir={tmp_path / 'logs'}", "trainer=ddp_cpu", "batch.micro_batch_size=8",
-                                   "optimizer.lr=1e-4,2e-4", "logger=csv"], cwd=tmp_path, timeout=500))
+def test_multirun_with_ddp_leaves_exactly_one_sweep_folder_and_survives_a_failed_job(base, tmp_path):
+    result = run_module("train", ["-m", *base, f"paths.log_dir={tmp_path / 'logs'}", "trainer=ddp_cpu", "batch.micro_batch_size=8",
+                                  "optimizer.lr=1e-4,2e-4", "logger=csv",
+                                  # job 0 runs out of memory on both ranks; job 1 must still run
+                                  "+callbacks.fault._target_=faults.RaiseOOM", "+callbacks.fault.steps=[0]", "+callbacks.fault.job=0"],
+                        cwd=tmp_path, timeout=500)
+    assert result.returncode == 1 and "CUDA out of memory" in result.stderr  # Hydra's grid sweep reports the failed job at the end
     assert [p.name for p in (tmp_path / "logs" / "train").iterdir()] == ["multiruns"]  # no runs/ of a rank-1 process
     (sweep_dir,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
     assert sorted(p.name for p in sweep_dir.iterdir() if not p.name.startswith(".")) == ["0", "1", "multirun.yaml"]
+    assert (sweep_dir / "0" / "oom_report.txt").is_file() and not (sweep_dir / "0" / "metrics.json").exists()
+    assert (sweep_dir / "1" / "metrics.json").is_file()  # the sweep went on after the failed job
     for job in ("0", "1"):
-        assert (sweep_dir / job / "metrics.json").is_file()
         assert (sweep_dir / job / "ddp_rank_1.log").is_file()  # rank 1 ran this job, in this folder
+
+
+def test_sigterm_on_one_ddp_rank_stops_every_rank_after_the_same_step_and_resumes(base, single_process_run, tmp_path):
+    run_dir = tmp_path / "run"
+    ddp = base + [f"hydra.run.dir={run_dir}", "trainer=ddp_cpu", "batch.micro_batch_size=8", "logger=csv"]
+    stopped = run_module("train", ddp + ["+callbacks.fault._target_=faults.KillAt", "+callbacks.fault.step=1",
+                                         "+callbacks.fault.signal_name=SIGTERM", "+callbacks.fault.rank=0"], cwd=tmp_path)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]  # no rank left waiting: both stopped, rank 0 exits 128 + 15
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 2  # the step in progress when SIGTERM came was finished
+    ok(run_module("train", ddp + ["ckpt_path=last"], cwd=tmp_path))
+    final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    reference = torch.load(single_process_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    assert final == reference  # resumed at the right row of the epoch: no row trained twice or skipped
+    with (run_dir / "csv" / "metrics.csv").open() as file:
+        steps = [int(row["step"]) for row in csv.DictReader(file) if row.get("train/loss")]
+    assert steps == list(range(reference))
 
 
 def test_ddp_child_of_a_multirun_job_runs_that_job_alone():

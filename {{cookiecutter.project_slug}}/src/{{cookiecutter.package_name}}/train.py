@@ -36,7 +36,7 @@ from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
 from .utils.checkpoints import read_checkpoint, resolve_ckpt_path
 from .utils.config import config_warnings, to_plain, validate_config
-from .utils.distributed import ddp_child_argv, ddp_job_env
+from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
 from .utils.sweeps import is_multirun, objective, run_multirun_job
@@ -128,6 +128,8 @@ def run(cfg: DictConfig) -> float | None:
     except RunStopped as stop:
         print(f"\n{stop}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
+    finally:
+        finish_ranks()  # DDP: exit after the other ranks, with this run's own exit code
 
 
 def main() -> None:

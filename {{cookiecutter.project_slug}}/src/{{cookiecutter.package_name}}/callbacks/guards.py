@@ -69,7 +69,9 @@ class StopOnSignal(_StepBoundary):
     """On SIGTERM, SIGINT (Ctrl-C) or SLURM's warning signal, finish the optimizer step in
     progress, save ``last.ckpt`` and stop with exit code ``128 + signal``.
 
-    A second Ctrl-C stops at once (``KeyboardInterrupt``), without a checkpoint.  The handlers
+    Under DDP/FSDP the ranks agree (see :meth:`_agreed_signal`): a signal that reached one rank
+    stops all of them after the same optimizer step.  A second Ctrl-C stops at once
+    (``KeyboardInterrupt``), without a checkpoint.  The handlers
     are installed when training starts and the previous ones put back when it ends, however it
     ends (also on an error or a stop).  A handler that was there
     before (Lightning's SLURM auto-requeue handler for ``SIGUSR1``, which saves its
@@ -112,12 +114,25 @@ class StopOnSignal(_StepBoundary):
             previous(signum, frame)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int) -> None:
-        if self.received is not None and self._stepped:
+        if self._stepped and self._agreed_signal(trainer):
             self._stop(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.received is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self._agreed_signal(trainer):
             self._stop(trainer, after_step=False)  # validation runs between optimizer steps: a boundary too
+
+    def _agreed_signal(self, trainer: L.Trainer) -> bool:
+        """Whether any process received a signal.  Several processes (DDP/FSDP) decide together,
+        with one all-reduce of the signal number per optimizer step, so every rank stops after
+        the same step (a rank stopping alone would leave the others waiting in a collective);
+        on one process nothing is communicated."""
+        if trainer.world_size == 1:
+            return self.received is not None
+        number = torch.tensor(float(self.received or 0), device=trainer.strategy.root_device)
+        number = int(trainer.strategy.reduce(number, reduce_op="max"))
+        if number and self.received is None:
+            self.received = signal.Signals(number)  # received by another rank: stop for the same reason
+        return bool(number)
 
     def _stop(self, trainer: L.Trainer, after_step: bool = True) -> None:
         path = self.log_step_and_save(trainer) if after_step else self.save_last(trainer)
@@ -238,7 +253,9 @@ class NonFiniteLoss(_StepBoundary):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         loss = pl_module.step_loss()
-        if torch.isfinite(loss):
+        # Several processes skip together: their gradients were averaged, so a non-finite loss on
+        # one rank made every rank's gradients non-finite (one all-reduce of a flag per step).
+        if not trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(loss)), all=False):
             self.consecutive = 0
             return
         optimizer.zero_grad(set_to_none=True)  # no update from this step

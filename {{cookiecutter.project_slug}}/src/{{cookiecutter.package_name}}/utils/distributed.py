@@ -11,13 +11,17 @@ before Hydra parses it: every rank trains the same job, in the job's folder, and
 
 Between two jobs of one multirun the process group is destroyed and the variables Lightning set
 (``LOCAL_RANK``, ``MASTER_PORT``, ...) are removed; otherwise the next job's trainer would find
-``LOCAL_RANK`` set, take itself for a child and wait forever for ranks that never start.
+``LOCAL_RANK`` set, take itself for a child and wait forever for ranks that never start.  The
+job's ranks are waited for, and Lightning's watcher of them is stood down (see
+:func:`finish_ranks`): it would kill the whole sweep after a failed trial.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -40,6 +44,7 @@ def ddp_job_env(overrides: list[str], output_dir: str) -> Iterator[None]:
     try:
         yield
     finally:
+        finish_ranks()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         for key, value in before.items():
@@ -47,6 +52,29 @@ def ddp_job_env(overrides: list[str], output_dir: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def finish_ranks(timeout_s: float = 60.0) -> None:
+    """After a multirun job on rank 0: wait for the ranks Lightning started for it (killed after
+    ``timeout_s``, e.g. one left waiting in a collective), then stand down Lightning's
+    ``_ChildProcessObserver`` thread of that launch.  The observer SIGKILLs this process when a
+    rank exited non-zero: right for a single run (no hang), fatal for a sweep, whose next trial
+    must run after a failed one.  The job's outcome is rank 0's, already recorded.
+
+    Reads two private attributes of Lightning 2.6's observer (``_child_processes``, ``_run``);
+    the multirun + DDP test with a failing trial pins them.
+    """
+    for thread in threading.enumerate():
+        children = getattr(thread, "_child_processes", None)
+        if type(thread).__name__ != "_ChildProcessObserver" or children is None:
+            continue
+        thread._run = lambda: True  # its next check finds nothing to do and ends the thread
+        for child in children:
+            try:
+                child.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
 
 def ddp_child_argv(argv: list[str], environ: dict[str, str] | None = None) -> list[str] | None:
