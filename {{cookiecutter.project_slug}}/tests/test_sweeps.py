@@ -117,11 +117,20 @@ def wandb_runs(folder: Path) -> list[dict]:
     return runs
 
 
-def study_states(sweep_dir: Path) -> dict[int, str]:
+def study_trials(sweep_dir: Path) -> list:
     storage = f"sqlite:///{sweep_dir / 'optuna.db'}"
     (summary,) = optuna.get_all_study_summaries(storage)
-    study = optuna.load_study(study_name=summary.study_name, storage=storage)
-    return {trial.number: trial.state.name for trial in study.trials}
+    return optuna.load_study(study_name=summary.study_name, storage=storage).trials
+
+
+def study_states(sweep_dir: Path) -> dict[int, str]:
+    return {trial.number: trial.state.name for trial in study_trials(sweep_dir)}
+
+
+def all_different(trials: list) -> bool:
+    """No two trials were given the same parameters (a replayed random sequence would)."""
+    params = [tuple(sorted(trial.params.items())) for trial in trials]
+    return len(set(params)) == len(params)
 
 
 # --------------------------------------------------------------------------- Optuna sweeps
@@ -137,6 +146,7 @@ def test_optuna_sweep_records_a_failed_trial_goes_on_resumes_and_plots(base, tmp
     assert study_states(sweep_dir) == {0: "COMPLETE", 1: "FAIL", 2: "COMPLETE", 3: "COMPLETE"}  # 3 completed
     assert sorted(p.name for p in sweep_dir.iterdir() if p.name.isdigit()) == ["0", "1", "2", "3"]  # folder = trial number
     assert "Trial 1 failed" in result.stdout + result.stderr and (sweep_dir / "1" / "oom_report.txt").is_file()
+    assert "out of memory" in (sweep_dir / "1" / "error.txt").read_text()
     best = OmegaConf.load(sweep_dir / "best.yaml")
     assert best.optimized_metric == METRIC and best.best_trial in (0, 2, 3) and best.trials.failed == 1
     assert best.best_value == json.loads((sweep_dir / str(best.best_trial) / "metrics.json").read_text())[METRIC]
@@ -154,6 +164,7 @@ def test_optuna_sweep_records_a_failed_trial_goes_on_resumes_and_plots(base, tmp
     ok(run_module("train", sweep + ["hydra.sweeper.n_trials=4"], cwd=tmp_path))
     assert study_states(sweep_dir)[4] == "COMPLETE" and len(study_states(sweep_dir)) == 5
     assert (sweep_dir / "4" / "metrics.json").is_file()
+    assert all_different(study_trials(sweep_dir))  # the resumed launch suggested new parameters
     again = ok(run_module("train", sweep + ["hydra.sweeper.n_trials=4"], cwd=tmp_path))
     assert len(study_states(sweep_dir)) == 5 and "Best trial" in again.stdout
 
@@ -216,6 +227,61 @@ def test_a_failed_trial_leaves_nothing_of_its_model_behind(tmp_path):
     assert failure.value.__context__ is None and "diverged" in (tmp_path / "job" / "error.txt").read_text()
 
 
+class FakeLauncher:
+    """Stands in for Hydra's launcher: ``outcome(trial number, overrides)`` is a job's value, or
+    an exception for a failed job; records the job numbers launched."""
+
+    def __init__(self, outcome):
+        self.outcome, self.numbers = outcome, []
+
+    def launch(self, overrides, initial_job_idx):
+        jobs = []
+        for number, override in enumerate(overrides, start=initial_job_idx):
+            self.numbers.append(number)
+            result = self.outcome(number, override)
+            job = JobReturn(status=JobStatus.FAILED if isinstance(result, Exception) else JobStatus.COMPLETED)
+            job.return_value = result
+            jobs.append(job)
+        return jobs
+
+
+def fake_sweep(tmp_path: Path, outcome, n_trials: int):
+    """The project's sweeper on a study in ``tmp_path`` with a fake launcher: the whole trial loop
+    (top-up, numbering, failures, reseeding, best.yaml) in a second, without training."""
+    plugin = pytest.importorskip("hydra_plugins.{{ cookiecutter.package_name }}_sweeper")
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    sampler = {"_target_": "optuna.samplers.TPESampler", "seed": 1}
+    sweeper = plugin.ResumableOptunaSweeper(
+        sampler=optuna.samplers.TPESampler(seed=1), direction="maximize", storage=storage, study_name="s",
+        n_trials=n_trials, n_jobs=1, max_failure_rate=0.5, params=OmegaConf.create({"optimizer.lr": "interval(0.1, 1.0)"}))
+    config = OmegaConf.create({
+        "optimized_metric": "val/acc", "task": {"objectives": {"val/acc": "max"}}, "optimizer": {"lr": 0.5},
+        "hydra": {"sweep": {"dir": str(tmp_path)}, "sweeper": {"storage": storage, "sampler": sampler}, "runtime": {"choices": {}}},
+    })
+    sweeper.config = sweeper.impl.config = config
+    sweeper.impl.launcher = launcher = FakeLauncher(outcome)
+    sweeper.sweep([])
+    return launcher
+
+
+def test_the_sweep_loop_tops_up_numbers_trials_reseeds_and_caps_failures_per_launch(tmp_path):
+    first = fake_sweep(tmp_path, lambda n, o: TrialFailed("CUDA out of memory") if n == 1 else 0.5, n_trials=3)
+    assert first.numbers == [0, 1, 2, 3]  # 3 completed: the failed trial 1 does not count
+    again = fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=4)
+    assert again.numbers == [4]  # topped up to 4 completed, in the folder of trial 4
+    assert all_different(study_trials(tmp_path)) and OmegaConf.load(tmp_path / "best.yaml").best_trial == 4
+
+    # Every trial fails: the launch stops after more than 0.5 x 4 failures, keeping best.yaml of what completed.
+    (tmp_path / "best.yaml").unlink()
+    with pytest.raises(SystemExit):
+        fake_sweep(tmp_path, lambda n, o: TrialFailed("broken"), n_trials=6)
+    assert study_states(tmp_path) == {**{n: "COMPLETE" for n in (0, 2, 3, 4)}, 1: "FAIL", 5: "FAIL", 6: "FAIL", 7: "FAIL", 8: "FAIL"}
+    assert (tmp_path / "best.yaml").is_file()
+    # The cause fixed, the same command resumes: the old failures do not count against it.
+    fixed = fake_sweep(tmp_path, lambda n, o: 0.7, n_trials=6)
+    assert fixed.numbers == [9, 10] and list(study_states(tmp_path).values()).count("COMPLETE") == 6
+
+
 def test_the_sweeper_checks_direction_and_parameters_before_the_first_trial():
     hydra_plugin = pytest.importorskip("hydra_plugins.{{ cookiecutter.package_name }}_sweeper")
     config = OmegaConf.create({"optimized_metric": METRIC, "task": {"objectives": {METRIC: "max" if TASK == "classification" else "min"}},
@@ -276,6 +342,7 @@ def test_two_identical_optuna_sweeps_started_together_share_the_study_without_co
     (sweep_dir,) = (tmp_path / "logs" / "train" / "sweeps").iterdir()
     states = study_states(sweep_dir)  # both worked on one study, each trial in its own folder
     assert 2 <= list(states.values()).count("COMPLETE") <= 3 and "FAIL" not in states.values()
+    assert all_different(study_trials(sweep_dir))  # the second launch did not replay the first's suggestions
     assert sorted(int(p.name) for p in sweep_dir.iterdir() if p.name.isdigit()) == sorted(states)
     assert all((sweep_dir / str(number) / "metrics.json").is_file() for number in states)
 
@@ -319,7 +386,7 @@ def test_multirun_with_ddp_leaves_exactly_one_sweep_folder_and_survives_a_failed
     assert (sweep_dir / "0" / "oom_report.txt").is_file() and not (sweep_dir / "0" / "metrics.json").exists()
     assert (sweep_dir / "1" / "metrics.json").is_file()  # the sweep went on after the failed job
     for job in ("0", "1"):
-        assert (sweep_dir / job / "ddp_rank_1.log").is_file()  # rank 1 ran this job, in this folder
+        assert (sweep_dir / job / "train_ddp_process_1.log").is_file()  # rank 1 ran this job, in this folder
 
 
 def test_sigterm_on_one_ddp_rank_stops_every_rank_after_the_same_step_and_resumes(base, single_process_run, tmp_path):
@@ -346,7 +413,7 @@ def test_ddp_child_of_a_multirun_job_runs_that_job_alone():
             'hydra.run.dir="/x/runs/r"', "hydra.job.name=train_ddp_process_1", "hydra.output_subdir=null"]
     assert ddp_child_argv(argv, environ) == [
         "train.py", "--config-dir", "extra", "optimizer.lr=0.0002", "trainer=ddp_cpu", "hydra.mode=RUN",
-        "hydra.run.dir=/x/multiruns/s/1", "hydra.output_subdir=null", "hydra.job.name=ddp_rank_1"]
+        "hydra.run.dir=/x/multiruns/s/1", "hydra.output_subdir=null", "hydra.job.name=train_ddp_process_1"]
     assert ddp_child_argv(argv, {**environ, "LOCAL_RANK": "0"}) is None  # rank 0 is the job itself
     assert ddp_child_argv(argv, {"LOCAL_RANK": "1"}) is None  # a DDP child of a single run: Lightning's command as is
 
@@ -374,6 +441,13 @@ def test_the_global_batch_is_kept_on_more_devices():
     assert any("each process runs micro-batches of 16" in warning for warning in config_warnings(cfg))
     cfg = compose_config("train", ["trainer=ddp_cpu", "batch.global_batch_size=33", "batch.micro_batch_size=11"])
     with pytest.raises(ConfigError, match=r"global_batch_size=33 cannot be split over 2 processes.*multiple of 2"):
+        validate_config(cfg)
+
+
+def test_ddp_inside_a_submitit_local_job_is_refused_before_anything_loads(monkeypatch):
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "123")  # what submitit's local executor sets in its jobs
+    cfg = compose_config("train", ["trainer=ddp_cpu"])
+    with pytest.raises(ConfigError, match="launcher=local runs each job as one process.*fix: drop launcher=local"):
         validate_config(cfg)
 
 

@@ -9,10 +9,12 @@ search-space syntax, same samplers: ``hydra/sweeper: optuna``) with its own tria
   creates the folder).  Re-running the same command loads the study and **tops it up** to
   ``n_trials`` *completed* trials (the plugin would run ``n_trials`` more).
 - Each trial runs in the job folder named by its **trial number** (``hydra.job.num``), so a
-  resumed sweep, or a second process working on the same study, never reuses a folder.
+  resumed sweep, or a second process working on the same study, never reuses a folder.  Each
+  launch reseeds the sampler (``seed + launch number``): a resumed sweep does not replay the
+  first launch's suggestions.
 - A failed trial (the job raised: bad trial config, out of memory, non-finite loss, ...; or its
   config did not compose) is told to Optuna as ``FAIL`` and the sweep goes on.  The sweep stops with an error once more than
-  ``max_failure_rate x n_trials`` trials of the study have failed (the plugin counts per batch
+  ``max_failure_rate x n_trials`` trials of this launch have failed (the plugin counts per batch
   of ``n_jobs``, so with ``n_jobs: 1`` any rate below 1 stops at the first failure).
 - Before the first trial: ``optimized_metric`` must be one of ``task.objectives`` and
   ``direction`` must agree with it; every parameter must name a key of the config.  A trial
@@ -112,16 +114,22 @@ class ResumableOptunaSweeper(Sweeper):
             fcntl.flock(lock, fcntl.LOCK_EX)
             study = optuna.create_study(study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler,
                                         direction=directions[0], load_if_exists=True)
-        log.info("Study %s in %s: %d trials so far, topping up to %d completed", study.study_name, impl.storage,
-                 len(study.trials), self.n_trials)
+            launch = study.user_attrs.get("launches", 0)  # this launch's number: 0 for the first
+            study.set_user_attr("launches", launch + 1)
+        study.sampler = reseeded(self.config.hydra.sweeper.sampler, launch) or study.sampler
+        log.info("Study %s in %s: %d trials so far, topping up to %d completed (launch %d)", study.study_name,
+                 impl.storage, len(study.trials), self.n_trials, launch)
 
+        failed = 0  # in this launch: a re-run after fixing the cause starts with a clean count
         while (done := count(study, "COMPLETE")) < self.n_trials:
-            failed = count(study, "FAIL")
             if failed > self.max_failure_rate * self.n_trials:
+                if done:
+                    write_best(study, sweep_dir, self.config)
                 raise SweepConfigError(
-                    f"{failed} trials of study {study.study_name!r} failed, more than hydra.sweeper.max_failure_rate="
-                    f"{self.max_failure_rate} x n_trials={self.n_trials} allows; the errors are in the job folders "
-                    f"(error.txt, *.log) under {sweep_dir}; fix the cause, or raise hydra.sweeper.max_failure_rate")
+                    f"{failed} trials of this run of study {study.study_name!r} failed, more than hydra.sweeper.max_failure_rate="
+                    f"{self.max_failure_rate} x n_trials={self.n_trials} allows; the errors are in the trial folders "
+                    f"(error.txt) under {sweep_dir}; fix the cause and run the same command again (the study resumes), "
+                    "or raise hydra.sweeper.max_failure_rate")
             trials = [study.ask() for _ in range(min(self.n_jobs, self.n_trials - done))]
             overrides = impl._configure_trials(trials, distributions, fixed)
             try:
@@ -129,7 +137,7 @@ class ResumableOptunaSweeper(Sweeper):
             except Exception as error:  # noqa: BLE001  (Hydra could not compose a trial: a value the config refuses)
                 jobs = [failed_job(error) for _ in trials]
             for trial, job in zip(trials, jobs):
-                self._tell(study, trial, job, sweep_dir)
+                failed += not self._tell(study, trial, job, sweep_dir)
 
         write_best(study, sweep_dir, self.config)
 
@@ -141,7 +149,12 @@ class ResumableOptunaSweeper(Sweeper):
         # Another process asked trials in between: one launch per trial keeps the numbers.
         return [self.impl.launcher.launch([o], initial_job_idx=n)[0] for o, n in zip(overrides, numbers)]
 
-    def _tell(self, study, trial, job, sweep_dir: Path) -> None:
+    def _tell(self, study, trial, job, sweep_dir: Path) -> bool:
+        """Tell Optuna how ``trial`` ended; return whether it completed.
+
+        Raises:
+            SweepConfigError: the job's error says the sweep cannot work (``stops_sweep``).
+        """
         import optuna
 
         error = job._return_value if job.status != JobStatus.COMPLETED else None
@@ -154,12 +167,13 @@ class ResumableOptunaSweeper(Sweeper):
         if error is None and value == value:  # (NaN != NaN: a NaN objective is a failed trial)
             study.tell(trial, value)
             log.info("Trial %d: %s = %s  %s", trial.number, self.config.optimized_metric, value, trial.params)
-            return
+            return True
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         reason = error if error is not None else f"{self.config.optimized_metric} is NaN"
         log.warning("Trial %d failed (%s): %s; job folder %s", trial.number, trial.params, reason, sweep_dir / str(trial.number))
         if getattr(error, "stops_sweep", False):
             raise SweepConfigError(str(error))
+        return False
 
 
 def failed_job(error: Exception) -> JobReturn:
@@ -167,6 +181,19 @@ def failed_job(error: Exception) -> JobReturn:
     job = JobReturn(status=JobStatus.FAILED)
     job.return_value = error
     return job
+
+
+def reseeded(sampler: DictConfig, launch: int) -> Any:
+    """The sampler of launch ``launch`` (> 0) of a study: the configured one with seed
+    ``seed + launch``, or ``None`` to keep it (the first launch, or no seed).  A resumed sweep,
+    or a second process on the study, would otherwise replay the first launch's random
+    suggestions and repeat its trials; this way each launch is still reproducible."""
+    from hydra.utils import instantiate
+
+    seed = sampler.get("seed")
+    if not launch or seed is None:
+        return None
+    return instantiate(sampler, seed=seed + launch)
 
 
 def count(study, state: str) -> int:
@@ -190,6 +217,9 @@ def check_objective(config: DictConfig, directions: list[str]) -> None:
     if metric not in objectives:
         raise SweepConfigError(f"optimized_metric={metric!r} is not a metric this task logs at the end of a run; "
                                f"the task logs {sorted(objectives)}; fix: optimized_metric=<one of them>")
+    if str(metric).startswith("test/") and not config.get("test_after_fit", True):
+        raise SweepConfigError(f"optimized_metric={metric} is logged by the test after fit, and test_after_fit=false; "
+                               f"fix: test_after_fit=true (with a test split), or optimized_metric=val/...")
     better = BETTER[objectives[metric]]
     if directions[0] != better:
         raise SweepConfigError(f"hydra.sweeper.direction={directions[0]} for optimized_metric={metric}, which is better "

@@ -33,6 +33,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # Panel file -> (title, y label, the columns it draws: exact names or a prefix ending in "*").
 RUN_PANELS = {
@@ -87,7 +88,9 @@ def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for name in names:
             steps, values = zip(*curves[name])
-            ax.plot(steps, values, label=name, marker="o" if len(steps) < 30 else None)
+            bad = sum(not math.isfinite(v) for v in values)  # NaN/inf: not drawable, but said
+            ax.plot(steps, values, label=f"{name} ({bad} non-finite)" if bad else name, marker="o" if len(steps) < 30 else None)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(xlabel="optimizer step", ylabel=ylabel)
         ax.set_title(f"{title}\n{label}", fontsize=10)
         ax.grid(alpha=0.3)
@@ -113,11 +116,24 @@ def plot_sweep(sweep_dir: Path, out_dir: Path) -> list[Path]:
         raise NothingToPlot(f"{sweep_dir} has no optuna.db and no job folder (0, 1, ...) with a metrics.json")
     metric = job_objective_name(jobs[0])
     values = [json.loads((job / "metrics.json").read_text()).get(metric) for job in jobs]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([job.name for job in jobs], [v if v is not None else math.nan for v in values])
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(jobs)), 4.5))
+    ax.bar(job_labels(jobs), [v if v is not None else math.nan for v in values])
+    ax.tick_params(axis="x", labelsize=8)
     ax.set(xlabel="job", ylabel=metric)
     ax.set_title(f"{metric} per job\n{sweep_dir.name}", fontsize=10)
     return [save(fig, out_dir / "objective.png")]
+
+
+def job_labels(jobs: list[Path]) -> list[str]:
+    """``<job number>`` and the overrides that tell the jobs apart (``.hydra/overrides.yaml``)."""
+    from omegaconf import OmegaConf
+
+    overrides = []
+    for job in jobs:
+        path = job / ".hydra" / "overrides.yaml"
+        overrides.append(list(OmegaConf.load(path)) if path.is_file() else [])
+    shared = set.intersection(*(set(o) for o in overrides)) if overrides else set()
+    return ["\n".join([job.name, *(o for o in own if o not in shared)]) for job, own in zip(jobs, overrides)]
 
 
 def job_objective_name(job_dir: Path) -> str:
@@ -160,7 +176,8 @@ def plot_study(storage: str, out_dir: Path) -> list[Path]:
             continue
         ax = optuna_plots.plot_optimization_history(study)
         failed = len(study.trials) - len(completed)
-        ax.set_title(f"{summary.study_name}\n{len(completed)} trials completed, {failed} failed or unfinished", fontsize=10)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(f"{summary.study_name}\ncompleted trials: {len(completed)}, failed or unfinished: {failed}", fontsize=10)
         written.append(save(ax.figure, out_dir / f"objective{suffix}.png"))
         importances = param_importances(study)
         if importances:

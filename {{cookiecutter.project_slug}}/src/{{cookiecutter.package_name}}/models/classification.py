@@ -115,7 +115,7 @@ class SequenceClassificationModule(HFModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, logits = self.model_step(batch)
         self.val_metrics.update(logits, batch["labels"])
-        self.log("val/loss", loss, on_epoch=True, batch_size=len(logits))
+        self.log("val/loss", loss, on_epoch=True, batch_size=len(logits), sync_dist=True)  # (DDP: the mean over every rank)
         self.log_dict(self.val_metrics, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
@@ -127,7 +127,7 @@ class SequenceClassificationModule(HFModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, logits = self.model_step(batch)
         self.test_metrics.update(logits, batch["labels"])
-        self.log("test/loss", loss, on_epoch=True, batch_size=len(logits))
+        self.log("test/loss", loss, on_epoch=True, batch_size=len(logits), sync_dist=True)
         self.log_dict(self.test_metrics, on_epoch=True)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

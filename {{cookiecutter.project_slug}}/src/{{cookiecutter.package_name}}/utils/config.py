@@ -211,6 +211,10 @@ def _distributed_problems(trainer: DictConfig, runs_here: bool) -> list[str]:
     if not runs_here:
         return []
     accelerator, devices = str(trainer.get("accelerator")), trainer.get("devices")
+    if "SUBMITIT_LOCAL_JOB_ID" in os.environ and isinstance(devices, int) and devices > 1:
+        return [f"launcher=local runs each job as one process of submitit's local executor, and trainer.devices={devices} needs "
+                "Lightning to start the other ranks by re-running the command, which that executor cannot do; fix: drop "
+                "launcher=local (Hydra's own launcher runs DDP multiruns), or launcher=slurm on a cluster"]
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if is_fsdp(trainer) and (accelerator == "cpu" or not visible):
         return [f"trainer=fsdp shards the model over CUDA GPUs, and this run has none (accelerator={accelerator}, "

@@ -104,7 +104,7 @@ def ddp_child_argv(argv: list[str], environ: dict[str, str] | None = None) -> li
     return [
         argv[0], *flags, *job["overrides"],
         "hydra.mode=RUN", f"hydra.run.dir={job['output_dir']}", "hydra.output_subdir=null",
-        f"hydra.job.name=ddp_rank_{local_rank}",
+        f"hydra.job.name=train_ddp_process_{local_rank}",  # Lightning's name for a rank: its log is <job>/train_ddp_process_1.log
     ]
 
 

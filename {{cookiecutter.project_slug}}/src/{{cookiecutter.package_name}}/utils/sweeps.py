@@ -23,6 +23,7 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from ..callbacks.guards import RunStopped
 from ..data.loading import DataError
 from .config import ConfigError
 
@@ -58,9 +59,9 @@ def objective(metrics: dict, cfg: DictConfig) -> float | None:
     if name is None:
         return None
     if name not in metrics and is_multirun():
-        logged = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-        raise MetricNotLogged(f"optimized_metric={name!r} was not logged by this run; the run logged {logged}; "
-                              f"fix: optimized_metric=<one of them> (and hydra.sweeper.direction to match)")
+        objectives = sorted(k for k in (cfg.task.get("objectives") or {}) if k in metrics) if "task" in cfg else []
+        raise MetricNotLogged(f"optimized_metric={name!r} was not logged by this run; of the task's objectives it logged "
+                              f"{objectives}; fix: optimized_metric=<one of them> (and hydra.sweeper.direction to match)")
     return metrics.get(name)
 
 
@@ -83,8 +84,6 @@ def run_multirun_job(work: Callable[[], float | None], job_dir: Path) -> float |
         MetricNotLogged: ``optimized_metric`` was not logged (the sweep stops).
         SystemExit: a signal stopped the job (exit code ``128 + N``): the sweep stops too.
     """
-    from ..callbacks.guards import RunStopped
-
     message = None
     try:
         value = work()
@@ -94,7 +93,7 @@ def run_multirun_job(work: Callable[[], float | None], job_dir: Path) -> float |
         if stop.exit_code >= 128:  # a signal: the user or the scheduler wants the sweep over
             print(f"\n{stop}", file=sys.stderr, flush=True)
             raise SystemExit(stop.exit_code) from None
-        message = str(stop)
+        message = failure_message(stop, job_dir)
     except Exception as error:  # noqa: BLE001  (any failure of a trial is recorded, not fatal)
         message = failure_message(error, job_dir)
     # Here, outside the except blocks, the exception (and the frames holding the model and the
@@ -107,13 +106,16 @@ def run_multirun_job(work: Callable[[], float | None], job_dir: Path) -> float |
 
 
 def failure_message(error: Exception, job_dir: Path) -> str:
-    """One line for a failed job: a bad-input error's own message (it names the field and the
-    fix), else ``Type: message`` with the traceback printed and kept in ``job_dir/error.txt``."""
+    """One line for a failed job, also written to ``job_dir/error.txt``: a bad-input error's own
+    message (it names the field and the fix), else ``Type: message``, with the traceback printed
+    and written under it."""
     cause = error.__cause__ if isinstance(error, InstantiationException) else error
-    if isinstance(cause, (ConfigError, DataError)):
-        return str(cause)
-    text = "".join(traceback.format_exception(error))
-    print(text, file=sys.stderr, flush=True)
+    if isinstance(cause, (ConfigError, DataError, RunStopped)):
+        message, text = str(cause), str(cause) + "\n"  # says what and how to fix; no traceback needed
+    else:
+        message = f"{type(error).__name__}: {error}"
+        text = "".join(traceback.format_exception(error))
+        print(text, file=sys.stderr, flush=True)
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "error.txt").write_text(text)
-    return f"{type(error).__name__}: {error}"
+    return message
