@@ -152,7 +152,7 @@ def test_compiled_checkpoints_load_without_compile_and_back(make_lm_cfg, tmp_pat
     """One compile (tens of seconds cold, so one training graph only: no validation): train with
     compile on, reload with it off (keys carry no ``_orig_mod.``, same weights), then load those
     weights into a compiled module (off -> on)."""
-    cfg = make_lm_cfg("compile=default", "trainer.max_steps=2", "+trainer.limit_val_batches=0", "task.validate_before_fit=false",
+    cfg = make_lm_cfg("compile=default", "trainer.max_steps=2", "trainer.limit_val_batches=0", "task.validate_before_fit=false",
                       "callbacks.sample_generation=null", "test_after_fit=false")
     train(cfg)
     path = tmp_path / "run" / "checkpoints" / "last.ckpt"
