@@ -160,13 +160,11 @@ def test_optuna_sweep_records_a_failed_trial_goes_on_resumes_and_plots(base, tmp
     assert sorted(run["exit_code"] for run in runs) == [0, 0, 0, 1]
     assert [r["exit_code"] for r in runs if "/1/wandb/" in str(r["path"])] == [1]
 
-    # The same command again, asking for 4: one more trial (number 4, its own folder); then nothing to do.
+    # The same command again, asking for 4: one more trial (number 4, its own folder).
     ok(run_module("train", sweep + ["hydra.sweeper.n_trials=4"], cwd=tmp_path))
     assert study_states(sweep_dir)[4] == "COMPLETE" and len(study_states(sweep_dir)) == 5
     assert (sweep_dir / "4" / "metrics.json").is_file()
     assert all_different(study_trials(sweep_dir))  # the resumed launch suggested new parameters
-    again = ok(run_module("train", sweep + ["hydra.sweeper.n_trials=4"], cwd=tmp_path))
-    assert len(study_states(sweep_dir)) == 5 and "Best trial" in again.stdout
 
     # Plots, from the local files only.
     ok(run_module("plot", [str(sweep_dir)], cwd=tmp_path))
@@ -269,6 +267,7 @@ def test_the_sweep_loop_tops_up_numbers_trials_reseeds_and_caps_failures_per_lau
     assert first.numbers == [0, 1, 2, 3]  # 3 completed: the failed trial 1 does not count
     again = fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=4)
     assert again.numbers == [4]  # topped up to 4 completed, in the folder of trial 4
+    assert fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=4).numbers == []  # reached: nothing runs, best.yaml written
     assert all_different(study_trials(tmp_path)) and OmegaConf.load(tmp_path / "best.yaml").best_trial == 4
 
     # Every trial fails: the launch stops after more than 0.5 x 4 failures, keeping best.yaml of what completed.
@@ -359,20 +358,6 @@ def test_submitit_local_launcher_runs_a_two_job_multirun(base, tmp_path):
 
 
 # ------------------------------------------------------------------------------ DDP and FSDP
-def test_ddp_cpu_trains_with_two_processes(base, single_process_run, tmp_path):
-    run_dir = tmp_path / "run"
-    result = ok(run_module("train", base + [f"hydra.run.dir={run_dir}", "trainer=ddp_cpu", "batch.micro_batch_size=8",
-                                            "logger=csv"], cwd=tmp_path))
-    output = result.stdout + result.stderr
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output  # a second process joined
-    step = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
-    reference = torch.load(single_process_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
-    # Each process trained on its half of the epoch, at the same global batch: the optimizer steps
-    # of one process (twice as many if each process had gone through all the rows).
-    assert step == reference
-    assert not list(tmp_path.glob("logs"))  # the rank-1 process wrote no run folder of its own
-
-
 def test_multirun_with_ddp_leaves_exactly_one_sweep_folder_and_survives_a_failed_job(base, tmp_path):
     result = run_module("train", ["-m", *base, f"paths.log_dir={tmp_path / 'logs'}", "trainer=ddp_cpu", "batch.micro_batch_size=8",
                                   "optimizer.lr=1e-4,2e-4", "logger=csv",
@@ -389,21 +374,25 @@ def test_multirun_with_ddp_leaves_exactly_one_sweep_folder_and_survives_a_failed
         assert (sweep_dir / job / "train_ddp_process_1.log").is_file()  # rank 1 ran this job, in this folder
 
 
-def test_sigterm_on_one_ddp_rank_stops_every_rank_after_the_same_step_and_resumes(base, single_process_run, tmp_path):
+def test_ddp_cpu_trains_with_two_processes_which_stop_together_on_a_signal_to_one_and_resume(base, single_process_run, tmp_path):
     run_dir = tmp_path / "run"
     ddp = base + [f"hydra.run.dir={run_dir}", "trainer=ddp_cpu", "batch.micro_batch_size=8", "logger=csv"]
     stopped = run_module("train", ddp + ["+callbacks.fault._target_=faults.KillAt", "+callbacks.fault.step=1",
                                          "+callbacks.fault.signal_name=SIGTERM", "+callbacks.fault.rank=0"], cwd=tmp_path)
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in stopped.stdout + stopped.stderr  # a second process joined
     assert stopped.returncode == 143, stopped.stderr[-3000:]  # no rank left waiting: both stopped, rank 0 exits 128 + 15
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["global_step"] == 2  # the step in progress when SIGTERM came was finished
     ok(run_module("train", ddp + ["ckpt_path=last"], cwd=tmp_path))
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
     reference = torch.load(single_process_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
-    assert final == reference  # resumed at the right row of the epoch: no row trained twice or skipped
+    # Each process trained on its share of the epoch at the same global batch (twice the steps if
+    # each had gone through all the rows), and the resume started at the right row of the epoch.
+    assert final == reference
     with (run_dir / "csv" / "metrics.csv").open() as file:
         steps = [int(row["step"]) for row in csv.DictReader(file) if row.get("train/loss")]
     assert steps == list(range(reference))
+    assert not list(tmp_path.glob("logs"))  # the rank-1 process wrote no run folder of its own
 
 
 def test_ddp_child_of_a_multirun_job_runs_that_job_alone():
