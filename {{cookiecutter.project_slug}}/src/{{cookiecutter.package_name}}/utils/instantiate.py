@@ -10,10 +10,11 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
+
+from .sweeps import is_multirun
 
 
 def instantiate_group(group: DictConfig | None) -> list:
@@ -56,8 +57,7 @@ def wandb_run_fields(cfg: DictConfig, node: DictConfig) -> dict:
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     group = node.get("group")
     if group is None:
-        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-        group = Path(HydraConfig.get().sweep.dir).name if multirun else cfg.get("task_name")
+        group = Path(HydraConfig.get().sweep.dir).name if is_multirun() else cfg.get("task_name")
     tags = [
         f"task:{cfg.task.name}" if "task" in cfg else None,
         f"model:{choices['model']}" if choices.get("model") else None,
