@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import datasets
+from hydra import compose, initialize_config_module
 
 from {{ cookiecutter.package_name }}.assets.gguf import fetch_gguf_model
 from {{ cookiecutter.package_name }}.assets.shakespeare import fetch_shakespeare
 from {{ cookiecutter.package_name }}.data.text import TextDataModule
 from {{ cookiecutter.package_name }}.data.tokenization import load_tokenizer
-from hydra import compose, initialize_config_module
 
 
 def demo_paths() -> tuple[str, str, str]:
@@ -47,10 +47,22 @@ def demo_paths() -> tuple[str, str, str]:
 
 def data_module(train: str, validation: str, tokenizer, mode: str, max_length: int, micro_batch: int, cache_dir: str) -> TextDataModule:
     return TextDataModule(
-        splits={"train": train, "validation": validation}, hub_name=None, hub_config=None, text_column="text",
-        sample_by="document", tokenizer=tokenizer, mode=mode, max_length=max_length, batch_size=micro_batch,
-        val_fraction=0.05, val_split_seed=0, num_workers=0, pad_to_multiple_of=8, group_by_length=True,
-        cache_dir=cache_dir, fetch=None,
+        splits={"train": train, "validation": validation},
+        hub_name=None,
+        hub_config=None,
+        text_column="text",
+        sample_by="document",
+        tokenizer=tokenizer,
+        mode=mode,
+        max_length=max_length,
+        batch_size=micro_batch,
+        val_fraction=0.05,
+        val_split_seed=0,
+        num_workers=0,
+        pad_to_multiple_of=8,
+        group_by_length=True,
+        cache_dir=cache_dir,
+        fetch=None,
     )
 
 
@@ -79,13 +91,18 @@ def main() -> None:
                 for block in work.split("\n\n"):
                     if block.strip():
                         file.write(json.dumps({"text": block}) + "\n")
-        for name, source, mode in (("pack works", train, "pack"), ("pack paragraphs", str(paragraphs), "pack"),
-                                   ("pad paragraphs", str(paragraphs), "pad")):
+        for name, source, mode in (
+            ("pack works", train, "pack"),
+            ("pack paragraphs", str(paragraphs), "pack"),
+            ("pad paragraphs", str(paragraphs), "pad"),
+        ):
             dm = data_module(source, validation, tokenizer_dir, mode, args.max_length, args.micro_batch, f"{folder}/{name}")
             dm.setup("fit")
             fractions[name] = padding_fraction(dm)
-    print(f"padding fraction (train, max_length={args.max_length}, micro-batch {args.micro_batch}): "
-          + " ".join(f"{name.replace(' ', '_')}={value:.4f}" for name, value in fractions.items()))
+    print(
+        f"padding fraction (train, max_length={args.max_length}, micro-batch {args.micro_batch}): "
+        + " ".join(f"{name.replace(' ', '_')}={value:.4f}" for name, value in fractions.items())
+    )
 
     tokenizer = load_tokenizer(tokenizer_dir)
     pipeline_rates, loop_rates = [], []
@@ -101,8 +118,10 @@ def main() -> None:
         loop_tokens = sum(len(tokenizer(doc)["input_ids"]) + 1 for doc in documents)
         loop_rates.append(loop_tokens / (time.perf_counter() - start))
     pipeline, loop = statistics.median(pipeline_rates), statistics.median(loop_rates)
-    print(f"tokenisation: pipeline {pipeline:,.0f} tokens/s (train+validation: read, tokenise, pack, filter; "
-          f"fresh cache), plain loop {loop:,.0f} tokens/s (train: one tokenizer call per document)")
+    print(
+        f"tokenisation: pipeline {pipeline:,.0f} tokens/s (train+validation: read, tokenise, pack, filter; "
+        f"fresh cache), plain loop {loop:,.0f} tokens/s (train: one tokenizer call per document)"
+    )
     print(f"pipeline_vs_loop={pipeline / loop:.2f}")
 
 

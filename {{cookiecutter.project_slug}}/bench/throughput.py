@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import BertConfig, BertTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 from {{ cookiecutter.package_name }}.callbacks import WarmupDecayLR, lr_factor
-from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
 from {{ cookiecutter.package_name }}.models.builder import config_to_dict, sequence_classifier_from_dict
+from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
 from {{ cookiecutter.package_name }}.optim import build_optimizer
 
 OPTIMIZER = {"_target_": "torch.optim.AdamW", "lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -69,8 +69,14 @@ class FixedBatches(Dataset):
 
 def model_config(args: argparse.Namespace) -> dict:
     config = BertConfig(
-        vocab_size=30522, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        intermediate_size=4 * args.hidden, num_labels=2, id2label={0: "a", 1: "b"}, label2id={"a": 0, "b": 1},
+        vocab_size=30522,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        intermediate_size=4 * args.hidden,
+        num_labels=2,
+        id2label={0: "a", 1: "b"},
+        label2id={"a": 0, "b": 1},
     )
     return config_to_dict(config)
 
@@ -124,10 +130,18 @@ def run_lightning(config: dict, data: FixedBatches, tokenizer, args: argparse.Na
     module.tokenizer = tokenizer
     timer = StepTimer()
     trainer = L.Trainer(
-        accelerator="auto", devices=1, max_steps=args.steps, precision="32-true", gradient_clip_val=1.0,
-        logger=WandbLogger(save_dir=run_dir, mode="offline", project="bench"), log_every_n_steps=10,
+        accelerator="auto",
+        devices=1,
+        max_steps=args.steps,
+        precision="32-true",
+        gradient_clip_val=1.0,
+        logger=WandbLogger(save_dir=run_dir, mode="offline", project="bench"),
+        log_every_n_steps=10,
         callbacks=[WarmupDecayLR(WARMUP_RATIO, "linear", 0.0), LearningRateMonitor("step"), TQDMProgressBar(refresh_rate=10), timer],
-        enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0, enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=args.micro_batch, shuffle=True))
     trainer.logger.experiment.finish()
@@ -148,11 +162,21 @@ def run_hf_trainer(config: dict, data: FixedBatches, args: argparse.Namespace, r
     optimizer = build_optimizer(model, OPTIMIZER)
     timer = HFStepTimer()
     training_args = TrainingArguments(
-        output_dir=run_dir, per_device_train_batch_size=args.micro_batch, max_steps=args.steps, max_grad_norm=1.0,
-        eval_strategy="no", save_strategy="no", report_to=[], logging_steps=10, dataloader_num_workers=0,
-        seed=SEED, use_cpu=not torch.cuda.is_available(),
+        output_dir=run_dir,
+        per_device_train_batch_size=args.micro_batch,
+        max_steps=args.steps,
+        max_grad_norm=1.0,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        logging_steps=10,
+        dataloader_num_workers=0,
+        seed=SEED,
+        use_cpu=not torch.cuda.is_available(),
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=data, optimizers=(optimizer, schedule(optimizer, args.steps)), callbacks=[timer])
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=data, optimizers=(optimizer, schedule(optimizer, args.steps)), callbacks=[timer]
+    )
     trainer.train()
     return (args.steps - 1) * args.micro_batch / timer.seconds
 
@@ -183,13 +207,15 @@ def main() -> None:
         names = list(ways)
         for repeat in range(args.repeats):
             # Rotate who goes first: a fixed order favours whichever runs on a warmed-up process.
-            for name in names[repeat % 3:] + names[: repeat % 3]:
+            for name in names[repeat % 3 :] + names[: repeat % 3]:
                 samples[name].append(ways[name]())
             print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()), flush=True)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    print(f"\n{args.layers}-layer BERT, hidden {args.hidden}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
-          f"{args.steps} steps, {args.repeats} repeats, fp32, {device}")
+    print(
+        f"\n{args.layers}-layer BERT, hidden {args.hidden}, seq {args.seq_len}, micro-batch {args.micro_batch}, "
+        f"{args.steps} steps, {args.repeats} repeats, fp32, {device}"
+    )
     medians = {k: statistics.median(v) for k, v in samples.items()}
     for name, values in samples.items():
         print(f"{name:>11}: {medians[name]:8.2f} samples/s (min {min(values):.2f}, max {max(values):.2f})")

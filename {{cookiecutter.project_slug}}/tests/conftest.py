@@ -22,6 +22,31 @@ from omegaconf import DictConfig
 
 import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
 
+# Test tiers (see the README's "Tests"): a test's folder is its tier, and the marker is added
+# here, so that a test moved between folders changes tier with it.  Plain ``pytest`` runs the
+# unmarked ones (tests/*.py); pyproject's addopts deselects the rest; ``pytest -m e2e`` (or
+# ``slow``, ``ddp``, ``real_data``, ``gpu``) runs one tier, ``pytest -m "not gpu"`` all that
+# needs no GPU (what CI runs).
+TIERS = ("slow", "e2e", "ddp", "real_data", "gpu")
+
+
+def requires_cuda() -> pytest.MarkDecorator:
+    """The one skip rule of the ``gpu`` tier: a CUDA device must be visible."""
+    import torch
+
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection reads the markers
+def pytest_collection_modifyitems(config, items):
+    """Mark every test below ``tests/<tier>/`` with that tier; ``gpu`` tests also skip without CUDA."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+            if tier == "gpu":
+                item.add_marker(requires_cuda())
+
 
 def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
     """Compose ``configs/<config_name>.yaml`` as the entry point would (without running Hydra)."""
@@ -216,9 +241,15 @@ def pretrained_lm_dir(lm_tokenizer_dir, tmp_path_factory) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("pretrained_lm")
@@ -226,3 +257,46 @@ def pretrained_lm_dir(lm_tokenizer_dir, tmp_path_factory) -> Path:
     tokenizer.save_pretrained(folder)
     return folder
 {%- endif %}
+
+
+# ------------------------------------------------------ runs in subprocesses (e2e, ddp)
+# The task whose sweep the e2e and ddp tiers run, its search and the metric it optimises.
+{%- if cookiecutter.tasks != "causal_lm" %}
+TASK, SEARCH, METRIC = "classification", "classification_optuna", "val/acc"
+{%- else %}
+TASK, SEARCH, METRIC = "causal_lm", "causal_lm_optuna", "val/loss"
+{%- endif %}
+
+
+@pytest.fixture(scope="module")
+def cli_base(tmp_path_factory, request) -> list[str]:
+    """Command-line overrides of a tiny offline run of ``TASK``, one epoch, with no run folder
+    set (Hydra names it)."""
+{%- if cookiecutter.tasks != "causal_lm" %}
+    tokenizer, data = request.getfixturevalue("tokenizer_dir"), request.getfixturevalue("toy_data")
+    overrides = tiny_overrides(tokenizer, data, tmp_path_factory.mktemp("sweep") / "run") + [
+        "batch.global_batch_size=32",
+        "test_after_fit=false",
+    ]
+{%- else %}
+    tokenizer, text = request.getfixturevalue("lm_tokenizer_dir"), request.getfixturevalue("lm_text")
+    overrides = lm_overrides(tokenizer, text, tmp_path_factory.mktemp("sweep") / "run") + [
+        "batch.global_batch_size=8", "callbacks.sample_generation=null"]
+{%- endif %}
+    drop = ("paths.output_dir", "paths.log_dir", "logger=")
+    return [o for o in overrides if not o.startswith(drop)] + ["trainer.max_epochs=1", "callbacks.progress_bar=null"]
+
+
+@pytest.fixture(scope="module")
+def single_process_run(cli_base, tmp_path_factory) -> Path:
+    """The ``cli_base`` run on one process (with its test split where the task has one): the reference."""
+    from .processes import ok, run_module
+
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+{%- if cookiecutter.tasks != "causal_lm" %}
+    extra = ["test_after_fit=true"]
+{%- else %}
+    extra = []
+{%- endif %}
+    ok(run_module("train", cli_base + extra + [f"hydra.run.dir={run_dir}", "logger=csv"], cwd=run_dir.parent))
+    return run_dir

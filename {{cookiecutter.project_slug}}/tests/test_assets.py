@@ -11,7 +11,9 @@ def test_ground_truth_parsing_takes_the_sign_and_drops_zeros():
     text = "1\t2.5\tA fine film.\r\n2\t-0.1\tDull.\r\n3\t0\tMeh.\r\n4\t-3.2\tIt has\ta tab.\r\n"
     rows = vader.parse_ground_truth(text)
     assert [(r["id"], r["label"], r["text"]) for r in rows] == [
-        ("1", "positive", "A fine film."), ("2", "negative", "Dull."), ("4", "negative", "It has\ta tab."),
+        ("1", "positive", "A fine film."),
+        ("2", "negative", "Dull."),
+        ("4", "negative", "It has\ta tab."),
     ]
 
 

@@ -54,8 +54,14 @@ def lora_run(lm_tokenizer_dir, lm_text, pretrained_lm_dir, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     overrides = lm_overrides(lm_tokenizer_dir, lm_text, run_dir) + [
-        f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.r=4",
-        "trainer.max_steps=6", "trainer.val_check_interval=3", "optimizer.lr=1e-2", "callbacks.sample_generation.every_n_steps=3",
+        f"model.name_or_path={pretrained_lm_dir}",
+        "model.config=null",
+        "peft=lora",
+        "peft.r=4",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "optimizer.lr=1e-2",
+        "callbacks.sample_generation.every_n_steps=3",
     ]
     return run_dir, train(compose_config("train", overrides))
 
@@ -134,7 +140,8 @@ def test_eval_on_lm_checkpoint_reports_perplexity(lora_run, lm_tokenizer_dir, lm
     from .conftest import compose_config, lm_overrides
 
     overrides = lm_overrides(lm_tokenizer_dir, lm_text, tmp_path / "eval") + [
-        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"data.splits.test={lm_text['validation']}",
+        f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+        f"data.splits.test={lm_text['validation']}",
     ]
     result = evaluate(compose_config("eval", overrides))
     assert result["test/ppl"] == pytest.approx(math.exp(result["test/loss"]), rel=1e-5)
@@ -147,8 +154,15 @@ def test_qlora_trains_on_cpu_with_a_4bit_base_and_exports_a_plain_model(make_lm_
 
     from .conftest import compose_config
 
-    cfg = make_lm_cfg(f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=qlora", "peft.r=4",
-                      "trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.sample_generation=null")
+    cfg = make_lm_cfg(
+        f"model.name_or_path={pretrained_lm_dir}",
+        "model.config=null",
+        "peft=qlora",
+        "peft.r=4",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "callbacks.sample_generation=null",
+    )
     metrics = train(cfg)
     assert math.isfinite(metrics["val/loss"])
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -165,10 +179,22 @@ def _one_step_update(pretrained_dir, tokenizer_dir, text_dir, micro_batch: int, 
     """Parameter change of one SGD step (lr 1) over the whole 2-document training set."""
     L.seed_everything(0)
     datamodule = TextDataModule(
-        splits={"train": str(text_dir), "validation": str(text_dir)}, hub_name=None, hub_config=None,
-        text_column="text", sample_by="document", tokenizer=str(tokenizer_dir), mode="pad", max_length=64,
-        batch_size=micro_batch, val_fraction=0.1, val_split_seed=0, num_workers=0, pad_to_multiple_of=None,
-        group_by_length=False, cache_dir=None, fetch=None,
+        splits={"train": str(text_dir), "validation": str(text_dir)},
+        hub_name=None,
+        hub_config=None,
+        text_column="text",
+        sample_by="document",
+        tokenizer=str(tokenizer_dir),
+        mode="pad",
+        max_length=64,
+        batch_size=micro_batch,
+        val_fraction=0.1,
+        val_split_seed=0,
+        num_workers=0,
+        pad_to_multiple_of=None,
+        group_by_length=False,
+        cache_dir=None,
+        fetch=None,
     )
     module = CausalLMModule(
         model={"name_or_path": str(pretrained_dir), "config": None, "fetch": None},
@@ -176,8 +202,15 @@ def _one_step_update(pretrained_dir, tokenizer_dir, text_dir, micro_batch: int, 
         peft={"method": "none"},
     )
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, precision="32-true",
+        accelerator="cpu",
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        precision="32-true",
     )
     before = None
 
@@ -235,12 +268,16 @@ def test_validation_interval_beyond_one_epoch_fails_before_weights_load(make_lm_
         raise AssertionError("weights were built before the interval was checked")
 
     monkeypatch.setattr(causal_lm.CausalLMModule, "_build", no_weights)
-    with pytest.raises(ConfigError, match=r"trainer.val_check_interval=500 is more than the \d+ training batches .*fix: trainer.val_check_interval=\d+"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.val_check_interval=500 is more than the \d+ training batches .*fix: trainer.val_check_interval=\d+"
+    ):
         train(make_lm_cfg("trainer.max_steps=600", "trainer.val_check_interval=500"))
 
 
 def test_unknown_lora_target_fails_with_the_layer_names(make_lm_cfg, pretrained_lm_dir):
-    cfg = make_lm_cfg(f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.target_modules=[q_proj,qkv]", "debug=fdr")
+    cfg = make_lm_cfg(
+        f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.target_modules=[q_proj,qkv]", "debug=fdr"
+    )
     with pytest.raises(ConfigError, match=r"\['qkv'\] match no linear layer.*q_proj"):
         train(cfg)
 

@@ -7,8 +7,7 @@ import os
 import datasets
 import pytest
 
-from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule
-from {{ cookiecutter.package_name }}.data.classification import build_label_map
+from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule, build_label_map
 from {{ cookiecutter.package_name }}.data.loading import DataError
 
 from .conftest import toy_rows, write_csv
@@ -19,9 +18,21 @@ def make_datamodule(tokenizer_dir, toy_data, tmp_path):
     def make(**changes) -> ClassificationDataModule:
         options = dict(
             splits={"train": str(toy_data["train"]), "validation": str(toy_data["validation"]), "test": str(toy_data["test"])},
-            hub_name=None, hub_config=None, text_column="text", text_pair_column=None, label_column="label",
-            tokenizer=str(tokenizer_dir), max_length=32, batch_size=8, val_fraction=0.25, val_split_seed=0,
-            num_workers=0, pad_to_multiple_of=8, cache_dir=str(tmp_path / "cache"), fetch=None, group_by_length=False,
+            hub_name=None,
+            hub_config=None,
+            text_column="text",
+            text_pair_column=None,
+            label_column="label",
+            tokenizer=str(tokenizer_dir),
+            max_length=32,
+            batch_size=8,
+            val_fraction=0.25,
+            val_split_seed=0,
+            num_workers=0,
+            pad_to_multiple_of=8,
+            cache_dir=str(tmp_path / "cache"),
+            fetch=None,
+            group_by_length=False,
         )
         options.update(changes)
         return ClassificationDataModule(**options)
@@ -101,7 +112,9 @@ def test_length_grouped_batches_hold_similar_lengths(make_datamodule, tmp_path):
     train = write_csv(tmp_path / "mixed.csv", rows)
     padded = {}
     for grouped in (False, True):
-        datamodule = make_datamodule(splits={"train": str(train), "validation": str(train)}, group_by_length=grouped, pad_to_multiple_of=None)
+        datamodule = make_datamodule(
+            splits={"train": str(train), "validation": str(train)}, group_by_length=grouped, pad_to_multiple_of=None
+        )
         datamodule.setup("fit")
         batches = list(datamodule.train_dataloader())
         assert sum(len(b["labels"]) for b in batches) == 240  # every training row once
@@ -112,7 +125,9 @@ def test_length_grouped_batches_hold_similar_lengths(make_datamodule, tmp_path):
 def test_text_pairs_get_segment_ids(make_datamodule, tmp_path):
     rows = [{"premise": "good movie", "hypothesis": "bad plot", "label": label} for label in ("yes", "no")] * 4
     train = write_csv(tmp_path / "pairs.csv", rows)
-    datamodule = make_datamodule(splits={"train": str(train), "validation": str(train)}, text_column="premise", text_pair_column="hypothesis")
+    datamodule = make_datamodule(
+        splits={"train": str(train), "validation": str(train)}, text_column="premise", text_pair_column="hypothesis"
+    )
     datamodule.setup("fit")
     assert 1 in datamodule.datasets["train"]["token_type_ids"][0]
 
@@ -224,7 +239,7 @@ def test_a_train_file_too_small_to_hold_out_validation_is_refused(make_datamodul
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
-        ("ragged.csv", 'text,label\ngood,positive\nbad, awful,negative\n', "Expected 2 fields in line 3, saw 3"),
+        ("ragged.csv", "text,label\ngood,positive\nbad, awful,negative\n", "Expected 2 fields in line 3, saw 3"),
         ("broken.jsonl", '{"text": "good", "label": "positive"}\n{"text": "bad", label: "negative"}\n', "JSON parse error"),
     ],
 )

@@ -20,15 +20,20 @@ from {{ cookiecutter.package_name }} import doctor
 
 PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
 RTX_4090 = {
-    "index": 0, "name": "NVIDIA GeForce RTX 4090", "capability": "8.9",
-    "total_gib": 23.99, "free_gib": 23.55, "bf16": True, "tf32": True,
+    "index": 0,
+    "name": "NVIDIA GeForce RTX 4090",
+    "capability": "8.9",
+    "total_gib": 23.99,
+    "free_gib": 23.55,
+    "bf16": True,
+    "tf32": True,
 }
 NVML_4090 = {"driver": "550.54.14", "cuda_driver": "12.4", "gpus": ["NVIDIA GeForce RTX 4090"], "error": None}
 
 
 def pyproject_minimums() -> dict[str, str]:
-    """``{distribution: minimum}`` from the ``"name>=version"`` lines of pyproject.toml."""
-    return dict(re.findall(r'^\s*"([A-Za-z0-9_.-]+)>=([0-9][^",;]*)"', PYPROJECT.read_text(), flags=re.MULTILINE))
+    """``{distribution: minimum}`` from the ``"name>=version[,<bound]"`` lines of pyproject.toml."""
+    return dict(re.findall(r'^\s*"([A-Za-z0-9_.-]+)>=([0-9][^",;<]*)[",]', PYPROJECT.read_text(), flags=re.MULTILINE))
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +52,8 @@ def fake_gpu_box(monkeypatch, torch_cuda: str | None, driver_cuda: str = "12.4")
     """NVML sees an RTX 4090; torch (built for ``torch_cuda``, None = CPU-only) cannot use it."""
     monkeypatch.setattr(doctor, "nvml_info", lambda: {**NVML_4090, "cuda_driver": driver_cuda})
     monkeypatch.setattr(
-        doctor, "torch_build",
+        doctor,
+        "torch_build",
         lambda: {"version": "2.5.1+cpu" if torch_cuda is None else "2.5.1", "cuda": torch_cuda, "cudnn": None, "cuda_available": False},
     )
     monkeypatch.setattr(doctor, "cuda_devices", lambda: [])
@@ -57,7 +63,9 @@ def test_runs_on_this_machine(tmp_path):
     report_path = tmp_path / "doctor.json"
     result = subprocess.run(
         [sys.executable, "-m", "{{ cookiecutter.package_name }}.doctor", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "COLUMNS": "300"},  # wide enough that rich does not wrap a line
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -89,13 +97,16 @@ def test_too_old_torch_fails_with_the_fix(monkeypatch, capsys):
     assert 'torch==2.3.1+cu121 is older than the minimum 2.4 in pyproject.toml; fix: pip install -U "torch>=2.4"' in out
 
 
-@pytest.mark.parametrize(("version", "minimum", "is_older"), [
-    ("2.13.0+cpu", "2.4", False),  # compared as numbers, not strings ("2.13" < "2.4" as text)
-    ("2.4.0", "2.4", False),
-    ("2.3.1+cu121", "2.4", True),
-    ("4.57.1", "5.0", True),
-    ("5.0.0rc1", "5.0", True),  # a release candidate precedes the release
-])
+@pytest.mark.parametrize(
+    ("version", "minimum", "is_older"),
+    [
+        ("2.13.0+cpu", "2.4", False),  # compared as numbers, not strings ("2.13" < "2.4" as text)
+        ("2.4.0", "2.4", False),
+        ("2.3.1+cu121", "2.4", True),
+        ("4.57.1", "5.0", True),
+        ("5.0.0rc1", "5.0", True),  # a release candidate precedes the release
+    ],
+)
 def test_older(version, minimum, is_older):
     assert doctor.older(version, minimum) is is_older
 
@@ -231,3 +242,44 @@ def test_without_rich_the_report_prints_plainly_and_fails(monkeypatch, capsys):
     assert code == 1
     assert "problem: rich is not installed (import rich fails); fix: pip install -e ." in out
     assert "required packages torch " in out  # the plain-text fallback, not a table
+
+
+def test_version_differences_name_each_changed_and_each_untested_package():
+    from {{ cookiecutter.package_name }}.utils.versions import version_differences
+
+    tested = {"lightning": "2.6.6", "datasets": "5.2.0", "wandb": "0.31.0"}
+    installed = {"lightning": "2.7.0", "datasets": "5.2.0", "newdep": "1.0"}  # wandb not installed: not a difference
+    assert version_differences(tested, installed) == [
+        "lightning==2.7.0 is installed; tested with lightning==2.6.6",
+        "newdep==1.0 is installed and needed, but not in the tested set",
+    ]
+
+
+def test_a_tested_versions_line_that_is_not_a_pin_names_its_line(tmp_path):
+    from {{ cookiecutter.package_name }}.utils.versions import read_tested_versions
+
+    path = tmp_path / "tested_versions.txt"
+    path.write_text("# header\nHydra_Core==1.3.8\n\nlightning>=2.5\n")
+    with pytest.raises(ValueError, match=r"tested_versions.txt:4: 'lightning>=2.5' is not name==version"):
+        read_tested_versions(path)
+    path.write_text("# header\nHydra_Core==1.3.8  # a comment\n")
+    assert read_tested_versions(path) == {"hydra-core": "1.3.8"}  # names normalised (PEP 503)
+
+
+def test_the_shipped_tested_set_pins_every_installed_dependency_and_not_torch():
+    """tested_versions.txt names every distribution the installed project needs (with its dev
+    extra), and leaves the torch build to the user."""
+    from {{ cookiecutter.package_name }}.utils import versions
+
+    tested = versions.read_tested_versions()
+    needed = versions.dependency_versions(versions.project_distribution())
+    assert {"lightning", "transformers", "hydra-core", "pytest", "ruff"} <= set(tested)
+    assert sorted(set(needed) - set(tested)) == [], "regenerate: python -m <package>.doctor --write-tested-versions ..."
+    assert "torch" not in tested and not any(name.startswith("nvidia-") for name in tested)
+
+
+def test_doctor_notes_versions_that_differ_from_the_tested_set(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "tested_version_differences", lambda: ["lightning==2.7.0 is installed; tested with lightning==2.6.6"])
+    code, text = run_main(capsys)
+    assert "differ from the set the tests passed with" in text and "lightning==2.7.0" in text
+    assert "pip install -c src/" in text and "tested_versions.txt" in text

@@ -75,8 +75,14 @@ def test_logs_every_n_optimizer_steps_once_per_step(fake_gpu):
     # 1, 1, 2, 2 ...: gradient accumulation calls the hook twice per optimizer step
     logger = run_steps(GPUStats(every_n_steps=2), [1, 1, 2, 2, 3, 3, 4, 4])
     assert [step for step, _ in logger.records] == [2, 4]
-    assert set(logger.records[0][1]) == {"gpu/mem_allocated_gib", "gpu/mem_reserved_gib", "gpu/mem_peak_gib",
-                                         "gpu/utilization_pct", "gpu/temperature_c", "gpu/power_w"}
+    assert set(logger.records[0][1]) == {
+        "gpu/mem_allocated_gib",
+        "gpu/mem_reserved_gib",
+        "gpu/mem_peak_gib",
+        "gpu/utilization_pct",
+        "gpu/temperature_c",
+        "gpu/power_w",
+    }
 
 
 def test_a_failing_nvml_reading_is_reported_once_and_the_rest_still_logged(fake_gpu, monkeypatch, caplog):
@@ -110,8 +116,14 @@ def test_on_the_cpu_a_real_fit_logs_no_gpu_metrics_and_says_so_once(caplog):
     data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=2)
     logger = RecordingLogger()
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=6, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[GPUStats(every_n_steps=1)], log_every_n_steps=1,
+        accelerator="cpu",
+        max_steps=6,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[GPUStats(every_n_steps=1)],
+        log_every_n_steps=1,
     )
     with caplog.at_level(logging.INFO, logger=gpu_stats.__name__):
         trainer.fit(Regression(), data)

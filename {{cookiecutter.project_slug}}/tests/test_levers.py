@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from {{ cookiecutter.package_name }}.callbacks.lr_schedule import lr_factor
-from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule, causal_body, chunked_token_loss_sum, token_loss_sum
+from {{ cookiecutter.package_name }}.models.causal_lm import causal_body, chunked_token_loss_sum, token_loss_sum
 from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
 from {{ cookiecutter.package_name }}.optim import StepInBackward, build_optimizer
 from {{ cookiecutter.package_name }}.train import train
@@ -37,8 +37,9 @@ STEP_IN_BACKWARD = ("optimizer.step_in_backward=true", "trainer.gradient_clip_va
     ids=lambda levers: "+".join(levers),
 )
 def test_each_lever_trains_a_few_steps(make_lm_cfg, levers):
-    cfg = make_lm_cfg("trainer.max_steps=3", "trainer.val_check_interval=3", "callbacks.sample_generation=null",
-                      "test_after_fit=false", *levers)
+    cfg = make_lm_cfg(
+        "trainer.max_steps=3", "trainer.val_check_interval=3", "callbacks.sample_generation=null", "test_after_fit=false", *levers
+    )
     metrics = train(cfg)
     assert math.isfinite(metrics["train/loss"]) and math.isfinite(metrics["val/loss"]), metrics
     assert metrics["val/loss"] < metrics["val/loss_start"] or "precision=bf16-true" in levers, metrics
@@ -48,8 +49,16 @@ def _tiny_lm(seed: int = 0) -> AutoModelForCausalLM:
     from transformers import LlamaConfig
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+    )
     return AutoModelForCausalLM.from_config(config).train()
 
 
@@ -89,8 +98,10 @@ def test_chunked_loss_gives_the_plain_loss_and_gradients():
 
     model = _tiny_lm()
     assert chunked_loss(model).item() == pytest.approx(plain_loss(model).item(), rel=1e-6)
-    assert chunked_token_loss_sum(causal_body(model)(input_ids=ids).last_hidden_state, model.lm_head, labels, 6)[1] \
+    assert (
+        chunked_token_loss_sum(causal_body(model)(input_ids=ids).last_hidden_state, model.lm_head, labels, 6)[1]
         == token_loss_sum(model(input_ids=ids).logits, labels)[1]
+    )
     plain, chunked = _grads(_tiny_lm(), plain_loss), _grads(_tiny_lm(), chunked_loss)
     for name, grad in plain.items():
         torch.testing.assert_close(chunked[name], grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -140,33 +151,21 @@ def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypa
 
     build = instantiate.instantiate_callbacks
     monkeypatch.setattr("{{ cookiecutter.package_name }}.train.instantiate_callbacks", lambda cfg: [*build(cfg), recorder])
-    cfg = make_lm_cfg("trainer.max_steps=6", "trainer.val_check_interval=6", "callbacks.sample_generation=null",
-                      "scheduler=cosine_warmup", "scheduler.warmup_ratio=0.34", "optimizer.lr=1e-3", "test_after_fit=false",
-                      "batch.global_batch_size=4", "batch.micro_batch_size=4", *path)
+    cfg = make_lm_cfg(
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "callbacks.sample_generation=null",
+        "scheduler=cosine_warmup",
+        "scheduler.warmup_ratio=0.34",
+        "optimizer.lr=1e-3",
+        "test_after_fit=false",
+        "batch.global_batch_size=4",
+        "batch.micro_batch_size=4",
+        *path,
+    )
     train(cfg)
     expected = [1e-3 * lr_factor(step, 6, 2, "cosine", cfg.scheduler.min_lr_ratio) for step in range(6)]
     assert recorder.lrs == pytest.approx(expected), (recorder.lrs, expected)
-
-
-def test_compiled_checkpoints_load_without_compile_and_back(make_lm_cfg, tmp_path):
-    """One compile (tens of seconds cold, so one training graph only: no validation): train with
-    compile on, reload with it off (keys carry no ``_orig_mod.``, same weights), then load those
-    weights into a compiled module (off -> on)."""
-    cfg = make_lm_cfg("compile=default", "trainer.max_steps=2", "trainer.limit_val_batches=0", "task.validate_before_fit=false",
-                      "callbacks.sample_generation=null", "test_after_fit=false")
-    train(cfg)
-    path = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(path, weights_only=True)
-    assert not any("_orig_mod" in key for key in checkpoint["state_dict"])
-    plain = CausalLMModule.load_from_checkpoint(path, compile={"mode": "off"}, weights_only=True)
-    plain.configure_model()
-    plain.load_state_dict(checkpoint["state_dict"])  # strict: the same keys
-    compiled = CausalLMModule.load_from_checkpoint(path, compile={"mode": "default"}, weights_only=True)
-    compiled.configure_model()
-    assert compiled.model._compiled_call_impl is not None  # compiled in place, not wrapped
-    compiled.load_state_dict(plain.state_dict())  # off -> on, strict
-    for (name, value), (other_name, other) in zip(plain.state_dict().items(), compiled.state_dict().items()):
-        assert name == other_name and torch.equal(value, other), name
 
 
 @pytest.mark.parametrize(

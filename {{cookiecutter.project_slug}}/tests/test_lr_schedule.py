@@ -58,8 +58,13 @@ def run(module: L.LightningModule, accumulate: int, batches: int = 12, epochs: i
     data = DataLoader(TensorDataset(torch.randn(batches * 2, 4), torch.randn(batches * 2, 1)), batch_size=2)
     recorder, schedule = RecordLR(), WarmupDecayLR(warmup_ratio=0.25, decay="linear", min_lr_ratio=0.0)
     trainer = L.Trainer(
-        max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[schedule, recorder],
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[schedule, recorder],
         accumulate_grad_batches=accumulate if module.automatic_optimization else 1,
     )
     trainer.fit(module, data)

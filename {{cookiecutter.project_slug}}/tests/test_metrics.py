@@ -59,7 +59,9 @@ def test_no_weight_decay_on_biases_and_norms_and_frozen_params_left_out():
 
 
 def test_optimizer_factory_builds_the_configured_class_with_its_options():
-    optimizer = build_optimizer(TinyEncoder(), {"_target_": "torch.optim.AdamW", "lr": 3e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.05})
+    optimizer = build_optimizer(
+        TinyEncoder(), {"_target_": "torch.optim.AdamW", "lr": 3e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.05}
+    )
     assert isinstance(optimizer, torch.optim.AdamW)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
     assert all(g["lr"] == 3e-4 and tuple(g["betas"]) == (0.8, 0.9) for g in optimizer.param_groups)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from importlib import resources
 
 import pytest
@@ -31,8 +29,14 @@ def plan_cfg(*overrides: str):
 
 
 # A small Llama from scratch: vocabulary from the SmolLM2 architecture numbers (no files needed).
-TINY_LM = ("experiment=demo_lm_scratch", "model.config.hidden_size=64", "model.config.intermediate_size=128",
-           "model.config.num_hidden_layers=2", "data.max_length=16", "precision=32-true")
+TINY_LM = (
+    "experiment=demo_lm_scratch",
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "data.max_length=16",
+    "precision=32-true",
+)
 
 
 def _real_model(cfg):
@@ -63,8 +67,13 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact():
 
 
 def test_step_in_backward_plans_no_full_gradient_set():
-    cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1",
-                   "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null")
+    cfg = plan_cfg(
+        *TINY_LM,
+        "batch.micro_batch_size=1",
+        "batch.global_batch_size=1",
+        "optimizer.step_in_backward=true",
+        "trainer.gradient_clip_val=null",
+    )
     n = sum(p.numel() for p in _real_model(cfg).parameters())
     plan = plan_memory(cfg, search=False)
     assert plan.grads < 4 * n / 2, plan  # gradients are stepped and freed one tensor at a time
@@ -121,31 +130,6 @@ def test_advice_lists_only_levers_that_lower_the_plan():
     # unless its own plan is lower.
     in_backward = plan_memory(plan_cfg(*base, "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"), search=False).total
     assert any("step_in_backward" in advice for advice in levers) == (in_backward < plain)
-
-
-def test_plan_entry_point_writes_json_and_text(tmp_path):
-    run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}.plan", *TINY_LM, f"hydra.run.dir={run}"],
-        capture_output=True, text=True, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    written = json.loads((run / "plan.json").read_text())
-    for key in ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "total_gib", "budget_gib", "fits", "max_micro_batch"):
-        assert key in written, key
-    assert written["fits"] is True and written["max_micro_batch"] == 16
-    assert "Verdict:" in (run / "plan.txt").read_text() and "Verdict:" in result.stdout
-
-
-def test_plan_accepts_gpu_only_choices_on_a_cpu_machine(tmp_path):
-    """plan is for the hardware group, not this machine: 16-mixed is planned, not refused."""
-    run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}.plan", *TINY_LM[:-1], "precision=16-mixed", "hardware=rtx4090_24gb",
-         f"hydra.run.dir={run}"], capture_output=True, text=True, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads((run / "plan.json").read_text())["hardware"] == "rtx4090_24gb"
 
 
 def test_train_refuses_a_gpu_run_that_will_not_fit(tmp_path, monkeypatch):
@@ -210,11 +194,3 @@ def test_every_24gb_experiment_states_its_plan():
     names = {name for name, _ in experiment_headers()}
     stated = {path.name.removesuffix(".yaml") for path in EXPERIMENTS.iterdir() if "24 GB" in path.read_text()}
     assert stated <= names, f"24 GB experiments without a planner figure: {sorted(stated - names)}"
-
-
-@pytest.mark.parametrize(("experiment", "gib"), experiment_headers())
-def test_experiment_header_matches_the_plan(experiment, gib):
-    cfg = compose_config("plan", [f"experiment={experiment}"])
-    plan = plan_memory(cfg, search=False)
-    assert abs(plan.total / GIB - gib) <= 0.1, f"{experiment}: header {gib} GiB, plan {plan.total / GIB:.2f} GiB"
-    assert plan.fits

@@ -4,19 +4,18 @@ edge cases (a data set smaller than one batch, fewer batches than the accumulati
 from __future__ import annotations
 
 import csv
-import json
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_NON_FINITE_LOSS, EXIT_OUT_OF_MEMORY, RunStopped
+from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_NON_FINITE_LOSS, RunStopped
 from {{ cookiecutter.package_name }}.train import train
 from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
 from {{ cookiecutter.package_name }}.utils.csv_log import ResumableCSVLogger
 
-from .test_resume import run_train, step_losses, without_output_dir
+from .processes import step_losses
 
 
 def csv_rows(run_dir: Path) -> list[dict]:
@@ -63,25 +62,6 @@ def test_resumed_csv_log_keeps_earlier_rows_and_drops_the_ones_logged_again(tmp_
 
 
 # ------------------------------------------------------------------------ out of memory
-def test_cuda_oom_in_a_step_writes_a_report_saves_and_exits_3(tokenizer_dir, toy_data, tmp_path):
-    from .conftest import tiny_overrides
-
-    base = without_output_dir(tiny_overrides(tokenizer_dir, toy_data, tmp_path / "run"))
-    run_dir = tmp_path / "run"
-    fault = ["batch.global_batch_size=16", "batch.micro_batch_size=8", "+callbacks.fault._target_=faults.RaiseOOM",
-             "+callbacks.fault.steps=[2]", "callbacks.step_checkpoint.every_n_train_steps=1000"]
-    result = run_train(run_dir, base + fault)
-    assert result.returncode == EXIT_OUT_OF_MEMORY, result.stderr[-3000:]
-    report = json.loads((run_dir / "oom_report.json").read_text())
-    assert report["optimizer_step"] == 2 and report["micro_batch_of_step"] == 1 and report["batch_shape"][0] == 8
-    assert report["suggested_micro_batch"] == 4 and report["suggested_accumulation"] == 4
-    # The error came in the first micro-batch of step 2, before any update: the state is step 2's, saved.
-    assert report["checkpoint_step"] == 2
-    assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
-    text = (run_dir / "oom_report.txt").read_text()
-    assert text in result.stderr  # printed too
-    assert "CUDA out of memory at optimizer step 2 (epoch 0, batch 4 of the epoch, micro-batch 1 of 2" in text
-    assert "fix: batch.micro_batch_size=4 (accumulation 4 keeps the global batch of 16)" in text
 
 
 # ------------------------------------------------------------------------------ signals
@@ -92,8 +72,14 @@ def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handle
     requeued = []
     previous = signal.signal(signal.SIGUSR1, lambda *args: requeued.append(args[0]))  # stands in for Lightning's SLURM requeue
     try:
-        cfg = make_cfg("+callbacks.fault._target_=tests.faults.KillAt", "+callbacks.fault.step=2", "+callbacks.fault.micro_batch=1",
-                       f"+callbacks.fault.signal_name={name}", "batch.micro_batch_size=8", "test_after_fit=false")
+        cfg = make_cfg(
+            "+callbacks.fault._target_=tests.faults.KillAt",
+            "+callbacks.fault.step=2",
+            "+callbacks.fault.micro_batch=1",
+            f"+callbacks.fault.signal_name={name}",
+            "batch.micro_batch_size=8",
+            "test_after_fit=false",
+        )
         with pytest.raises(RunStopped) as stop:
             train(cfg)
         assert stop.value.exit_code == 128 + signum
@@ -107,9 +93,15 @@ def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handle
 
 # ---------------------------------------------------------------------- non-finite loss
 def test_a_nan_step_is_skipped_and_does_not_advance_the_lr_schedule(make_cfg, tmp_path, recwarn):
-    cfg = make_cfg("+callbacks.fault._target_=tests.faults.NaNLogits", "+callbacks.fault.steps=[2]",
-                   "callbacks.non_finite_loss.action=skip", "trainer.max_steps=6", "scheduler=linear_warmup",
-                   "batch.micro_batch_size=8", "test_after_fit=false")
+    cfg = make_cfg(
+        "+callbacks.fault._target_=tests.faults.NaNLogits",
+        "+callbacks.fault.steps=[2]",
+        "callbacks.non_finite_loss.action=skip",
+        "trainer.max_steps=6",
+        "scheduler=linear_warmup",
+        "batch.micro_batch_size=8",
+        "test_after_fit=false",
+    )
     train(cfg)
     rows = csv_rows(tmp_path / "run")
     losses = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
@@ -122,8 +114,13 @@ def test_a_nan_step_is_skipped_and_does_not_advance_the_lr_schedule(make_cfg, tm
 
 
 def test_consecutive_nan_steps_stop_with_the_last_good_weights(make_cfg, tmp_path):
-    cfg = make_cfg("+callbacks.fault._target_=tests.faults.NaNLogits", "+callbacks.fault.steps=[3,4]",
-                   "callbacks.non_finite_loss.patience=2", "trainer.max_steps=8", "test_after_fit=false")
+    cfg = make_cfg(
+        "+callbacks.fault._target_=tests.faults.NaNLogits",
+        "+callbacks.fault.steps=[3,4]",
+        "callbacks.non_finite_loss.patience=2",
+        "trainer.max_steps=8",
+        "test_after_fit=false",
+    )
     with pytest.raises(RunStopped) as stop:
         train(cfg)
     assert stop.value.exit_code == EXIT_NON_FINITE_LOSS
@@ -150,8 +147,14 @@ def test_a_resumed_run_continues_its_wandb_run_id_in_a_second_offline_folder(mak
 
 # ------------------------------------------------------------------------------- seeds
 def first_losses(make_cfg, run: str, *overrides: str) -> list[float]:
-    cfg = make_cfg("trainer.max_steps=4", "batch.micro_batch_size=8", "test_after_fit=false",
-                   "task.validate_before_fit=false", "trainer.num_sanity_val_steps=0", *overrides)
+    cfg = make_cfg(
+        "trainer.max_steps=4",
+        "batch.micro_batch_size=8",
+        "test_after_fit=false",
+        "task.validate_before_fit=false",
+        "trainer.num_sanity_val_steps=0",
+        *overrides,
+    )
     cfg.paths.output_dir = str(Path(cfg.paths.output_dir).parent / run)
     train(cfg)
     return list(step_losses(Path(cfg.paths.output_dir)).values())
@@ -174,10 +177,18 @@ def test_a_data_set_smaller_than_one_batch_trains_one_step_per_epoch(make_cfg, t
 
 
 def one_step_weights(make_cfg, tmp_path: Path, rows: Path, micro_batch: int, global_batch: int, run: str) -> dict:
-    cfg = make_cfg(f"data.splits.train={rows}", f"batch.micro_batch_size={micro_batch}", f"batch.global_batch_size={global_batch}",
-                   "trainer.max_epochs=1", "data.group_by_length=false", "+model.config.hidden_dropout_prob=0.0",
-                   "+model.config.attention_probs_dropout_prob=0.0", "trainer.gradient_clip_val=null",
-                   "test_after_fit=false", "task.validate_before_fit=false")
+    cfg = make_cfg(
+        f"data.splits.train={rows}",
+        f"batch.micro_batch_size={micro_batch}",
+        f"batch.global_batch_size={global_batch}",
+        "trainer.max_epochs=1",
+        "data.group_by_length=false",
+        "+model.config.hidden_dropout_prob=0.0",
+        "+model.config.attention_probs_dropout_prob=0.0",
+        "trainer.gradient_clip_val=null",
+        "test_after_fit=false",
+        "task.validate_before_fit=false",
+    )
     cfg.paths.output_dir = str(tmp_path / run)
     train(cfg)
     return torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]

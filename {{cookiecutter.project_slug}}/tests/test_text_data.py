@@ -17,10 +17,22 @@ from {{ cookiecutter.package_name }}.data.text import CausalLMCollator, TextData
 def make_text_dm(lm_tokenizer_dir, tmp_path):
     def make(**changes) -> TextDataModule:
         options = dict(
-            splits={"train": None, "validation": None, "test": None}, hub_name=None, hub_config=None,
-            text_column="text", sample_by="document", tokenizer=str(lm_tokenizer_dir), mode="pack",
-            max_length=16, batch_size=4, val_fraction=0.25, val_split_seed=0, num_workers=0,
-            pad_to_multiple_of=8, group_by_length=True, cache_dir=str(tmp_path / "cache"), fetch=None,
+            splits={"train": None, "validation": None, "test": None},
+            hub_name=None,
+            hub_config=None,
+            text_column="text",
+            sample_by="document",
+            tokenizer=str(lm_tokenizer_dir),
+            mode="pack",
+            max_length=16,
+            batch_size=4,
+            val_fraction=0.25,
+            val_split_seed=0,
+            num_workers=0,
+            pad_to_multiple_of=8,
+            group_by_length=True,
+            cache_dir=str(tmp_path / "cache"),
+            fetch=None,
         )
         options.update(changes)
         return TextDataModule(**options)

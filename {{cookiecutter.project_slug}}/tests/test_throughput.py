@@ -33,18 +33,34 @@ D, FFN, VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 96, 2, 4, 2, 16
 
 def tiny_llama(tie: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=D, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, max_position_embeddings=64, tie_word_embeddings=tie,
-    ))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            intermediate_size=FFN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            max_position_embeddings=64,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def tiny_bert() -> BertForSequenceClassification:
     torch.manual_seed(0)
-    return BertForSequenceClassification(BertConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, type_vocab_size=2, num_labels=2,
-    ))
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            type_vocab_size=2,
+            num_labels=2,
+        )
+    )
 
 
 # By hand: per layer q and o (d x d), k and v (d x 2·16), gate/up/down (3 x d x ffn), two RMSNorms;
@@ -84,7 +100,9 @@ def test_lora_counts_adapters_as_trainable_and_the_base_as_frozen():
     assert trainable == model.get_nb_trainable_parameters()[0]  # peft's own count agrees
     assert architecture(throughput.hf_config_of(model)) == (LAYERS, HEADS, HEAD_DIM)
     # frozen weights skip their weight gradient: 4 FLOPs per parameter and token, not 6
-    assert flops_per_token(trainable, frozen, LAYERS, HEADS, HEAD_DIM, 16) == 6 * adapters + 4 * LLAMA_N + 12 * LAYERS * HEADS * HEAD_DIM * 16
+    assert (
+        flops_per_token(trainable, frozen, LAYERS, HEADS, HEAD_DIM, 16) == 6 * adapters + 4 * LLAMA_N + 12 * LAYERS * HEADS * HEAD_DIM * 16
+    )
 {%- endif %}
 
 
@@ -159,8 +177,15 @@ def fit(kind: str, callback: TokenThroughput) -> tuple[RecordingLogger, HFTask]:
     module = HFTask(tiny_llama() if kind == "llama" else tiny_bert())
     logger = RecordingLogger()
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=5, accumulate_grad_batches=2, logger=logger, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], log_every_n_steps=1,
+        accelerator="cpu",
+        max_steps=5,
+        accumulate_grad_batches=2,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        log_every_n_steps=1,
     )
     trainer.fit(module, padded_batches(kind))
     return logger, module

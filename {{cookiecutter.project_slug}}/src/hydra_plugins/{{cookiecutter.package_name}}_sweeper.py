@@ -60,20 +60,31 @@ class ResumableOptunaSweeper(Sweeper):
         ImportError: the ``sweep`` extra is not installed.
     """
 
-    def __init__(self, sampler: Any, direction: Any, storage: Any, study_name: str | None, n_trials: int,
-                 n_jobs: int, max_failure_rate: float, search_space: DictConfig | None = None,
-                 custom_search_space: str | None = None, params: DictConfig | None = None) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        direction: Any,
+        storage: Any,
+        study_name: str | None,
+        n_trials: int,
+        n_jobs: int,
+        max_failure_rate: float,
+        search_space: DictConfig | None = None,
+        custom_search_space: str | None = None,
+        params: DictConfig | None = None,
+    ) -> None:
         try:
             from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
         except ImportError as error:
-            raise ImportError(f"{error}; fix: pip install -e \".[sweep]\" (Optuna and hydra-optuna-sweeper)") from error
+            raise ImportError(f'{error}; fix: pip install -e ".[sweep]" (Optuna and hydra-optuna-sweeper)') from error
         if not 0.0 <= max_failure_rate <= 1.0:
             raise SweepConfigError(f"hydra.sweeper.max_failure_rate={max_failure_rate} must be in [0, 1]")
         if n_trials < 1:
             raise SweepConfigError(f"hydra.sweeper.n_trials={n_trials} must be at least 1")
         # The plugin's implementation parses the search space and configures trials; the loop is ours.
-        self.impl = OptunaSweeperImpl(sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate,
-                                      search_space, custom_search_space, params)
+        self.impl = OptunaSweeperImpl(
+            sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate, search_space, custom_search_space, params
+        )
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -103,8 +114,10 @@ class ResumableOptunaSweeper(Sweeper):
             distributions.pop(name, None)
         check_params(self.config, list(distributions))
         if not isinstance(impl.sampler, optuna.samplers.BaseSampler):
-            raise SweepConfigError("hydra/sweeper/sampler=grid needs the search space when it is built, which this sweeper "
-                                   "does not do; fix: a plain Hydra grid sweep (-m key=a,b,c) or sampler=tpe|random")
+            raise SweepConfigError(
+                "hydra/sweeper/sampler=grid needs the search space when it is built, which this sweeper "
+                "does not do; fix: a plain Hydra grid sweep (-m key=a,b,c) or sampler=tpe|random"
+            )
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)  # before the SQLite file in it is opened
@@ -112,13 +125,20 @@ class ResumableOptunaSweeper(Sweeper):
         # and the study, the other waits and loads them.
         with (sweep_dir / ".study.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            study = optuna.create_study(study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler,
-                                        direction=directions[0], load_if_exists=True)
+            study = optuna.create_study(
+                study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler, direction=directions[0], load_if_exists=True
+            )
             launch = study.user_attrs.get("launches", 0)  # this launch's number: 0 for the first
             study.set_user_attr("launches", launch + 1)
         study.sampler = reseeded(self.config.hydra.sweeper.sampler, launch) or study.sampler
-        log.info("Study %s in %s: %d trials so far, topping up to %d completed (launch %d)", study.study_name,
-                 impl.storage, len(study.trials), self.n_trials, launch)
+        log.info(
+            "Study %s in %s: %d trials so far, topping up to %d completed (launch %d)",
+            study.study_name,
+            impl.storage,
+            len(study.trials),
+            self.n_trials,
+            launch,
+        )
 
         failed = 0  # in this launch: a re-run after fixing the cause starts with a clean count
         while (done := count(study, "COMPLETE")) < self.n_trials:
@@ -129,7 +149,8 @@ class ResumableOptunaSweeper(Sweeper):
                     f"{failed} trials of this run of study {study.study_name!r} failed, more than hydra.sweeper.max_failure_rate="
                     f"{self.max_failure_rate} x n_trials={self.n_trials} allows; the errors are in the trial folders "
                     f"(error.txt) under {sweep_dir}; fix the cause and run the same command again (the study resumes), "
-                    "or raise hydra.sweeper.max_failure_rate")
+                    "or raise hydra.sweeper.max_failure_rate"
+                )
             trials = [study.ask() for _ in range(min(self.n_jobs, self.n_trials - done))]
             overrides = impl._configure_trials(trials, distributions, fixed)
             try:
@@ -212,18 +233,25 @@ def check_objective(config: DictConfig, directions: list[str]) -> None:
     metric = config.get("optimized_metric")
     objectives = OmegaConf.select(config, "task.objectives") or {}
     if len(directions) != 1:
-        raise SweepConfigError(f"hydra.sweeper.direction={directions}: this sweeper optimises one metric; "
-                               "fix: hydra.sweeper.direction=maximize or minimize")
+        raise SweepConfigError(
+            f"hydra.sweeper.direction={directions}: this sweeper optimises one metric; fix: hydra.sweeper.direction=maximize or minimize"
+        )
     if metric not in objectives:
-        raise SweepConfigError(f"optimized_metric={metric!r} is not a metric this task logs at the end of a run; "
-                               f"the task logs {sorted(objectives)}; fix: optimized_metric=<one of them>")
+        raise SweepConfigError(
+            f"optimized_metric={metric!r} is not a metric this task logs at the end of a run; "
+            f"the task logs {sorted(objectives)}; fix: optimized_metric=<one of them>"
+        )
     if str(metric).startswith("test/") and not config.get("test_after_fit", True):
-        raise SweepConfigError(f"optimized_metric={metric} is logged by the test after fit, and test_after_fit=false; "
-                               f"fix: test_after_fit=true (with a test split), or optimized_metric=val/...")
+        raise SweepConfigError(
+            f"optimized_metric={metric} is logged by the test after fit, and test_after_fit=false; "
+            f"fix: test_after_fit=true (with a test split), or optimized_metric=val/..."
+        )
     better = BETTER[objectives[metric]]
     if directions[0] != better:
-        raise SweepConfigError(f"hydra.sweeper.direction={directions[0]} for optimized_metric={metric}, which is better "
-                               f"when {'higher' if better == 'maximize' else 'lower'}; fix: hydra.sweeper.direction={better}")
+        raise SweepConfigError(
+            f"hydra.sweeper.direction={directions[0]} for optimized_metric={metric}, which is better "
+            f"when {'higher' if better == 'maximize' else 'lower'}; fix: hydra.sweeper.direction={better}"
+        )
 
 
 def check_params(config: DictConfig, names: list[str]) -> None:
@@ -236,11 +264,16 @@ def check_params(config: DictConfig, names: list[str]) -> None:
     """
     sentinel = object()
     groups = OmegaConf.select(config, "hydra.runtime.choices") or {}
-    missing = [name for name in names if not name.startswith(("+", "~")) and name not in groups
-               and OmegaConf.select(config, name, default=sentinel) is sentinel]
+    missing = [
+        name
+        for name in names
+        if not name.startswith(("+", "~")) and name not in groups and OmegaConf.select(config, name, default=sentinel) is sentinel
+    ]
     if missing:
-        raise SweepConfigError(f"hydra.sweeper.params sweeps {missing}, which this config does not have; "
-                               "fix: correct the key, select the config group that has it, or add it with +key")
+        raise SweepConfigError(
+            f"hydra.sweeper.params sweeps {missing}, which this config does not have; "
+            "fix: correct the key, select the config group that has it, or add it with +key"
+        )
 
 
 def write_best(study, sweep_dir: Path, config: DictConfig) -> Path:
@@ -267,8 +300,9 @@ def write_best(study, sweep_dir: Path, config: DictConfig) -> Path:
     }
     path = sweep_dir / "best.yaml"
     OmegaConf.save(OmegaConf.create(result), path)
-    OmegaConf.save(OmegaConf.create({"name": "optuna", "best_params": best.params, "best_value": best.value}),
-                   sweep_dir / "optimization_results.yaml")
+    OmegaConf.save(
+        OmegaConf.create({"name": "optuna", "best_params": best.params, "best_value": best.value}), sweep_dir / "optimization_results.yaml"
+    )
     overrides = " ".join(f"{k}={v}" for k, v in best.params.items())
     print(f"\nBest trial {best.number}: {config.optimized_metric} = {best.value}  ({overrides})\nWritten to {path}", flush=True)
     return path

@@ -2,10 +2,12 @@
 
     python -m <package>.doctor
     python -m <package>.doctor --json doctor.json   # also write the report as JSON
+    python -m <package>.doctor --write-tested-versions src/<package>/tested_versions.txt   # after a passing test run
 
 Prints the Python and torch versions, torch's CUDA and cuDNN builds, the NVIDIA driver (from
 NVML), each visible GPU (compute capability, total and free memory, bf16 and TF32), the CPUs,
-host memory and the optional extras. Exits 1, printing the fix for each, when a required
+host memory, the optional extras, and the installed versions that differ from the set the tests
+passed with (``tested_versions.txt``; a note, not a failure). Exits 1, printing the fix for each, when a required
 package is missing or too old, or when NVML sees an NVIDIA GPU that torch cannot use; exits 0
 otherwise, also on a machine without a GPU.
 
@@ -51,13 +53,19 @@ EXTRAS = {
         if HAS_CAUSAL_LM
         else ("bitsandbytes", "8-bit optimizers (optimizer=adamw_8bit)", "pip install bitsandbytes")
     ),
-    "flash_attn": ("flash-attn", "attention=flash_attention_2 (CUDA, Ampere or newer, bf16/fp16)", "pip install flash-attn --no-build-isolation"),
+    "flash_attn": (
+        "flash-attn",
+        "attention=flash_attention_2 (CUDA, Ampere or newer, bf16/fp16)",
+        "pip install flash-attn --no-build-isolation",
+    ),
     "liger_kernel": ("liger-kernel", "fused Triton kernels (RMSNorm, RoPE, cross-entropy)", "pip install liger-kernel"),
     "wandb": ("wandb", "logger=wandb (the default; logger=csv works without it)", "pip install -e ."),
     "pynvml": ("nvidia-ml-py", "the driver and GPU checks here; GPU utilisation logging", "pip install -e ."),
     "hydra_plugins.hydra_optuna_sweeper": ("hydra-optuna-sweeper", "sweeps (hydra/sweeper=optuna)", "pip install hydra-optuna-sweeper"),
     "hydra_plugins.hydra_submitit_launcher": (
-        "hydra-submitit-launcher", "SLURM jobs (hydra/launcher=submitit_slurm)", "pip install hydra-submitit-launcher"
+        "hydra-submitit-launcher",
+        "SLURM jobs (hydra/launcher=submitit_slurm)",
+        "pip install hydra-submitit-launcher",
     ),
 }
 
@@ -114,13 +122,29 @@ def collect() -> dict:
         "nvml": nvml_info(),
         "extras": {
             module: {
-                "distribution": dist, "installed": module_found(module), "version": dist_version(dist),
-                "enables": enables, "install": install,
+                "distribution": dist,
+                "installed": module_found(module),
+                "version": dist_version(dist),
+                "enables": enables,
+                "install": install,
             }
             for module, (dist, enables, install) in EXTRAS.items()
         },
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "version_differences": tested_version_differences(),
     }
+
+
+def tested_version_differences() -> list[str] | None:
+    """How the installed dependencies differ from ``tested_versions.txt`` (:mod:`.utils.versions`);
+    ``None`` when that cannot be told (the project is not installed, or the file is missing)."""
+    from .utils import versions
+
+    try:
+        installed = versions.dependency_versions(versions.project_distribution())
+        return versions.version_differences(versions.read_tested_versions(), installed)
+    except (LookupError, OSError, ValueError):
+        return None
 
 
 def problems(report: dict) -> list[str]:
@@ -166,8 +190,15 @@ def problems(report: dict) -> list[str]:
 
 
 def notes(report: dict) -> list[str]:
-    """Return lines about things that work but cost speed or memory (never a failure)."""
+    """Return lines about things that work but cost speed or memory, or were not tested (never a failure)."""
     found = []
+    differences = report.get("version_differences")
+    if differences:
+        shown = "; ".join(differences[:8]) + (f"; and {len(differences) - 8} more" if len(differences) > 8 else "")
+        found.append(
+            f"{len(differences)} installed package(s) differ from the set the tests passed with (tested_versions.txt): {shown}. "
+            f'It may work; to get the tested set: pip install -c src/{PACKAGE}/tested_versions.txt -e ".[dev]"'
+        )
     for gpu in report["gpus"]:
         if not gpu["bf16"]:
             found.append(
@@ -249,15 +280,17 @@ def cuda_devices() -> list[dict]:
     for index in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(index)
         free, total = torch.cuda.mem_get_info(index)  # bytes, as cudaMemGetInfo reports them
-        devices.append({
-            "index": index,
-            "name": torch.cuda.get_device_name(index),
-            "capability": f"{major}.{minor}",
-            "total_gib": round(total / GIB, 2),
-            "free_gib": round(free / GIB, 2),
-            "bf16": major >= 8,
-            "tf32": major >= 8,
-        })
+        devices.append(
+            {
+                "index": index,
+                "name": torch.cuda.get_device_name(index),
+                "capability": f"{major}.{minor}",
+                "total_gib": round(total / GIB, 2),
+                "free_gib": round(free / GIB, 2),
+                "bf16": major >= 8,
+                "tf32": major >= 8,
+            }
+        )
     return devices
 
 
@@ -284,8 +317,7 @@ def nvml_info() -> dict:
         cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # e.g. 12040 for CUDA 12.4
         info["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
         info["gpus"] = [
-            as_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index)))
-            for index in range(pynvml.nvmlDeviceGetCount())
+            as_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))) for index in range(pynvml.nvmlDeviceGetCount())
         ]
     except pynvml.NVMLError as error:
         info["error"] = f"NVML query failed ({error})"
@@ -319,16 +351,20 @@ def sections(report: dict) -> list[tuple[str, list[tuple[str, ...]]]]:
     else:
         machine.append(("NVIDIA driver", f"{nvml['driver']} (CUDA up to {nvml['cuda_driver']}), sees {len(nvml['gpus'])} GPU(s)"))
     for gpu in report["gpus"]:
-        machine.append((
-            f"GPU {gpu['index']}",
-            f"{gpu['name']}, compute {gpu['capability']}, {gpu['free_gib']:.2f} GiB free of {gpu['total_gib']:.2f} GiB, "
-            f"bf16 {'yes' if gpu['bf16'] else 'no'}, TF32 {'yes' if gpu['tf32'] else 'no'}",
-        ))
+        machine.append(
+            (
+                f"GPU {gpu['index']}",
+                f"{gpu['name']}, compute {gpu['capability']}, {gpu['free_gib']:.2f} GiB free of {gpu['total_gib']:.2f} GiB, "
+                f"bf16 {'yes' if gpu['bf16'] else 'no'}, TF32 {'yes' if gpu['tf32'] else 'no'}",
+            )
+        )
     if not report["gpus"] and not report["cuda_error"]:
-        machine.append((
-            "GPU",
-            f"no CUDA GPU found: training runs on the CPU (slow); the planner (`python -m {PACKAGE}.plan`) still works",
-        ))
+        machine.append(
+            (
+                "GPU",
+                f"no CUDA GPU found: training runs on the CPU (slow); the planner (`python -m {PACKAGE}.plan`) still works",
+            )
+        )
     required = [
         (
             package["distribution"],
@@ -337,7 +373,11 @@ def sections(report: dict) -> list[tuple[str, list[tuple[str, ...]]]]:
         for package in report["packages"].values()
     ]
     extras = [
-        (extra["distribution"], (extra["version"] or "installed") if extra["installed"] else f"missing: {extra['install']}", extra["enables"])
+        (
+            extra["distribution"],
+            (extra["version"] or "installed") if extra["installed"] else f"missing: {extra['install']}",
+            extra["enables"],
+        )
         for extra in report["extras"].values()
     ]
     return [("machine", machine), ("required packages", required), ("optional extras (never required)", extras)]
@@ -380,7 +420,20 @@ def main(argv: list[str] | None = None) -> int:
     """Console script / ``python -m`` entry; returns 1 when :func:`problems` finds any, else 0."""
     parser = argparse.ArgumentParser(prog=f"{PACKAGE}-doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report (and its problems) as JSON")
+    parser.add_argument(
+        "--write-tested-versions",
+        type=Path,
+        metavar="PATH",
+        help="write the installed versions of the project's dependencies (with the dev extra) as a constraints file, and exit",
+    )
     args = parser.parse_args(argv)
+    if args.write_tested_versions is not None:
+        from .utils import versions
+
+        installed = versions.dependency_versions(versions.project_distribution())
+        versions.write_tested_versions(args.write_tested_versions, installed, PACKAGE)
+        print(f"{len(installed)} versions written to {args.write_tested_versions}")
+        return 0
 
     report = collect()
     found, advice = problems(report), notes(report)

@@ -46,6 +46,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="eval")
 def main(cfg: DictConfig) -> None:
+    """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input():
         evaluate(cfg)
 

@@ -59,6 +59,7 @@ def export(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
 def main(cfg: DictConfig) -> None:
+    """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input():
         export(cfg)
 

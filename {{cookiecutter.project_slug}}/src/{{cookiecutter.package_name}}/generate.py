@@ -1,4 +1,4 @@
-"""Complete prompts with a causal LM: a training checkpoint or an exported model folder.
+r"""Complete prompts with a causal LM: a training checkpoint or an exported model folder.
 
     python -m <package>.generate ckpt_path=RUN/checkpoints/last.ckpt 'prompts=["ROMEO.\nO"]'
     python -m <package>.generate model_dir=models/my_lm prompts_file=prompts.txt generation.do_sample=true
@@ -20,8 +20,8 @@ from .utils.run import atomic_write_path, exit_on_bad_input
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
-    """``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file``.  In both, the two
-    characters ``\\n`` stand for a newline (a shell passes them literally in single quotes).
+    r"""``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file``.  In both, the two
+    characters ``\n`` stand for a newline (a shell passes them literally in single quotes).
 
     Raises:
         ConfigError: no prompt at all, or a prompts file that does not exist.
@@ -48,7 +48,9 @@ def load_generator(cfg: DictConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir)
-    module = CausalLMModule(model={"fetch": None}, optimizer={"step_in_backward": False}, peft={"method": "none"}, hf_config=config_to_dict(model.config))
+    module = CausalLMModule(
+        model={"fetch": None}, optimizer={"step_in_backward": False}, peft={"method": "none"}, hf_config=config_to_dict(model.config)
+    )
     module.model, module.tokenizer = model, AutoTokenizer.from_pretrained(cfg.model_dir)
     return module
 
@@ -84,6 +86,7 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
+    """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input():
         generate(cfg)
 

@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from .utils.config import ConfigError
-
-# Keys of the optimizer group that are ours, not the optimizer class's.
-OWN_KEYS = ("_target_", "fused", "step_in_backward")
+from .utils.config_keys import HYDRA_KEYS, OWN_KEYS
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -42,14 +40,18 @@ def optimizer_factory(optimizer_cfg: dict, device_type: str) -> Callable[[list[d
     """
     target = optimizer_cfg["_target_"]
     if target.startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(f"optimizer._target_={target} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45' "
-                          "(CUDA; the CPU from 0.45), or optimizer=adamw")
+        raise ConfigError(
+            f"optimizer._target_={target} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45' "
+            "(CUDA; the CPU from 0.45), or optimizer=adamw"
+        )
     try:
         optimizer_class = hydra.utils.get_class(target)
     except Exception as error:  # hydra wraps the ImportError/AttributeError in its own type
-        raise ConfigError(f"optimizer._target_={target!r} cannot be imported ({error}); fix: a class path such as "
-                          "torch.optim.AdamW or bitsandbytes.optim.AdamW8bit") from error
-    options = {key: value for key, value in optimizer_cfg.items() if key not in OWN_KEYS}
+        raise ConfigError(
+            f"optimizer._target_={target!r} cannot be imported ({error}); fix: a class path such as "
+            "torch.optim.AdamW or bitsandbytes.optim.AdamW8bit"
+        ) from error
+    options = {key: value for key, value in optimizer_cfg.items() if key not in HYDRA_KEYS | OWN_KEYS["optimizer"]}
     if target.startswith("torch.optim."):
         fused = optimizer_cfg.get("fused")
         options["fused"] = device_type == "cuda" if fused is None else fused

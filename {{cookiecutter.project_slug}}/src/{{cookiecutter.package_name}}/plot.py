@@ -75,8 +75,10 @@ def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
     """
     metrics_csv = run_dir / "csv" / "metrics.csv"
     if not metrics_csv.is_file():
-        raise NothingToPlot(f"{metrics_csv} does not exist: plot reads a run's CSV log; fix: train with logger=csv "
-                            "(on by default) or pass a run folder (logs/<task>/runs/<run>)")
+        raise NothingToPlot(
+            f"{metrics_csv} does not exist: plot reads a run's CSV log; fix: train with logger=csv "
+            "(on by default) or pass a run folder (logs/<task>/runs/<run>)"
+        )
     curves = read_curves(metrics_csv)
     label = f"{run_dir.parent.name}/{run_dir.name}" if run_dir.name.isdigit() else run_dir.name  # a sweep's job: <sweep>/<n>
     written = []
@@ -110,8 +112,9 @@ def plot_sweep(sweep_dir: Path, out_dir: Path) -> list[Path]:
     database = sweep_dir / "optuna.db"
     if database.is_file():
         return plot_study(f"sqlite:///{database}", out_dir)
-    jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.json").is_file()),
-                  key=lambda p: int(p.name))
+    jobs = sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.json").is_file()), key=lambda p: int(p.name)
+    )
     if not jobs:
         raise NothingToPlot(f"{sweep_dir} has no optuna.db and no job folder (0, 1, ...) with a metrics.json")
     metric = job_objective_name(jobs[0])
@@ -162,7 +165,7 @@ def plot_study(storage: str, out_dir: Path) -> list[Path]:
         import optuna
         from optuna.visualization import matplotlib as optuna_plots
     except ImportError as error:
-        raise NothingToPlot(f"plotting a study needs Optuna ({error}); fix: pip install -e \".[sweep]\"") from error
+        raise NothingToPlot(f'plotting a study needs Optuna ({error}); fix: pip install -e ".[sweep]"') from error
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     written = []

@@ -55,6 +55,7 @@ def predict(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
+    """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input():
         predict(cfg)
 

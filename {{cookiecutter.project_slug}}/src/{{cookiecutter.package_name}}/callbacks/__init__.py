@@ -8,6 +8,13 @@ from .rng_state import RNGState
 from .throughput import TokenThroughput
 
 __all__ = [
-    "GPUStats", "NonFiniteLoss", "OutOfMemoryGuard", "RNGState", "RunStopped", "StopOnSignal", "TokenThroughput",
-    "WarmupDecayLR", "lr_factor",
+    "GPUStats",
+    "NonFiniteLoss",
+    "OutOfMemoryGuard",
+    "RNGState",
+    "RunStopped",
+    "StopOnSignal",
+    "TokenThroughput",
+    "WarmupDecayLR",
+    "lr_factor",
 ]

@@ -10,9 +10,9 @@ the step checkpoints are taken, so a resume from it is as exact as from any othe
 from __future__ import annotations
 
 import gc
-from collections.abc import Mapping
 import logging
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 
 import lightning as L
@@ -90,8 +90,9 @@ class StopOnSignal(_StepBoundary):
         super().__init__(checkpoint_dir)
         unknown = [name for name in signals if not isinstance(getattr(signal, str(name), None), signal.Signals)]
         if unknown:
-            raise ConfigError(f"callbacks.stop_on_signal.signals has unknown signal names {unknown}; "
-                              "fix: names such as SIGTERM, SIGINT, SIGUSR1")
+            raise ConfigError(
+                f"callbacks.stop_on_signal.signals has unknown signal names {unknown}; fix: names such as SIGTERM, SIGINT, SIGUSR1"
+            )
         self.signals = [getattr(signal, name) for name in signals]
         self.received: signal.Signals | None = None
         self._previous: dict = {}
@@ -137,8 +138,11 @@ class StopOnSignal(_StepBoundary):
     def _stop(self, trainer: L.Trainer, after_step: bool = True) -> None:
         path = self.log_step_and_save(trainer) if after_step else self.save_last(trainer)
         name, self.received = self.received.name, None
-        raise RunStopped(f"Stopped by {name} after optimizer step {trainer.global_step}; checkpoint: {path}\n"
-                         "resume: the same command with ckpt_path=last (and the same hydra.run.dir)", 128 + signal.Signals[name])
+        raise RunStopped(
+            f"Stopped by {name} after optimizer step {trainer.global_step}; checkpoint: {path}\n"
+            "resume: the same command with ckpt_path=last (and the same hydra.run.dir)",
+            128 + signal.Signals[name],
+        )
 
     def _restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -261,16 +265,20 @@ class NonFiniteLoss(_StepBoundary):
         optimizer.zero_grad(set_to_none=True)  # no update from this step
         pl_module.skipped_steps += 1
         self.consecutive += 1
-        where = (f"optimizer step {trainer.global_step} (epoch {trainer.current_epoch}, micro-batches "
-                 f"{self._window[0]}-{self._window[-1]} of the epoch)")
-        rank_zero_warn(f"train/loss is {float(loss)} at {where}: update skipped "
-                       f"({self.consecutive} in a row, {pl_module.skipped_steps} in this run)")
+        where = (
+            f"optimizer step {trainer.global_step} (epoch {trainer.current_epoch}, micro-batches "
+            f"{self._window[0]}-{self._window[-1]} of the epoch)"
+        )
+        rank_zero_warn(
+            f"train/loss is {float(loss)} at {where}: update skipped ({self.consecutive} in a row, {pl_module.skipped_steps} in this run)"
+        )
         if self.action == "stop" and self.consecutive >= self.patience:
             self._stop_message = (
                 f"Stopped: train/loss was non-finite for {self.consecutive} optimizer steps in a row, the last at {where}. "
                 "Their updates were skipped, so the weights are the last good ones; fix: a lower optimizer.lr, "
                 "precision=bf16-mixed instead of 16-mixed, or check those batches; "
-                "callbacks.non_finite_loss.action=skip to go on regardless")
+                "callbacks.non_finite_loss.action=skip to go on regardless"
+            )
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int) -> None:
         if self._stop_message is not None and self._stepped:

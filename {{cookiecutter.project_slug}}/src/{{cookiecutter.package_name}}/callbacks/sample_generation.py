@@ -47,8 +47,7 @@ class SampleGeneration(L.Callback):
             raise ValueError(f"callbacks.sample_generation.prompts={prompts!r} must be a non-empty list of non-empty strings")
         if every_n_steps < 0 or max_new_tokens < 1:
             raise ValueError(
-                f"callbacks.sample_generation: every_n_steps={every_n_steps} must be >= 0 and "
-                f"max_new_tokens={max_new_tokens} >= 1"
+                f"callbacks.sample_generation: every_n_steps={every_n_steps} must be >= 0 and max_new_tokens={max_new_tokens} >= 1"
             )
         self.prompts, self.every_n_steps = list(prompts), every_n_steps
         self.generation = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
@@ -89,6 +88,8 @@ class SampleGeneration(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_text(
-                    key="samples", columns=["step", "prompt", "completion"],
-                    data=[[step, p, c] for p, c in zip(self.prompts, completions)], step=step,
+                    key="samples",
+                    columns=["step", "prompt", "completion"],
+                    data=[[step, p, c] for p, c in zip(self.prompts, completions)],
+                    step=step,
                 )

@@ -43,7 +43,11 @@ log = logging.getLogger(__name__)
 # Datasheets quote "with sparsity" figures: the dense rate is half of those.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float, str], ...] = (
     (r"rtx 4090$", 165.2, "NVIDIA Ada GPU architecture whitepaper v2.1, Appendix A: BF16 tensor with FP32 accumulate 165.2 (330.4 sparse)"),
-    (r"rtx 3090$", 71.0, "NVIDIA Ampere GA102 GPU architecture whitepaper v2, Appendix A: FP16/BF16 tensor with FP32 accumulate 71 (142 sparse)"),
+    (
+        r"rtx 3090$",
+        71.0,
+        "NVIDIA Ampere GA102 GPU architecture whitepaper v2, Appendix A: FP16/BF16 tensor with FP32 accumulate 71 (142 sparse)",
+    ),
     (r"\ba10g\b", 70.0, "AWS-only A10 variant, no NVIDIA datasheet: 70, the figure quoted for AWS G5 instances (unverified)"),
     (r"\ba10$", 125.0, "NVIDIA A10 datasheet: BF16 tensor 125 (250 sparse)"),
     (r"\bl4$", 121.0, "NVIDIA L4 datasheet: BF16 tensor 242 with sparsity"),
@@ -104,6 +108,7 @@ def architecture(config: PretrainedConfig) -> tuple[int, int, int]:
     Raises:
         ValueError: a field is missing (an encoder-decoder or multimodal config, say).
     """
+
     def first(*names: str) -> int | None:
         return next((getattr(config, n) for n in names if getattr(config, n, None)), None)
 

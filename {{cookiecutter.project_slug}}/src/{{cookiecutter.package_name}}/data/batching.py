@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-import math
-
 import lightning as L
-from lightning.pytorch.trainer.states import TrainerFn
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from ..utils.config import ConfigError
@@ -121,8 +120,14 @@ class TokenizedDataModule(L.LightningDataModule):
         """Shuffled (or length-grouped) training batches; after a resume, from the saved position."""
         lengths = self.sequence_lengths("train") if self.groups_by_length else None
         trainer = self.trainer
-        sampler = ResumableSampler(len(self.datasets["train"]), self.order_seed, lengths, self.batch_size,
-                                   num_replicas=trainer.world_size if trainer else 1, rank=trainer.global_rank if trainer else 0)
+        sampler = ResumableSampler(
+            len(self.datasets["train"]),
+            self.order_seed,
+            lengths,
+            self.batch_size,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
         if self._resume_at:
             sampler.resume_at(self._resume_at["epoch"], self._resume_at["rows_done"])
             self._resume_at = None

@@ -52,7 +52,9 @@ def build_label_map(dataset: datasets.Dataset, label_column: str, source: str) -
     feature = dataset.features[label_column]
     names = raw_label_names(dataset, label_column)
     if None in names:
-        raise DataError(f"data.label_column={label_column!r}: some rows of the train split ({source}) have no label; fix: drop or label them")
+        raise DataError(
+            f"data.label_column={label_column!r}: some rows of the train split ({source}) have no label; fix: drop or label them"
+        )
     if isinstance(feature, datasets.ClassLabel):
         names = feature.names
     else:
@@ -172,7 +174,9 @@ class ClassificationDataModule(TokenizedDataModule):
         source = self.splits[split]
         dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
         require_columns(
-            dataset, split, source,
+            dataset,
+            split,
+            source,
             {"text_column": self.text_column, "text_pair_column": self.text_pair_column, "label_column": self.label_column},
         )
         return drop_blank_rows(dataset, split, self.text_columns)
@@ -202,6 +206,7 @@ class ClassificationDataModule(TokenizedDataModule):
     def _warn_about_duplicates(self, train: datasets.Dataset, others: dict[str, datasets.Dataset]) -> None:
         """Duplicates are kept (they may be meant as weighting); say how many there are, and how
         many evaluation rows also appear in train (their scores would flatter the model)."""
+
         def texts(dataset: datasets.Dataset) -> list[tuple]:
             return list(zip(*(dataset[column] for column in self.text_columns)))
 
@@ -213,8 +218,13 @@ class ClassificationDataModule(TokenizedDataModule):
         for split, dataset in others.items():
             leaked = sum(1 for row in texts(dataset) if row in known)
             if leaked:
-                log.warning("data.splits.%s: %d of %d rows have the same text as a training row; their scores overstate "
-                            "the model (fix: remove them from one of the two files)", split, leaked, len(dataset))
+                log.warning(
+                    "data.splits.%s: %d of %d rows have the same text as a training row; their scores overstate "
+                    "the model (fix: remove them from one of the two files)",
+                    split,
+                    leaked,
+                    len(dataset),
+                )
 
     def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
         """Labels -> ids (refusing unknown ones), then tokenise; both maps are cached by datasets."""

@@ -68,11 +68,15 @@ def load_split(
     except Exception as error:  # datasets wraps the reader's error (decoding, parsing) in DatasetGenerationError
         bad = first_non_utf8([str(path)]) if builder != "parquet" else None
         if bad is not None:
-            raise DataError(f"{field}={source!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. "
-                            f"iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}") from error
+            raise DataError(
+                f"{field}={source!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. "
+                f"iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}"
+            ) from error
         cause = error.__cause__ or error.__context__ or error
-        raise DataError(f"{field}={source!r} cannot be read as {path.suffix.lstrip('.').lower()}: "
-                        f"{type(cause).__name__}: {str(cause).strip()[:300]}; fix: {FORMAT_HINTS[builder]}") from error
+        raise DataError(
+            f"{field}={source!r} cannot be read as {path.suffix.lstrip('.').lower()}: "
+            f"{type(cause).__name__}: {str(cause).strip()[:300]}; fix: {FORMAT_HINTS[builder]}"
+        ) from error
     if len(dataset) == 0:
         raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
     return dataset
@@ -104,7 +108,7 @@ def first_non_utf8(files: list[str]) -> str | None:
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as error:
-            return f"{path} (byte {error.start}: {data[error.start:error.start + 1]!r})"
+            return f"{path} (byte {error.start}: {data[error.start : error.start + 1]!r})"
     return None
 
 
@@ -120,14 +124,22 @@ def drop_blank_rows(dataset: datasets.Dataset, split: str, columns: list[str]) -
     Raises:
         DataError: no row is left.
     """
+
     def keep(row: dict) -> bool:
         return not any(is_blank(row[column]) for column in columns)
 
     kept = dataset.filter(keep, desc=f"Dropping blank rows of {split}")
     if len(kept) == 0:
-        raise DataError(f"data.splits.{split}: all {len(dataset)} row(s) have empty or whitespace-only text in {columns}; "
-                        "fix: point it at a file with text, or data.text_column=<the column that holds it>")
+        raise DataError(
+            f"data.splits.{split}: all {len(dataset)} row(s) have empty or whitespace-only text in {columns}; "
+            "fix: point it at a file with text, or data.text_column=<the column that holds it>"
+        )
     if len(kept) < len(dataset):
-        log.warning("data.splits.%s: dropped %d of %d rows whose %s is empty, whitespace or missing",
-                    split, len(dataset) - len(kept), len(dataset), " / ".join(columns))
+        log.warning(
+            "data.splits.%s: dropped %d of %d rows whose %s is empty, whitespace or missing",
+            split,
+            len(dataset) - len(kept),
+            len(dataset),
+            " / ".join(columns),
+        )
     return kept

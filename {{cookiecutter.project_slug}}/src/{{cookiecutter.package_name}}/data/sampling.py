@@ -56,8 +56,9 @@ class ResumableSampler(DistributedSampler):
     the rows not yet trained on.
     """
 
-    def __init__(self, num_rows: int, seed: int, lengths: Sequence[int] | None = None, batch_size: int = 1,
-                 num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self, num_rows: int, seed: int, lengths: Sequence[int] | None = None, batch_size: int = 1, num_replicas: int = 1, rank: int = 0
+    ) -> None:
         # (DistributedSampler's own __init__ would read the process group; nothing of it is used.)
         self.num_rows, self.seed, self.lengths, self.batch_size = num_rows, seed, lengths, batch_size
         self.num_replicas, self.rank = num_replicas, rank

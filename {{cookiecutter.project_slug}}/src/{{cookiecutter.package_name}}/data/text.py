@@ -225,23 +225,28 @@ class TextDataModule(TokenizedDataModule):
         if self.hub_name is None and (source.lower().endswith(".txt") or os.path.isdir(source)):
             files = sorted(glob.glob(os.path.join(source, "*.txt"))) if os.path.isdir(source) else [source]
             if not files:
-                raise DataError(f"{field}={source!r} is a folder with no .txt files; fix: point it at a folder of .txt files or at one file")
+                raise DataError(
+                    f"{field}={source!r} is a folder with no .txt files; fix: point it at a folder of .txt files or at one file"
+                )
             # Zero bytes in all: datasets' text builder would fail on it. (Whitespace-only text is
             # caught below, by the blank-row filter, without reading a large corpus twice.)
             if all(os.path.getsize(f) == 0 for f in files):
                 raise DataError(f"{field}={source!r} is empty; fix: give it some text")
             try:
                 dataset = datasets.load_dataset(
-                    "text", data_files=files, split="train", cache_dir=self.cache_dir,
-                    sample_by=self.sample_by, keep_linebreaks=True,
+                    "text",
+                    data_files=files,
+                    split="train",
+                    cache_dir=self.cache_dir,
+                    sample_by=self.sample_by,
+                    keep_linebreaks=True,
                 )
             except Exception as error:  # datasets wraps a decoding error in DatasetGenerationError
                 bad = first_non_utf8(files)
                 if bad is None:
                     raise
                 raise DataError(
-                    f"{field}={source!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. "
-                    f"iconv -f latin1 -t utf-8 in.txt > out.txt"
+                    f"{field}={source!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. iconv -f latin1 -t utf-8 in.txt > out.txt"
                 ) from error
             text_column = "text"
         else:
@@ -254,8 +259,7 @@ class TextDataModule(TokenizedDataModule):
         kept = dataset.filter(has_text, fn_kwargs={"text_column": "text"}, desc=f"Dropping blank rows of {split}")
         if len(kept) == 0:
             raise DataError(
-                f"{field}={source!r} has no text: all {len(dataset)} row(s) are empty or whitespace; "
-                "fix: point it at a file with text"
+                f"{field}={source!r} has no text: all {len(dataset)} row(s) are empty or whitespace; fix: point it at a file with text"
             )
         if len(kept) < len(dataset):
             log.warning("%s: dropped %d empty or whitespace-only row(s) of %d", field, len(dataset) - len(kept), len(dataset))
@@ -274,11 +278,18 @@ class TextDataModule(TokenizedDataModule):
         if self.mode == "pack":
             sequences = tokenized.map(pack_blocks, batched=True, fn_kwargs={"block_size": self.max_length}, desc=f"Packing {split}")
         else:
-            sequences = tokenized.map(truncate_documents, batched=True, fn_kwargs={"max_length": self.max_length}, desc=f"Truncating {split}")
+            sequences = tokenized.map(
+                truncate_documents, batched=True, fn_kwargs={"max_length": self.max_length}, desc=f"Truncating {split}"
+            )
             truncated = sum(1 for n in tokenized["length"] if n > self.max_length)
             if truncated:
-                log.warning("data.mode=pad: %d of %d %s documents are longer than data.max_length=%d and were truncated",
-                            truncated, len(tokenized), split, self.max_length)
+                log.warning(
+                    "data.mode=pad: %d of %d %s documents are longer than data.max_length=%d and were truncated",
+                    truncated,
+                    len(tokenized),
+                    split,
+                    self.max_length,
+                )
         kept = sequences.filter(has_target, desc=f"Dropping 1-token sequences of {split}")
         self.token_counts[split] = sum(kept["length"])  # an int column: the ids are not read
         log.info("%s: %d documents -> %d sequences, %d tokens", split, len(dataset), len(kept), self.token_counts[split])

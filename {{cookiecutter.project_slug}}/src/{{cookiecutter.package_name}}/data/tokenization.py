@@ -53,6 +53,7 @@ def tokenize_batch(
         ``input_ids``, ``attention_mask`` (and ``token_type_ids`` for BERT-style models):
         one list of token ids per row, each at most ``max_length`` long.
     """
+
     def text(values: list) -> list[str]:
         return ["" if value is None else str(value) for value in values]  # predict keeps null rows: "" in, a row out
 

@@ -32,8 +32,10 @@ def suggest_batch(cfg: DictConfig) -> tuple[int | None, list[str], str]:
         return (max(smaller) if smaller else None), [], f"planner unavailable ({type(error).__name__}: {error})"
     fitting = [d for d in smaller if d <= plan.max_micro_batch]  # none when not even micro-batch 1 plans to fit
     levers = [] if fitting else plan.advice
-    line = (f"planner ({cfg.hardware.name}, budget {cfg.hardware.budget_gib} GiB): micro-batch {micro_batch} plans at "
-            f"{plan.total / 2**30:.2f} GiB; the largest that plans to fit is {plan.max_micro_batch or 'none'}")
+    line = (
+        f"planner ({cfg.hardware.name}, budget {cfg.hardware.budget_gib} GiB): micro-batch {micro_batch} plans at "
+        f"{plan.total / 2**30:.2f} GiB; the largest that plans to fit is {plan.max_micro_batch or 'none'}"
+    )
     return (max(fitting) if fitting else None), levers, line
 
 
@@ -46,10 +48,12 @@ def write_oom_report(cfg: DictConfig, run_dir: Path, report: dict | None, error:
     facts = dict(report or {})
     micro_batch, levers, planner_line = suggest_batch(cfg)
     global_batch = cfg.batch.global_batch_size
-    lines = [f"CUDA out of memory at optimizer step {facts.get('optimizer_step', '?')} "
-             f"(epoch {facts.get('epoch', '?')}, batch {facts.get('batch_idx', '?')} of the epoch, "
-             f"micro-batch {facts.get('micro_batch_of_step', '?')} of {facts.get('accumulate_grad_batches', '?')} in the step"
-             f"{', in the optimizer update' if facts.get('in_optimizer_update') else ''})"]
+    lines = [
+        f"CUDA out of memory at optimizer step {facts.get('optimizer_step', '?')} "
+        f"(epoch {facts.get('epoch', '?')}, batch {facts.get('batch_idx', '?')} of the epoch, "
+        f"micro-batch {facts.get('micro_batch_of_step', '?')} of {facts.get('accumulate_grad_batches', '?')} in the step"
+        f"{', in the optimizer update' if facts.get('in_optimizer_update') else ''})"
+    ]
     shape = facts.get("batch_shape")
     if shape:
         lines.append(f"  batch: {shape[0]} sequences x {shape[1] if len(shape) > 1 else '?'} tokens")
@@ -62,14 +66,18 @@ def write_oom_report(cfg: DictConfig, run_dir: Path, report: dict | None, error:
         lines.append("saved: nothing (no checkpoint yet, and the state at the error was not a clean step boundary)")
     lines.append(planner_line)
     if micro_batch:
-        fix = (f"batch.micro_batch_size={micro_batch} (accumulation {global_batch // micro_batch} keeps the global batch "
-               f"of {global_batch})")
+        fix = f"batch.micro_batch_size={micro_batch} (accumulation {global_batch // micro_batch} keeps the global batch of {global_batch})"
     else:
         fix = "; ".join(levers) or "a shorter data.max_length, checkpointing=full, optimizer=adamw_8bit or peft=lora"
     lines.append(f"fix: {fix}")
     text = "\n".join(lines)
-    facts.update(suggested_micro_batch=micro_batch, suggested_accumulation=global_batch // micro_batch if micro_batch else None,
-                 advice=levers, planner=planner_line, fix=fix)
+    facts.update(
+        suggested_micro_batch=micro_batch,
+        suggested_accumulation=global_batch // micro_batch if micro_batch else None,
+        advice=levers,
+        planner=planner_line,
+        fix=fix,
+    )
     with atomic_write_path(run_dir / "oom_report.json") as partial:
         partial.write_text(json.dumps(facts, indent=2) + "\n")
     with atomic_write_path(run_dir / "oom_report.txt") as partial:

@@ -88,29 +88,53 @@ class MemoryPlan:
     def as_json(self) -> dict:
         """Plain JSON: every byte field also as ``<name>_gib`` (GiB, 3 decimals)."""
         out = asdict(self)
-        for name in ("params", "buffers", "grads", "optimizer", "activations", "temporaries", "peak_allocated",
-                     "overhead", "total", "budget", "paged_optimizer"):
+        for name in (
+            "params",
+            "buffers",
+            "grads",
+            "optimizer",
+            "activations",
+            "temporaries",
+            "peak_allocated",
+            "overhead",
+            "total",
+            "budget",
+            "paged_optimizer",
+        ):
             out[f"{name}_gib"] = round(out[name] / GIB, 3)
         return out
 
     def table(self, hardware: str) -> str:
         """The human-readable report."""
-        rows = [("parameters", self.params + self.buffers), ("gradients", self.grads), ("optimizer state", self.optimizer),
-                ("activations", self.activations), ("temporaries", self.temporaries),
-                ("= peak allocated", self.peak_allocated), ("CUDA context + allocator", self.overhead), ("= total", self.total)]
-        lines = [f"Memory plan: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}",
-                 "  (what is alive at the peak moment; full sizes in plan.json \"counts\")"]
+        rows = [
+            ("parameters", self.params + self.buffers),
+            ("gradients", self.grads),
+            ("optimizer state", self.optimizer),
+            ("activations", self.activations),
+            ("temporaries", self.temporaries),
+            ("= peak allocated", self.peak_allocated),
+            ("CUDA context + allocator", self.overhead),
+            ("= total", self.total),
+        ]
+        lines = [
+            f"Memory plan: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}",
+            '  (what is alive at the peak moment; full sizes in plan.json "counts")',
+        ]
         lines += [f"  {name:<26}{size / GIB:>8.2f} GiB" for name, size in rows]
         if self.paged_optimizer:
             lines.append(f"  (paged optimizer state      {self.paged_optimizer / GIB:.2f} GiB in unified memory, not counted)")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"Verdict: {self.total / GIB:.2f} GiB {verdict} in {self.budget / GIB:.2f} GiB ({hardware})")
         if self.max_micro_batch and self.max_micro_batch_accumulate == 1:
-            lines.append(f"Largest micro-batch: {self.max_micro_batch}, the whole global batch (memory is left over: "
-                         "a larger batch.global_batch_size would fit too)")
+            lines.append(
+                f"Largest micro-batch: {self.max_micro_batch}, the whole global batch (memory is left over: "
+                "a larger batch.global_batch_size would fit too)"
+            )
         elif self.max_micro_batch:
-            lines.append(f"Largest micro-batch that fits: {self.max_micro_batch} "
-                         f"(batch.micro_batch_size={self.max_micro_batch}, accumulation {self.max_micro_batch_accumulate})")
+            lines.append(
+                f"Largest micro-batch that fits: {self.max_micro_batch} "
+                f"(batch.micro_batch_size={self.max_micro_batch}, accumulation {self.max_micro_batch_accumulate})"
+            )
         else:
             lines.append("No micro-batch fits; try: " + "; ".join(self.advice))
         lines += [f"  note: {note}" for note in self.corrections]
@@ -137,8 +161,10 @@ def architecture(cfg: DictConfig) -> PretrainedConfig:
         fields = to_plain(spec.config)
         vocab = _tokenizer_vocab(spec.get("tokenizer")) or published.get("vocab_size")
         if vocab is None:
-            raise ConfigError(f"plan needs the vocabulary size of model.tokenizer={spec.get('tokenizer')!r}, which is not on disk; "
-                              "fix: +model.architecture.vocab_size=<N>, or fetch the tokenizer once (train does)")
+            raise ConfigError(
+                f"plan needs the vocabulary size of model.tokenizer={spec.get('tokenizer')!r}, which is not on disk; "
+                "fix: +model.architecture.vocab_size=<N>, or fetch the tokenizer once (train does)"
+            )
         return AutoConfig.for_model(fields.pop("model_type"), vocab_size=vocab, **fields)
     path = spec.get("name_or_path")
     if path and Path(path, "config.json").is_file():
@@ -146,9 +172,11 @@ def architecture(cfg: DictConfig) -> PretrainedConfig:
     if published and described == path:
         return AutoConfig.for_model(published.pop("model_type"), **published)
     known = f" (model.architecture describes {described!r})" if described else ""
-    raise ConfigError(f"plan reads no weights and no network, and model.name_or_path={path!r} is not a local model folder{known}; "
-                      "fix: a model file whose architecture block names it (see configs/model/llama31_8b.yaml), "
-                      "or the model's config.json numbers as +model.architecture.* with model.architecture.of set to it")
+    raise ConfigError(
+        f"plan reads no weights and no network, and model.name_or_path={path!r} is not a local model folder{known}; "
+        "fix: a model file whose architecture block names it (see configs/model/llama31_8b.yaml), "
+        "or the model's config.json numbers as +model.architecture.* with model.architecture.of set to it"
+    )
 
 
 def _tokenizer_vocab(name: str | None) -> int | None:
@@ -189,8 +217,9 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Trace
         parameters = list(setup.loss.model.parameters())  # unique: tied weights once
         trainable = [(p.numel(), p.element_size()) for p in parameters if p.requires_grad]
         param_bytes = sum(p.numel() * p.element_size() for p in parameters)
-        return _Traced(peak, sum(p.numel() for p in parameters), sum(n for n, _ in trainable), trainable,
-                       param_bytes, setup.quantized_numels)
+        return _Traced(
+            peak, sum(p.numel() for p in parameters), sum(n for n, _ in trainable), trainable, param_bytes, setup.quantized_numels
+        )
 
 
 @dataclass
@@ -352,9 +381,7 @@ def nf4_bytes(numel: int, double_quant: bool) -> int:
     return math.ceil(numel / 2) + constants
 
 
-def plan_memory(
-    cfg: DictConfig, micro_batch: int | None = None, search: bool = True, config: PretrainedConfig | None = None
-) -> MemoryPlan:
+def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = True, config: PretrainedConfig | None = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``cfg`` (a composed ``train`` config) at ``micro_batch``
     (default ``batch.micro_batch_size``), with the largest micro-batch that fits when ``search``.
 
@@ -421,15 +448,30 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
     allocated = sum(peak[k] for k in ("params", "buffers", "grads", "optimizer", "activations", "temporaries"))
     overhead = int(cfg.hardware.context_gib * GIB)
     counts = {  # the full sizes, by arithmetic (the table is what is alive at the peak)
-        "parameters": traced.n_params, "trainable": traced.n_trainable, "param_bytes": param_bytes,
-        "grad_bytes": sum(numel * size for numel, size in traced.trainable), "optimizer_bytes": state,
+        "parameters": traced.n_params,
+        "trainable": traced.n_trainable,
+        "param_bytes": param_bytes,
+        "grad_bytes": sum(numel * size for numel, size in traced.trainable),
+        "optimizer_bytes": state,
     }
     return MemoryPlan(
-        micro_batch=micro_batch, seq_len=cfg.data.max_length, accumulate=max(1, cfg.batch.global_batch_size // micro_batch),
-        params=peak["params"], buffers=peak["buffers"], grads=peak["grads"], optimizer=peak["optimizer"],
-        activations=peak["activations"], temporaries=peak["temporaries"], peak_allocated=allocated, overhead=overhead,
-        total=allocated + overhead, budget=budget, fits=allocated + overhead <= budget, paged_optimizer=paged,
-        counts=counts, corrections=notes,
+        micro_batch=micro_batch,
+        seq_len=cfg.data.max_length,
+        accumulate=max(1, cfg.batch.global_batch_size // micro_batch),
+        params=peak["params"],
+        buffers=peak["buffers"],
+        grads=peak["grads"],
+        optimizer=peak["optimizer"],
+        activations=peak["activations"],
+        temporaries=peak["temporaries"],
+        peak_allocated=allocated,
+        overhead=overhead,
+        total=allocated + overhead,
+        budget=budget,
+        fits=allocated + overhead <= budget,
+        paged_optimizer=paged,
+        counts=counts,
+        corrections=notes,
     )
 
 
@@ -445,8 +487,9 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
     if not str(cfg.optimizer._target_).startswith("bitsandbytes."):
         candidates["optimizer=adamw_8bit"] = {"optimizer._target_": "bitsandbytes.optim.AdamW8bit"}
     if not cfg.optimizer.step_in_backward:
-        candidates["optimizer.step_in_backward=true (with batch.global_batch_size=batch.micro_batch_size, "
-                   "trainer.gradient_clip_val=null)"] = {"optimizer.step_in_backward": True}
+        candidates[
+            "optimizer.step_in_backward=true (with batch.global_batch_size=batch.micro_batch_size, trainer.gradient_clip_val=null)"
+        ] = {"optimizer.step_in_backward": True}
     savings = []
     for advice, changes in candidates.items():
         trial = copy.deepcopy(cfg)
@@ -487,8 +530,10 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
     from ..utils.distributed import is_fsdp
 
     if is_fsdp(cfg.trainer):
-        rank_zero_warn("memory plan skipped: trainer=fsdp shards parameters, gradients and optimizer state over the GPUs, "
-                       "and the planner models one GPU holding all of them (plan the run without FSDP for an upper bound)")
+        rank_zero_warn(
+            "memory plan skipped: trainer=fsdp shards parameters, gradients and optimizer state over the GPUs, "
+            "and the planner models one GPU holding all of them (plan the run without FSDP for an upper bound)"
+        )
         return
     try:
         config = architecture(cfg)
@@ -500,6 +545,8 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
         plan = plan_memory(cfg, config=config)  # the search, for the advice
     write_plan(plan, run_dir, cfg.hardware.name)
     if not plan.fits:
-        fix = (f"batch.micro_batch_size={plan.max_micro_batch}" if plan.max_micro_batch else "; ".join(plan.advice))
-        raise ConfigError(f"this run will not fit in {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}):\n"
-                          f"{plan.table(cfg.hardware.name)}\nfix: {fix}; or plan_before_fit=false to run anyway")
+        fix = f"batch.micro_batch_size={plan.max_micro_batch}" if plan.max_micro_batch else "; ".join(plan.advice)
+        raise ConfigError(
+            f"this run will not fit in {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}):\n"
+            f"{plan.table(cfg.hardware.name)}\nfix: {fix}; or plan_before_fit=false to run anyway"
+        )

@@ -32,9 +32,18 @@ CATEGORIES = {
 # Ops CUDA autocast runs in float32 ("CUDA Ops that can autocast to float32", PyTorch AMP docs),
 # where CPU autocast keeps the input's bf16.  Emulated so the CPU trace holds CUDA's dtypes.
 CUDA_FP32_FUNCTIONS = {
-    F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss,
-    torch.layer_norm, torch.group_norm, torch.softmax, torch.log_softmax,
-    torch.Tensor.softmax, torch.Tensor.log_softmax,
+    F.layer_norm,
+    F.group_norm,
+    F.softmax,
+    F.log_softmax,
+    F.cross_entropy,
+    F.nll_loss,
+    torch.layer_norm,
+    torch.group_norm,
+    torch.softmax,
+    torch.log_softmax,
+    torch.Tensor.softmax,
+    torch.Tensor.log_softmax,
 }
 
 

@@ -23,6 +23,7 @@ METHODS = ("none", "lora", "qlora")
 
 
 def uses_peft(peft_cfg: dict | None) -> bool:
+    """Whether the ``peft`` group asks for adapters (``lora``/``qlora``), not a full model."""
     return bool(peft_cfg) and peft_cfg.get("method", "none") != "none"
 
 

@@ -48,14 +48,10 @@ def build_sequence_classifier(
     if spec.get("config"):
         fields = dict(spec["config"])
         model_type = fields.pop("model_type")
-        config = AutoConfig.for_model(
-            model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **fields, **labels
-        )
+        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **fields, **labels)
         return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation)
     if spec.get("name_or_path"):
-        return AutoModelForSequenceClassification.from_pretrained(
-            spec["name_or_path"], attn_implementation=attn_implementation, **labels
-        )
+        return AutoModelForSequenceClassification.from_pretrained(spec["name_or_path"], attn_implementation=attn_implementation, **labels)
     raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 
 

@@ -62,7 +62,7 @@ def chunked_token_loss_sum(
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[1], chunk_size):
         loss_sum = loss_sum + checkpoint(
-            _chunk_loss, hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size], lm_head, use_reentrant=False
+            _chunk_loss, hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size], lm_head, use_reentrant=False
         )
     return loss_sum, (targets != IGNORE_INDEX).sum()
 
@@ -219,9 +219,11 @@ class CausalLMModule(HFModule):
         elif config is None:
             config = causal_lm_config(spec, self.tokenizer)
         if config.model_type in ENCODER_ONLY:
-            raise ConfigError(f"task=causal_lm needs a decoder, but the model is a {config.model_type} encoder "
-                              f"(model.name_or_path={spec.get('name_or_path')!r}); fix: a causal LM such as model=smollm2_135m, "
-                              "or task=classification")
+            raise ConfigError(
+                f"task=causal_lm needs a decoder, but the model is a {config.model_type} encoder "
+                f"(model.name_or_path={spec.get('name_or_path')!r}); fix: a causal LM such as model=smollm2_135m, "
+                "or task=classification"
+            )
         limit = max_positions(config)
         if max_length is not None and limit is not None and max_length > limit:
             raise ConfigError(
@@ -230,15 +232,21 @@ class CausalLMModule(HFModule):
             )
         if method != "none":
             if not spec.get("name_or_path"):
-                raise ConfigError(f"peft={method} adapts pretrained weights, but model.name_or_path is null; "
-                                  "fix: a pretrained model (e.g. model=smollm2_135m), or peft=none to train from scratch")
+                raise ConfigError(
+                    f"peft={method} adapts pretrained weights, but model.name_or_path is null; "
+                    "fix: a pretrained model (e.g. model=smollm2_135m), or peft=none to train from scratch"
+                )
             if method == "qlora" and precision == "bf16-true":
-                raise ConfigError("peft=qlora with precision=bf16-true: Lightning would cast the 4-bit base weights; "
-                                  "fix: precision=bf16-mixed (the QLoRA recipe)")
+                raise ConfigError(
+                    "peft=qlora with precision=bf16-true: Lightning would cast the 4-bit base weights; "
+                    "fix: precision=bf16-mixed (the QLoRA recipe)"
+                )
         transforms = [field for field in LOGIT_TRANSFORM_FIELDS if getattr(config, field, None) not in (None, 1.0)]
         if self.loss_implementation != "plain" and transforms:
-            raise ConfigError(f"loss={self.loss_implementation} calls the lm_head directly, but {config.model_type} transforms its logits "
-                              f"afterwards ({', '.join(transforms)}); fix: loss=plain")
+            raise ConfigError(
+                f"loss={self.loss_implementation} calls the lm_head directly, but {config.model_type} transforms its logits "
+                f"afterwards ({', '.join(transforms)}); fix: loss=plain"
+            )
         modules = target_modules(peft_cfg, config, linear_layer_names(config)) if method != "none" else []
         return config, modules
 
@@ -358,7 +366,7 @@ class CausalLMModule(HFModule):
                 output = self.model.generate(
                     **inputs, pad_token_id=pad_token_id(self.tokenizer), use_cache=True, **generation
                 )  # (1, prompt + new tokens)
-                completions.append(self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+                completions.append(self.tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
         finally:
             self.model.train(was_training)
         return completions
@@ -405,7 +413,6 @@ class CausalLMModule(HFModule):
         model = self.model.merge_and_unload() if uses_peft(self.hparams.peft) else self.model
         model.config.use_cache = True
         return model
-
 
 
 def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:

@@ -71,9 +71,7 @@ class SequenceClassificationModule(HFModule):
             return
         if self.hparams.hf_config is None:
             datamodule = self.trainer.datamodule
-            self.model = build_sequence_classifier(
-                self.hparams.model, datamodule.id2label, datamodule.tokenizer, self.attn_implementation
-            )
+            self.model = build_sequence_classifier(self.hparams.model, datamodule.id2label, datamodule.tokenizer, self.attn_implementation)
             self.tokenizer = datamodule.tokenizer
             self.hparams.id2label = datamodule.id2label
             self.hparams.hf_config = config_to_dict(self.model.config)

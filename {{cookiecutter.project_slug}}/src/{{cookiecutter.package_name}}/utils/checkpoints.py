@@ -23,6 +23,7 @@ from .run import atomic_write_path
 
 log = logging.getLogger(__name__)
 
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are all-or-nothing (see the module docstring): written
     through :func:`.run.atomic_write_path`.  Set through ``trainer.plugins``; remote paths
@@ -76,6 +77,8 @@ def read_checkpoint(path: Path, key: str) -> Any:
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as error:  # torch raises RuntimeError/UnpicklingError/EOFError for damaged files
-        raise ConfigError(f"ckpt_path={str(path)!r} is not a readable checkpoint ({type(error).__name__}: {error}); "
-                          "fix: resume from another checkpoint of the run (RUN/checkpoints/*.ckpt)") from error
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} is not a readable checkpoint ({type(error).__name__}: {error}); "
+            "fix: resume from another checkpoint of the run (RUN/checkpoints/*.ckpt)"
+        ) from error
     return checkpoint.get(key)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from .config_keys import unknown_key_problems
+
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 DECAYS = ("linear", "cosine", "constant")
 # Example values for the top-level keys an entry point may require.
@@ -68,15 +70,21 @@ def batch_problem(global_batch_size: object, micro_batch_size: object, devices: 
     processes, or return ``None``: a size that is not a positive integer; on one process, a
     micro-batch that does not divide the global batch; on several, a global batch that is not a
     multiple of the number of processes."""
-    for field, value in (("batch.global_batch_size", global_batch_size), ("batch.micro_batch_size", micro_batch_size),
-                         ("trainer.devices", devices), ("trainer.num_nodes", num_nodes)):
+    for field, value in (
+        ("batch.global_batch_size", global_batch_size),
+        ("batch.micro_batch_size", micro_batch_size),
+        ("trainer.devices", devices),
+        ("trainer.num_nodes", num_nodes),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             why = " (the global batch is divided over the devices, so give their number)" if field.startswith("trainer") else ""
             return f"{field}={value!r} must be a positive integer{why}; fix: e.g. {field}={2 if why else 8}"
     processes = devices * num_nodes
     if processes > 1 and global_batch_size % processes:
-        return (f"batch.global_batch_size={global_batch_size} cannot be split over {processes} processes "
-                f"(trainer.devices={devices} x trainer.num_nodes={num_nodes}); fix: a global batch that is a multiple of {processes}")
+        return (
+            f"batch.global_batch_size={global_batch_size} cannot be split over {processes} processes "
+            f"(trainer.devices={devices} x trainer.num_nodes={num_nodes}); fix: a global batch that is a multiple of {processes}"
+        )
     if processes == 1 and global_batch_size % micro_batch_size:
         divisors = [d for d in range(1, micro_batch_size + 1) if global_batch_size % d == 0]
         return (
@@ -127,7 +135,7 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
     Raises:
         ConfigError: with every problem found, one per line.
     """
-    problems: list[str] = []
+    problems: list[str] = unknown_key_problems(cfg)
 
     seed = cfg.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -143,12 +151,16 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         if precision not in PRECISIONS:
             problems.append(f"trainer.precision={precision!r} is not one of {PRECISIONS}; fix: precision=bf16-mixed")
         elif precision.startswith("bf16") and "hardware" in cfg and not cfg.hardware.bf16:
-            problems.append(f"precision={precision} on hardware={cfg.hardware.name}, which has no bf16; "
-                            "fix: precision=16-mixed (fp16 with loss scaling) or 32-true")
+            problems.append(
+                f"precision={precision} on hardware={cfg.hardware.name}, which has no bf16; "
+                "fix: precision=16-mixed (fp16 with loss scaling) or 32-true"
+            )
         elif precision == "16-mixed" and runs_here and not uses_cuda(cfg):
             # Lightning would silently switch to bf16 on the CPU: say so instead.
-            problems.append("precision=16-mixed needs a CUDA GPU (fp16 autocast with loss scaling), and none is in use; "
-                            "fix: precision=bf16-mixed (or 32-true) on the CPU")
+            problems.append(
+                "precision=16-mixed needs a CUDA GPU (fp16 autocast with loss scaling), and none is in use; "
+                "fix: precision=bf16-mixed (or 32-true) on the CPU"
+            )
     problems += _lever_problems(cfg, runs_here)
     if "trainer" in cfg:
         problems += _distributed_problems(cfg.trainer, runs_here)
@@ -189,8 +201,10 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
     ckpt_path = cfg.get("ckpt_path")
     resumes_last = ckpt_path == "last" and "ckpt_path" not in required  # train: this run's last.ckpt, if any
     if ckpt_path is not None and not resumes_last and not Path(ckpt_path).is_file():
-        problems.append(f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)"
-                        + ("" if "ckpt_path" in required else ", or ckpt_path=last to resume the run in hydra.run.dir"))
+        problems.append(
+            f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)"
+            + ("" if "ckpt_path" in required else ", or ckpt_path=last to resume the run in hydra.run.dir")
+        )
 
     if problems:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
@@ -212,19 +226,26 @@ def _distributed_problems(trainer: DictConfig, runs_here: bool) -> list[str]:
         return []
     accelerator, devices = str(trainer.get("accelerator")), trainer.get("devices")
     if "SUBMITIT_LOCAL_JOB_ID" in os.environ and isinstance(devices, int) and devices > 1:
-        return [f"launcher=local runs each job as one process of submitit's local executor, and trainer.devices={devices} needs "
-                "Lightning to start the other ranks by re-running the command, which that executor cannot do; fix: drop "
-                "launcher=local (Hydra's own launcher runs DDP multiruns), or launcher=slurm on a cluster"]
+        return [
+            f"launcher=local runs each job as one process of submitit's local executor, and trainer.devices={devices} needs "
+            "Lightning to start the other ranks by re-running the command, which that executor cannot do; fix: drop "
+            "launcher=local (Hydra's own launcher runs DDP multiruns), or launcher=slurm on a cluster"
+        ]
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if is_fsdp(trainer) and (accelerator == "cpu" or not visible):
-        return [f"trainer=fsdp shards the model over CUDA GPUs, and this run has none (accelerator={accelerator}, "
-                f"CUDA GPUs visible: {visible}); fix: trainer=ddp_cpu to test multi-process training on the CPU, "
-                "or run on a machine with GPUs"]
+        return [
+            f"trainer=fsdp shards the model over CUDA GPUs, and this run has none (accelerator={accelerator}, "
+            f"CUDA GPUs visible: {visible}); fix: trainer=ddp_cpu to test multi-process training on the CPU, "
+            "or run on a machine with GPUs"
+        ]
     if accelerator in ("gpu", "cuda") and isinstance(devices, int) and devices > visible:
-        return [f"trainer.accelerator={accelerator} with trainer.devices={devices}, but this machine has {visible} CUDA GPU(s); "
-                f"fix: trainer.devices={visible}" if visible else
-                f"trainer.accelerator={accelerator} (trainer=gpu/ddp) needs a CUDA GPU and this machine has none; "
-                "fix: trainer=cpu, or trainer=ddp_cpu for several processes on the CPU"]
+        return [
+            f"trainer.accelerator={accelerator} with trainer.devices={devices}, but this machine has {visible} CUDA GPU(s); "
+            f"fix: trainer.devices={visible}"
+            if visible
+            else f"trainer.accelerator={accelerator} (trainer=gpu/ddp) needs a CUDA GPU and this machine has none; "
+            "fix: trainer=cpu, or trainer=ddp_cpu for several processes on the CPU"
+        ]
     return []
 
 
@@ -234,9 +255,13 @@ def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
     attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
     if attention not in ATTENTION:
         problems.append(f"attention.implementation={attention!r} is not one of {ATTENTION}; fix: attention=sdpa")
-    elif attention == "flash_attention_2" and runs_here and (importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available()):
-        problems.append("attention=flash_attention_2 needs the flash-attn package and a CUDA GPU (Ampere or newer); "
-                        "fix: pip install flash-attn --no-build-isolation, or attention=sdpa (PyTorch's own flash kernel)")
+    elif (
+        attention == "flash_attention_2" and runs_here and (importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available())
+    ):
+        problems.append(
+            "attention=flash_attention_2 needs the flash-attn package and a CUDA GPU (Ampere or newer); "
+            "fix: pip install flash-attn --no-build-isolation, or attention=sdpa (PyTorch's own flash kernel)"
+        )
     if "checkpointing" in cfg and cfg.checkpointing.mode not in CHECKPOINTING:
         problems.append(f"checkpointing.mode={cfg.checkpointing.mode!r} is not one of {CHECKPOINTING}; fix: checkpointing=full")
     if "compile" in cfg and str(cfg.compile.mode) not in COMPILE_MODES:
@@ -245,7 +270,9 @@ def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
         problems += _loss_problems(cfg, runs_here)
     optimizer = cfg.get("optimizer") or {}
     if runs_here and str(optimizer.get("_target_", "")).startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
-        problems.append(f"optimizer._target_={optimizer._target_} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw")
+        problems.append(
+            f"optimizer._target_={optimizer._target_} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw"
+        )
     if optimizer.get("step_in_backward"):
         problems += _step_in_backward_problems(cfg)
     return problems
@@ -262,8 +289,10 @@ def _loss_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
     if implementation == "chunked" and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         return [f"loss.chunk_size={chunk_size!r} must be a positive integer (positions per chunk), e.g. loss.chunk_size=256"]
     if implementation == "liger" and runs_here and (importlib.util.find_spec("liger_kernel") is None or not uses_cuda(cfg)):
-        return ["loss=liger needs a CUDA GPU and the liger-kernel package; fix: pip install -e \".[liger]\" on a GPU "
-                "machine, or loss=chunked (the same memory saving, in plain PyTorch)"]
+        return [
+            'loss=liger needs a CUDA GPU and the liger-kernel package; fix: pip install -e ".[liger]" on a GPU '
+            "machine, or loss=chunked (the same memory saving, in plain PyTorch)"
+        ]
     return []
 
 
@@ -275,8 +304,10 @@ def _step_in_backward_problems(cfg: DictConfig) -> list[str]:
     if "batch" in cfg and batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, devices, nodes) is None:
         accumulate = accumulate_grad_batches(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, devices, nodes)
         if devices * nodes > 1:
-            problems.append(f"optimizer.step_in_backward=true steps each parameter before DDP/FSDP can all-reduce its gradient "
-                            f"(trainer.devices={devices}, trainer.num_nodes={nodes}); fix: optimizer.step_in_backward=false")
+            problems.append(
+                f"optimizer.step_in_backward=true steps each parameter before DDP/FSDP can all-reduce its gradient "
+                f"(trainer.devices={devices}, trainer.num_nodes={nodes}); fix: optimizer.step_in_backward=false"
+            )
         elif accumulate != 1:
             problems.append(
                 f"optimizer.step_in_backward=true steps on every micro-batch, but batch.global_batch_size="
@@ -286,15 +317,21 @@ def _step_in_backward_problems(cfg: DictConfig) -> list[str]:
     if "trainer" in cfg:
         clip = cfg.trainer.get("gradient_clip_val")
         if clip not in (None, 0, 0.0):
-            problems.append(f"optimizer.step_in_backward=true cannot clip by the global gradient norm (trainer.gradient_clip_val={clip}): "
-                            "the norm is known only after every parameter has stepped; fix: trainer.gradient_clip_val=null")
+            problems.append(
+                f"optimizer.step_in_backward=true cannot clip by the global gradient norm (trainer.gradient_clip_val={clip}): "
+                "the norm is known only after every parameter has stepped; fix: trainer.gradient_clip_val=null"
+            )
         if str(cfg.trainer.get("precision")) == "16-mixed":
-            problems.append("optimizer.step_in_backward=true with precision=16-mixed: the loss scaler must see every gradient "
-                            "before any step; fix: precision=bf16-mixed")
+            problems.append(
+                "optimizer.step_in_backward=true with precision=16-mixed: the loss scaler must see every gradient "
+                "before any step; fix: precision=bf16-mixed"
+            )
         devices = cfg.trainer.get("devices")
         if devices not in (1, "1", None) or cfg.trainer.get("num_nodes", 1) != 1:
-            problems.append(f"optimizer.step_in_backward=true runs on one device (trainer.devices={devices}): DDP all-reduces "
-                            "gradients after backward; fix: trainer.devices=1")
+            problems.append(
+                f"optimizer.step_in_backward=true runs on one device (trainer.devices={devices}): DDP all-reduces "
+                "gradients after backward; fix: trainer.devices=1"
+            )
     return problems
 
 
@@ -313,11 +350,15 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     full_fine_tune = peft.get("method", "none") == "none" and bool((cfg.get("model") or {}).get("name_or_path"))
     if str(trainer.get("precision")) == "bf16-true" and full_fine_tune:
         optimizer = cfg.get("optimizer") or {}
-        unused = [lever for lever, on in (
-            ("optimizer=adamw_8bit", str(optimizer.get("_target_", "")).startswith("bitsandbytes.")),
-            ("checkpointing=full", (cfg.get("checkpointing") or {}).get("mode") == "full"),
-            ("optimizer.step_in_backward=true", bool(optimizer.get("step_in_backward"))),
-        ) if not on] + ["peft=lora"]
+        unused = [
+            lever
+            for lever, on in (
+                ("optimizer=adamw_8bit", str(optimizer.get("_target_", "")).startswith("bitsandbytes.")),
+                ("checkpointing=full", (cfg.get("checkpointing") or {}).get("mode") == "full"),
+                ("optimizer.step_in_backward=true", bool(optimizer.get("step_in_backward"))),
+            )
+            if not on
+        ] + ["peft=lora"]
         warnings.append(
             f"precision=bf16-true with a full fine-tune: weights and optimizer state are bf16, and an update "
             f"below ~1/256 of a weight rounds away (at optimizer.lr={optimizer.get('lr')} most do: many weights never "
@@ -328,8 +369,10 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     if "global_batch_size" in batch and batch_problem(batch.global_batch_size, batch.micro_batch_size, devices, nodes) is None:
         size = device_batch_size(batch.global_batch_size, batch.micro_batch_size, devices, nodes)
         if size != batch.micro_batch_size:
-            warnings.append(f"batch.micro_batch_size={batch.micro_batch_size} x {devices * nodes} processes is more than the global batch "
-                            f"of {batch.global_batch_size} allows: each process runs micro-batches of {size} (same global batch, less memory)")
+            warnings.append(
+                f"batch.micro_batch_size={batch.micro_batch_size} x {devices * nodes} processes is more than the global batch "
+                f"of {batch.global_batch_size} allows: each process runs micro-batches of {size} (same global batch, less memory)"
+            )
     return warnings
 
 

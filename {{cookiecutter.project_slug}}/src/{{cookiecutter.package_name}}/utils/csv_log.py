@@ -19,8 +19,8 @@ from pathlib import Path
 
 import lightning as L
 from lightning.fabric.loggers.csv_logs import _ExperimentWriter as _FabricWriter
-from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter

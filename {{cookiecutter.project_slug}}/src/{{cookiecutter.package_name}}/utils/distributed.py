@@ -102,8 +102,12 @@ def ddp_child_argv(argv: list[str], environ: dict[str, str] | None = None) -> li
         if value is not None:
             flags += [flag, value]
     return [
-        argv[0], *flags, *job["overrides"],
-        "hydra.mode=RUN", f"hydra.run.dir={job['output_dir']}", "hydra.output_subdir=null",
+        argv[0],
+        *flags,
+        *job["overrides"],
+        "hydra.mode=RUN",
+        f"hydra.run.dir={job['output_dir']}",
+        "hydra.output_subdir=null",
         f"hydra.job.name=train_ddp_process_{local_rank}",  # Lightning's name for a rank: its log is <job>/train_ddp_process_1.log
     ]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import rich.syntax
 import rich.tree
+from hydra.errors import InstantiationException
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
-from hydra.errors import InstantiationException
 from rich.console import Console
 
 from ..data.loading import DataError

@@ -60,8 +60,10 @@ def objective(metrics: dict, cfg: DictConfig) -> float | None:
         return None
     if name not in metrics and is_multirun():
         objectives = sorted(k for k in (cfg.task.get("objectives") or {}) if k in metrics) if "task" in cfg else []
-        raise MetricNotLogged(f"optimized_metric={name!r} was not logged by this run; of the task's objectives it logged "
-                              f"{objectives}; fix: optimized_metric=<one of them> (and hydra.sweeper.direction to match)")
+        raise MetricNotLogged(
+            f"optimized_metric={name!r} was not logged by this run; of the task's objectives it logged "
+            f"{objectives}; fix: optimized_metric=<one of them> (and hydra.sweeper.direction to match)"
+        )
     return metrics.get(name)
 
 

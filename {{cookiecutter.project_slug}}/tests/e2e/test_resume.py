@@ -7,43 +7,16 @@ Each run is ``python -m {{ cookiecutter.package_name }}.train ... hydra.run.dir=
 
 from __future__ import annotations
 
-import csv
-import os
 import random
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-TESTS = Path(__file__).parent
+from ..processes import checkpoint_step, run_train, step_losses, without_output_dir
+
 EVERY = 3  # callbacks.step_checkpoint.every_n_train_steps in these runs
-
-
-def run_train(run_dir: Path, overrides: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    """``python -m <package>.train`` in a subprocess, with ``tests/`` on PYTHONPATH (for faults.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    """``step -> train/loss`` from the run's CSV log; each step must appear once."""
-    with (run_dir / "csv" / "metrics.csv").open(newline="") as file:
-        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
-    steps = [int(row["step"]) for row in rows]
-    assert len(steps) == len(set(steps)), f"a step is logged twice: {sorted(steps)}"
-    return {int(row["step"]): float(row["train/loss"]) for row in rows}
-
-
-def checkpoint_step(path: Path) -> int:
-    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
-
-
-def without_output_dir(overrides: list[str]) -> list[str]:
-    return [o for o in overrides if not o.startswith("paths.output_dir")]
 
 
 def uninterrupted_losses(base: list[str], run_dir: Path) -> dict[int, float]:
@@ -83,11 +56,16 @@ CLS_STEPS = 18
 
 @pytest.fixture(scope="module")
 def cls_base(tokenizer_dir, toy_data, tmp_path_factory) -> list[str]:
-    from .conftest import tiny_overrides
+    from ..conftest import tiny_overrides
 
     return without_output_dir(tiny_overrides(tokenizer_dir, toy_data, tmp_path_factory.mktemp("cls") / "run")) + [
-        "batch.global_batch_size=16", "batch.micro_batch_size=8", "trainer.max_epochs=3", "trainer.deterministic=true",
-        f"callbacks.step_checkpoint.every_n_train_steps={EVERY}", "optimizer.lr=1e-3", "test_after_fit=false",
+        "batch.global_batch_size=16",
+        "batch.micro_batch_size=8",
+        "trainer.max_epochs=3",
+        "trainer.deterministic=true",
+        f"callbacks.step_checkpoint.every_n_train_steps={EVERY}",
+        "optimizer.lr=1e-3",
+        "test_after_fit=false",
         # (BERT's dropout is on, 0.1: the RNG state must be restored too)
     ]
 
@@ -113,12 +91,19 @@ def test_classifier_killed_between_micro_batches_resumes_bit_identically(cls_bas
 # ----------------------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
 def lm_base(lm_tokenizer_dir, lm_text, tmp_path_factory) -> list[str]:
-    from .conftest import lm_overrides
+    from ..conftest import lm_overrides
 
     return without_output_dir(lm_overrides(lm_tokenizer_dir, lm_text, tmp_path_factory.mktemp("lm") / "run")) + [
-        "batch.global_batch_size=4", "batch.micro_batch_size=2", "data.max_length=16", "trainer.max_epochs=2",
-        "trainer.deterministic=true", f"callbacks.step_checkpoint.every_n_train_steps={EVERY}", "optimizer.lr=3e-3",
-        "test_after_fit=false", "callbacks.sample_generation.every_n_steps=4", "callbacks.sample_generation.do_sample=true",
+        "batch.global_batch_size=4",
+        "batch.micro_batch_size=2",
+        "data.max_length=16",
+        "trainer.max_epochs=2",
+        "trainer.deterministic=true",
+        f"callbacks.step_checkpoint.every_n_train_steps={EVERY}",
+        "optimizer.lr=3e-3",
+        "test_after_fit=false",
+        "callbacks.sample_generation.every_n_steps=4",
+        "callbacks.sample_generation.do_sample=true",
         "+model.config.attention_dropout=0.1",  # dropout on: the RNG state must be restored too
     ]
 
@@ -166,8 +151,12 @@ def test_a_kill_right_after_a_checkpoint_loses_no_logged_step(lm_base, lm_refere
 
 def test_sigterm_finishes_the_step_saves_and_exits_143(lm_base, lm_reference, tmp_path):
     step = EVERY + 1  # not a step-checkpoint step: this last.ckpt can only come from the signal
-    fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={step}", "+callbacks.fault.micro_batch=1",
-             "+callbacks.fault.signal_name=SIGTERM"]
+    fault = [
+        "+callbacks.fault._target_=faults.KillAt",
+        f"+callbacks.fault.step={step}",
+        "+callbacks.fault.micro_batch=1",
+        "+callbacks.fault.signal_name=SIGTERM",
+    ]
     run_dir = tmp_path / "stopped"
     stopped = run_train(run_dir, lm_base + fault)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]

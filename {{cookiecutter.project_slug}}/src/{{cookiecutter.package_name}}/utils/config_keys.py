@@ -1,0 +1,209 @@
+"""Config typos caught by signature, before anything loads.
+
+Hydra's struct mode already refuses ``trainer.max_epoch=3`` on the command line, but a key added
+with ``+`` (``+callbacks.model_checkpoint.save_top=2``) or written in an experiment YAML
+(``weight_decy: 0.1`` under ``optimizer:``) reaches the config, and then either fails deep inside
+a library after the weights load or, worse, is silently ignored.  :func:`unknown_key_problems`
+binds the keys of every ``_target_`` node to the callable's signature (the torchtune
+``tune validate`` habit), and checks the nodes without a ``_target_`` against the keys declared
+once per group below.
+
+What is declared here, and only here:
+
+- :data:`OWN_KEYS`: keys of a ``_target_`` group that this project reads itself and strips before
+  the call (``optimizer.step_in_backward``).
+- :data:`GROUP_KEYS`: the keys of each group that has no ``_target_`` (``model``, ``batch``, ...),
+  and of the top level of the entry configs.
+- :data:`FREE_FORM`: nodes whose keys belong to someone else and are not checked here
+  (``model.config`` is a Hugging Face config: its class accepts any attribute).
+- :data:`FORWARDS`: callables that take ``**kwargs`` and the callable the extra keys are passed
+  on to (``WandbLogger`` -> ``wandb.init``); a ``**kwargs`` callable not listed there is refused
+  by the config test, so nothing is left unchecked without being named.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import inspect
+from collections.abc import Iterator
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+# Keys Hydra's instantiate reads itself.
+HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
+
+# Keys of a _target_ group that are ours: read by this project, not passed to the callable.
+OWN_KEYS: dict[str, frozenset[str]] = {
+    "optimizer": frozenset({"fused", "step_in_backward"}),  # optim.py: fused=null -> CUDA only; step inside backward
+}
+
+# Groups (and the top level) without a _target_: every key they may hold.
+GROUP_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(
+        {  # the top level of train/eval/plan/predict/generate/export
+            "task_name",
+            "seed",
+            "ckpt_path",
+            "optimized_metric",
+            "plan_before_fit",
+            "test_after_fit",
+            "task",
+            "model",
+            "data",
+            "peft",
+            "hardware",
+            "batch",
+            "attention",
+            "checkpointing",
+            "compile",
+            "loss",
+            "optimizer",
+            "scheduler",
+            "callbacks",
+            "logger",
+            "trainer",
+            "paths",
+            "input",
+            "output",
+            "output_dir",
+            "dtype",
+            "model_dir",
+            "prompts",
+            "prompts_file",
+            "generation",
+        }
+    ),
+    "task": frozenset(
+        {"name", "module", "module_args", "datamodule", "monitor", "monitor_mode", "objectives", "validate_before_fit", "requires"}
+    ),
+    "model": frozenset({"name_or_path", "tokenizer", "config", "fetch", "architecture"}),
+    "peft": frozenset({"method", "r", "alpha", "dropout", "target_modules", "target_modules_by_family", "quant_type", "double_quant"}),
+    "hardware": frozenset({"name", "budget_gib", "peak_tflops", "bf16", "tf32", "context_gib"}),
+    "batch": frozenset({"global_batch_size", "micro_batch_size", "device_batch_size", "accumulate_grad_batches"}),
+    "attention": frozenset({"implementation"}),
+    "checkpointing": frozenset({"mode"}),
+    "compile": frozenset({"mode"}),
+    "loss": frozenset({"implementation", "chunk_size"}),
+    "paths": frozenset({"root_dir", "data_dir", "log_dir", "output_dir", "cache_dir"}),
+}
+# Nodes whose own keys are not ours to check (dotted paths from the top).
+FREE_FORM = frozenset(
+    {
+        "model.config",  # a Hugging Face config: PretrainedConfig keeps any attribute
+        "model.architecture",  # the published config.json numbers the planner reads
+        "task.objectives",
+        "task.requires",
+        "peft.target_modules_by_family",
+        "generation",  # transformers' GenerationConfig fields, passed to model.generate
+        "callbacks",
+        "logger",  # their entries are checked one by one as _target_ nodes
+    }
+)
+PACKAGE = __package__.split(".")[0]
+# Callables with **kwargs: where the extra keys go (checked against that signature as well).
+FORWARDS: dict[str, tuple[str, ...]] = {
+    "lightning.pytorch.loggers.WandbLogger": ("wandb.init",),
+    "lightning.pytorch.loggers.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter",),
+    "lightning.pytorch.loggers.wandb.WandbLogger": ("wandb.init",),
+    "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter",),
+    f"{PACKAGE}.utils.csv_log.ResumableCSVLogger": ("lightning.pytorch.loggers.CSVLogger",),
+    f"{PACKAGE}.utils.distributed.fsdp_strategy": (
+        "lightning.pytorch.strategies.FSDPStrategy",
+        "torch.distributed.fsdp.FullyShardedDataParallel",  # where FSDPStrategy sends its own **kwargs
+    ),
+}
+# Packages whose absence another check names with its install line (optional extras).
+OPTIONAL_PACKAGES = frozenset({"bitsandbytes", "liger_kernel", "flash_attn", "tensorboard", "hydra_plugins"})
+
+
+def unknown_key_problems(cfg: DictConfig) -> list[str]:
+    """Every key of ``cfg`` that nothing reads: one line per node, naming the key, the node and
+    the valid keys (the closest match first, when one is close).
+
+    Reads keys only (no interpolation is resolved).  A ``_target_`` that cannot be imported is a
+    problem too, unless its package is an optional extra (another check names its install line).
+    """
+    problems = []
+    for path, node in _nodes(OmegaConf.to_container(cfg, resolve=False), ""):
+        problem = _target_problem(path, node) if "_target_" in node else _group_problem(path, node)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def accepted_keys(target: str) -> tuple[frozenset[str], bool]:
+    """The keyword arguments ``target`` accepts, and whether that list is complete.
+
+    A callable with ``**kwargs`` is complete only when :data:`FORWARDS` names where they go.
+
+    Raises:
+        ImportError: ``target`` (or what it forwards to) cannot be imported.
+    """
+    try:
+        keys, complete = _parameters(hydra.utils.get_object(target))
+        for forwarded in FORWARDS.get(target, ()) if not complete else ():
+            more, complete = _parameters(hydra.utils.get_object(forwarded))
+            keys |= more
+    except Exception as error:  # hydra wraps ImportError/AttributeError in its own type
+        raise ImportError(str(error).splitlines()[0]) from error
+    return keys, complete
+
+
+def _parameters(function: object) -> tuple[frozenset[str], bool]:
+    parameters = inspect.signature(function).parameters.values()
+    names = frozenset(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return names, not any(p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+def _nodes(node: object, path: str) -> Iterator[tuple[str, dict]]:
+    """Every mapping below ``node`` (a plain container; lists walked too) with its dotted path;
+    below a :data:`FREE_FORM` node only its ``_target_`` nodes."""
+    if isinstance(node, dict):
+        if path not in FREE_FORM or "_target_" in node:
+            yield path, node
+        for key, child in node.items():
+            if path not in FREE_FORM or (isinstance(child, dict) and "_target_" in child) or path in ("callbacks", "logger"):
+                yield from _nodes(child, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            yield from _nodes(child, f"{path}[{index}]")
+
+
+def _target_problem(path: str, node: dict) -> str | None:
+    target = str(node["_target_"])
+    group = path.split(".")[0].split("[")[0]
+    if target.startswith("${"):
+        return None
+    try:
+        accepted, complete = accepted_keys(target)
+    except ImportError as error:
+        if target.split(".")[0] in OPTIONAL_PACKAGES and importlib.util.find_spec(target.split(".")[0]) is None:
+            return None
+        return f"{_name(path, '_target_')}={target!r} cannot be imported ({error}); fix: a dotted path to a class or function that exists"
+    if not complete:
+        return None  # a **kwargs callable with no known destination: listed by the config test
+    valid = accepted | OWN_KEYS.get(group, frozenset()) if path == group else accepted
+    return _unknown(path, set(node) - HYDRA_KEYS - valid, valid, f"arguments of {target}")
+
+
+def _group_problem(path: str, node: dict) -> str | None:
+    if path not in GROUP_KEYS:
+        return None  # an inner node (data.splits, ...): the group's own rules check it
+    valid = GROUP_KEYS[path]
+    return _unknown(path, set(node) - valid, valid, "keys this project reads")
+
+
+def _unknown(path: str, unknown: set, valid: frozenset[str], what: str) -> str | None:
+    if not unknown:
+        return None
+    key = sorted(unknown, key=str)[0]
+    close = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f"did you mean {_name(path, close[0])}? " if close else ""
+    others = f" (and {sorted(map(str, unknown))[1:]})" if len(unknown) > 1 else ""
+    return f"{_name(path, key)} is not a key of {path or 'the top level'}{others}: {hint}valid keys ({what}): {', '.join(sorted(valid))}"
+
+
+def _name(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)

@@ -1,0 +1,70 @@
+"""Lightning's DDP on the CPU (``trainer=ddp_cpu``, gloo): two real processes, started the way a
+user starts them (Lightning starts the second rank by re-running the command line, which only a
+real process shows)."""
+
+from __future__ import annotations
+
+import csv
+
+import torch
+
+from ..processes import ok, run_module
+
+
+def test_multirun_with_ddp_leaves_exactly_one_sweep_folder_and_survives_a_failed_job(cli_base, tmp_path):
+    result = run_module(
+        "train",
+        [
+            "-m",
+            *cli_base,
+            f"paths.log_dir={tmp_path / 'logs'}",
+            "trainer=ddp_cpu",
+            "batch.micro_batch_size=8",
+            "optimizer.lr=1e-4,2e-4",
+            "logger=csv",
+            # job 0 runs out of memory on both ranks; job 1 must still run
+            "+callbacks.fault._target_=faults.RaiseOOM",
+            "+callbacks.fault.steps=[0]",
+            "+callbacks.fault.job=0",
+        ],
+        cwd=tmp_path,
+        timeout=500,
+    )
+    assert result.returncode == 1 and "CUDA out of memory" in result.stderr  # Hydra's grid sweep reports the failed job at the end
+    assert [p.name for p in (tmp_path / "logs" / "train").iterdir()] == ["multiruns"]  # no runs/ of a rank-1 process
+    (sweep_dir,) = (tmp_path / "logs" / "train" / "multiruns").iterdir()
+    assert sorted(p.name for p in sweep_dir.iterdir() if not p.name.startswith(".")) == ["0", "1", "multirun.yaml"]
+    assert (sweep_dir / "0" / "oom_report.txt").is_file() and not (sweep_dir / "0" / "metrics.json").exists()
+    assert (sweep_dir / "1" / "metrics.json").is_file()  # the sweep went on after the failed job
+    for job in ("0", "1"):
+        assert (sweep_dir / job / "train_ddp_process_1.log").is_file()  # rank 1 ran this job, in this folder
+
+
+def test_ddp_cpu_trains_with_two_processes_which_stop_together_on_a_signal_to_one_and_resume(cli_base, single_process_run, tmp_path):
+    run_dir = tmp_path / "run"
+    ddp = cli_base + [f"hydra.run.dir={run_dir}", "trainer=ddp_cpu", "batch.micro_batch_size=8", "logger=csv"]
+    stopped = run_module(
+        "train",
+        ddp
+        + [
+            "+callbacks.fault._target_=faults.KillAt",
+            "+callbacks.fault.step=1",
+            "+callbacks.fault.signal_name=SIGTERM",
+            "+callbacks.fault.rank=0",
+        ],
+        cwd=tmp_path,
+    )
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in stopped.stdout + stopped.stderr  # a second process joined
+    assert stopped.returncode == 143, stopped.stderr[-3000:]  # no rank left waiting: both stopped, rank 0 exits 128 + 15
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 2  # the step in progress when SIGTERM came was finished
+    ok(run_module("train", ddp + ["ckpt_path=last"], cwd=tmp_path))
+    final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    reference = torch.load(single_process_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    # Each process trained on its share of the epoch at the same global batch (twice the steps if
+    # each had gone through all the rows), and the resume started at the right row of the epoch.
+    assert final == reference
+    with (run_dir / "csv" / "metrics.csv").open() as file:
+        steps = [int(row["step"]) for row in csv.DictReader(file) if row.get("train/loss")]
+    assert steps == list(range(reference))
+    assert not list(tmp_path.glob("logs"))  # the rank-1 process wrote no run folder of its own

@@ -1,0 +1,38 @@
+"""The command lines themselves: a bad config stops before anything loads, with its message alone
+(no traceback); ``plan`` writes its files and plans GPU-only choices on a CPU machine."""
+
+from __future__ import annotations
+
+import json
+
+from ..processes import run_module
+
+
+def test_cli_rejects_a_bad_batch_and_a_misspelt_key_before_loading_anything(tmp_path):
+    overrides = ["batch.global_batch_size=10", "batch.micro_batch_size=4", f"hydra.run.dir={tmp_path}",
+                 f"paths.cache_dir={tmp_path}/cache", "logger=none", "+callbacks.model_checkpoint.save_top=2"]  # fmt: skip
+    result = run_module("train", overrides)
+    assert result.returncode == 1
+    assert "batch.global_batch_size=10 is not divisible by batch.micro_batch_size=4" in result.stderr
+    # The misspelt key, the node and the valid keys, in the same one message.
+    assert "callbacks.model_checkpoint.save_top is not a key of callbacks.model_checkpoint: did you mean" in result.stderr
+    assert "save_top_k" in result.stderr
+    assert "Traceback" not in result.stderr  # the message alone, not under a stack trace
+    assert not (tmp_path / "cache").exists()  # nothing was fetched
+    assert not (tmp_path / "checkpoints").exists()
+{%- if cookiecutter.tasks != "classification" %}
+
+
+def test_plan_writes_json_and_text_and_plans_gpu_only_choices_on_a_cpu_machine(tmp_path):
+    """plan is for the hardware group, not this machine: 16-mixed is planned, not refused."""
+    from ..test_planner import TINY_LM
+
+    run = tmp_path / "run"
+    result = run_module("plan", [*TINY_LM[:-1], "precision=16-mixed", "hardware=rtx4090_24gb", f"hydra.run.dir={run}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    written = json.loads((run / "plan.json").read_text())
+    for key in ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "total_gib", "budget_gib", "fits", "max_micro_batch"):
+        assert key in written, key
+    assert written["fits"] is True and written["max_micro_batch"] == 16 and written["hardware"] == "rtx4090_24gb"
+    assert "Verdict:" in (run / "plan.txt").read_text() and "Verdict:" in result.stdout
+{%- endif %}
