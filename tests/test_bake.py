@@ -161,6 +161,11 @@ def test_single_task_bake_holds_only_its_task_and_its_tests_pass(tasks, default_
     scripts = set(tomllib.loads((project / "pyproject.toml").read_text())["project"]["scripts"])
     assert (f"{package}-predict" in scripts) == (tasks == "classification")
     assert (f"{package}-generate" in scripts) == (tasks == "causal_lm")
+    # Lint-clean as baked: its own workflow runs ruff on every push (the task conditionals must not
+    # leave unused imports or unsorted blocks behind).
+    ruff = str(Path(sys.executable).with_name("ruff"))
+    run([ruff, "check", "."], cwd=project, timeout=300)
+    run([ruff, "format", "--check", "."], cwd=project, timeout=300)
     env = {**os.environ, "PYTHONPATH": str(project / "src")}
     # Every module imports, and every _target_ of every config names something that exists.
     check = (

@@ -281,7 +281,9 @@ def cli_base(tmp_path_factory, request) -> list[str]:
 {%- else %}
     tokenizer, text = request.getfixturevalue("lm_tokenizer_dir"), request.getfixturevalue("lm_text")
     overrides = lm_overrides(tokenizer, text, tmp_path_factory.mktemp("sweep") / "run") + [
-        "batch.global_batch_size=8", "callbacks.sample_generation=null"]
+        "batch.global_batch_size=8",
+        "callbacks.sample_generation=null",
+    ]
 {%- endif %}
     drop = ("paths.output_dir", "paths.log_dir", "logger=")
     return [o for o in overrides if not o.startswith(drop)] + ["trainer.max_epochs=1", "callbacks.progress_bar=null"]

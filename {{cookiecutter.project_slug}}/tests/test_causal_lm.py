@@ -292,3 +292,13 @@ def test_bad_peft_values_are_listed_together(make_lm_cfg):
         train(make_lm_cfg("peft=lora", "peft.r=0", "peft.dropout=1.5", "data.mode=stream"))
     message = str(error.value)
     assert "peft.r=0" in message and "peft.dropout=1.5" in message and "data.mode='stream'" in message
+
+
+def test_a_misspelt_generation_option_is_refused_before_loading(tmp_path):
+    from {{ cookiecutter.package_name }}.utils.config import validate_config
+
+    from .conftest import compose_config
+
+    cfg = compose_config("generate", [f"paths.output_dir={tmp_path}", "ckpt_path=null", "+generation.max_new_token=8"])
+    with pytest.raises(ConfigError, match=r"generation.max_new_token is not a key of generation: did you mean generation.max_new_tokens\?"):
+        validate_config(cfg)

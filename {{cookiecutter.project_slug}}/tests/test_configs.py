@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, to_plain, validate_config
+from {{ cookiecutter.package_name }}.utils.config import ConfigError, {% if cookiecutter.tasks != "causal_lm" %}to_plain, {% endif %}validate_config
 
 from .conftest import compose_config
 
@@ -195,6 +195,32 @@ def test_a_misspelt_key_added_with_plus_names_itself_the_node_and_the_valid_keys
         validate_config(cfg)
     line = next(line for line in str(error.value).splitlines() if key in line)
     assert f"{key} is not a key of" in line and valid in line, line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "valid"),
+    [
+{%- if cookiecutter.tasks != "causal_lm" %}
+        (["model=tiny_bert", "+model.config.num_hiden_layers=3"], "model.config.num_hiden_layers", "num_hidden_layers"),
+        (["+model.architecture.hiden_size=384"], "model.architecture.hiden_size", "hidden_size"),
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
+        (
+            ["task=causal_lm", "data=text_files", "model=tiny_llama", "+model.config.rms_norm_epsilon=1e-5"],
+            "model.config.rms_norm_epsilon",
+            "rms_norm_eps",
+        ),
+        (["task=causal_lm", "data=text_files", "model=tiny_gpt2", "+model.config.n_embed=64"], "model.config.n_embed", "n_embd"),
+{%- endif %}
+    ],
+)
+def test_a_misspelt_field_of_a_transformers_config_is_refused(tmp_path, overrides, key, valid):
+    """transformers' config classes keep any attribute: a misspelt one would be silently unused."""
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *overrides])
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    line = next(line for line in str(error.value).splitlines() if key in line)
+    assert f"{key} is not a key of" in line and "did you mean" in line and valid in line, line
 
 
 def test_a_misspelt_key_in_an_experiment_file_is_refused(tmp_path):

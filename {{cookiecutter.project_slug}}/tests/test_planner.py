@@ -4,17 +4,18 @@ experiment's header figure."""
 
 from __future__ import annotations
 
-import json
-import re
+{% if cookiecutter.tasks != "classification" %}import json
+{% endif %}import re
 from importlib import resources
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from {{ cookiecutter.package_name }}.memory import planner
+{% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.memory import planner
 from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, nf4_bytes, optimizer_state_bytes, plan_memory
-from {{ cookiecutter.package_name }}.memory.tracer import CudaAutocastEmulation
+{% else %}from {{ cookiecutter.package_name }}.memory.planner import architecture
+{% endif %}from {{ cookiecutter.package_name }}.memory.tracer import CudaAutocastEmulation
 from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
 from .conftest import compose_config

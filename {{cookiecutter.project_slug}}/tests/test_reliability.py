@@ -4,19 +4,19 @@ edge cases (a data set smaller than one batch, fewer batches than the accumulati
 from __future__ import annotations
 
 import csv
-import signal
-from pathlib import Path
+{% if cookiecutter.tasks != "causal_lm" %}import signal
+{% endif %}from pathlib import Path
 
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_NON_FINITE_LOSS, RunStopped
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_NON_FINITE_LOSS, RunStopped
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+{% endif %}from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
 from {{ cookiecutter.package_name }}.utils.csv_log import ResumableCSVLogger
-
+{% if cookiecutter.tasks != "causal_lm" %}
 from .processes import step_losses
-
+{% endif %}
 
 def csv_rows(run_dir: Path) -> list[dict]:
     with (run_dir / "csv" / "metrics.csv").open(newline="") as file:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import json
+{% if cookiecutter.tasks != "classification" %}import json
 
-from ..processes import run_module
+{% endif %}from ..processes import run_module
 
 
 def test_cli_rejects_a_bad_batch_and_a_misspelt_key_before_loading_anything(tmp_path):

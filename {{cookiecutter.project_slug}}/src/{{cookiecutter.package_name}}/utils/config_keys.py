@@ -102,6 +102,13 @@ FREE_FORM = frozenset(
     }
 )
 PACKAGE = __package__.split(".")[0]
+# Free-form nodes that hold a transformers config's fields (checked by its class), with the keys
+# of ours they may hold besides.
+HF_CONFIG_NODES: dict[str, frozenset[str]] = {
+    "model.config": frozenset({"model_type"}),
+    "model.architecture": frozenset({"model_type", "of"}),  # `of`: the model these numbers describe
+    "generation": frozenset(),
+}
 # Callables with **kwargs: where the extra keys go (checked against that signature as well).
 FORWARDS: dict[str, tuple[str, ...]] = {
     "lightning.pytorch.loggers.WandbLogger": ("wandb.init",),
@@ -125,12 +132,46 @@ def unknown_key_problems(cfg: DictConfig) -> list[str]:
     Reads keys only (no interpolation is resolved).  A ``_target_`` that cannot be imported is a
     problem too, unless its package is an optional extra (another check names its install line).
     """
+    plain = OmegaConf.to_container(cfg, resolve=False)
     problems = []
-    for path, node in _nodes(OmegaConf.to_container(cfg, resolve=False), ""):
+    for path, node in _nodes(plain, ""):
         problem = _target_problem(path, node) if "_target_" in node else _group_problem(path, node)
         if problem:
             problems.append(problem)
+    for path in HF_CONFIG_NODES:
+        node = _get(plain, path)
+        problem = _hf_config_problem(path, node) if isinstance(node, dict) else None
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def _get(plain: dict, path: str) -> object:
+    for key in path.split("."):
+        plain = plain.get(key) if isinstance(plain, dict) else None
+    return plain
+
+
+def _hf_config_problem(path: str, node: dict) -> str | None:
+    """Keys of a Hugging Face config node (``model.config``, ``model.architecture``) must be fields
+    of the config class of its ``model_type`` (or their aliases, GPT-2's ``hidden_size`` for
+    ``n_embd``); ``generation`` must hold GenerationConfig fields.  transformers' classes accept
+    any attribute, so a typo would otherwise be kept and never read."""
+    import transformers
+
+    if path == "generation":
+        config = transformers.GenerationConfig()
+    else:
+        model_type = node.get("model_type")
+        if not isinstance(model_type, str) or model_type.startswith("${"):
+            return None
+        try:
+            config = transformers.AutoConfig.for_model(model_type)
+        except (ValueError, KeyError, ImportError):
+            return None  # an unknown model_type is named where the model is built
+    fields = {key for key in config.to_dict() if not key.startswith("_")} | set(getattr(config, "attribute_map", {}))
+    valid = frozenset(fields) | HF_CONFIG_NODES[path]
+    return _unknown(path, set(node) - valid, valid, f"fields of transformers' {type(config).__name__}")
 
 
 def accepted_keys(target: str) -> tuple[frozenset[str], bool]:
