@@ -223,6 +223,35 @@ def test_a_misspelt_field_of_a_transformers_config_is_refused(tmp_path, override
     assert f"{key} is not a key of" in line and "did you mean" in line and valid in line, line
 
 
+@pytest.mark.parametrize(
+    ("config_name", "override", "expected"),
+    [
+        ("train", "+dtype=bfloat16", "dtype is not a key of the top level"),  # export's key, not train's
+        ("eval", "+input=x.csv", "input is not a key of the top level"),  # predict's key, not eval's
+        (
+            "train",
+            "callbacks.lr_monitor=false",
+            "callbacks.lr_monitor=False: an entry is a config with a _target_, or null; fix: callbacks.lr_monitor=null",
+        ),
+        (
+            "train",
+            "+callbacks.model_chekpoint.save_top_k=2",
+            "callbacks.model_chekpoint has no _target_: did you mean callbacks.model_checkpoint?",
+        ),
+        ("train", "+model.config.hidden_dropout_prob=0.2", "model.config has no model_type"),
+        ("train", "+trainer.logger=true", "trainer.logger is set by this project, not by the config"),
+        ("train", "+optimizer.params=1", "optimizer.params is set by this project"),
+        ("train", "optimizer._target_=torch.optim.AdamWW", "No module named 'torch.optim.AdamWW'"),
+        ("train", "~scheduler.decay", "scheduler.decay is missing (removed with ~?)"),
+    ],
+)
+def test_stray_and_missing_keys_are_named_with_the_fix(tmp_path, config_name, override, expected):
+    cfg = compose_config(config_name, [f"paths.output_dir={tmp_path}", override])
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    assert expected in str(error.value), str(error.value)
+
+
 def test_a_misspelt_key_in_an_experiment_file_is_refused(tmp_path):
     """``weight_decy: 0.1`` under ``optimizer:`` in a user's experiment YAML (on Hydra's search path)."""
     (tmp_path / "experiment").mkdir()

@@ -118,6 +118,23 @@ def test_autofit_picks_the_largest_divisor_that_fits_and_keeps_the_global_batch(
     assert plan.advice == []  # a smaller micro-batch is the fix
 
 
+def test_several_processes_are_planned_per_process():
+    """trainer=ddp trainer.devices=2: each GPU holds one process, with micro-batches of
+    batch.device_batch_size and half the global batch; the plan, its search and the OOM advice
+    are that process's."""
+    from {{ cookiecutter.package_name }}.memory.oom import suggest_batch
+
+    base = (*TINY_LM, "batch.global_batch_size=16", "batch.micro_batch_size=16")
+    one = plan_memory(plan_cfg(*base), search=False)
+    cfg = plan_cfg(*base, "trainer=ddp", "trainer.devices=2")
+    two = plan_memory(cfg)
+    assert (two.micro_batch, two.accumulate, two.processes) == (8, 1, 2)
+    assert two.total < one.total  # half the activations of the one-process plan
+    assert (two.max_micro_batch, two.max_micro_batch_accumulate) == (8, 1)  # the whole share fits
+    assert "Memory plan per process (2 processes, one GPU each): micro-batch 8" in two.table("rtx4090_24gb")
+    assert suggest_batch(cfg)[0] == 4  # below the 8 that ran out of memory, a divisor of the share
+
+
 def test_advice_lists_only_levers_that_lower_the_plan():
     base = (*TINY_LM, "data.max_length=256", "batch.micro_batch_size=1", "batch.global_batch_size=1")
     plain = plan_memory(plan_cfg(*base), search=False).total

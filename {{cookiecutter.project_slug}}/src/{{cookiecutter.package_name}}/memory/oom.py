@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ..utils.run import atomic_write_path
-from .planner import plan_memory
+from .planner import plan_memory, process_batch
 
 log = logging.getLogger(__name__)
 
@@ -18,12 +18,13 @@ log = logging.getLogger(__name__)
 def suggest_batch(cfg: DictConfig) -> tuple[int | None, list[str], str]:
     """``(micro_batch, other levers, planner line)`` for a run that ran out of memory.
 
-    The micro-batch is the largest divisor of ``batch.global_batch_size`` (so the optimization is
+    The micro-batch is the largest divisor of one process's share of ``batch.global_batch_size``
+    (the whole of it on one GPU; :func:`.planner.process_batch`) (so the optimization is
     unchanged) that is smaller than the one that failed and that the planner says fits; ``None``
     at micro-batch 1, where only the planner's levers are left.  The planner runs on the CPU, on
     fake tensors; when it cannot (an unknown architecture), the divisor rule alone decides.
     """
-    global_batch, micro_batch = cfg.batch.global_batch_size, cfg.batch.micro_batch_size
+    micro_batch, global_batch, _ = process_batch(cfg)  # one process's (DDP: its share of the global batch)
     smaller = [d for d in range(1, micro_batch) if global_batch % d == 0]
     try:
         plan = plan_memory(cfg)
@@ -47,7 +48,7 @@ def write_oom_report(cfg: DictConfig, run_dir: Path, report: dict | None, error:
     """
     facts = dict(report or {})
     micro_batch, levers, planner_line = suggest_batch(cfg)
-    global_batch = cfg.batch.global_batch_size
+    global_batch, share = cfg.batch.global_batch_size, process_batch(cfg)[1]  # share: one process's part of it
     lines = [
         f"CUDA out of memory at optimizer step {facts.get('optimizer_step', '?')} "
         f"(epoch {facts.get('epoch', '?')}, batch {facts.get('batch_idx', '?')} of the epoch, "
@@ -66,14 +67,14 @@ def write_oom_report(cfg: DictConfig, run_dir: Path, report: dict | None, error:
         lines.append("saved: nothing (no checkpoint yet, and the state at the error was not a clean step boundary)")
     lines.append(planner_line)
     if micro_batch:
-        fix = f"batch.micro_batch_size={micro_batch} (accumulation {global_batch // micro_batch} keeps the global batch of {global_batch})"
+        fix = f"batch.micro_batch_size={micro_batch} (accumulation {share // micro_batch} keeps the global batch of {global_batch})"
     else:
         fix = "; ".join(levers) or "a shorter data.max_length, checkpointing=full, optimizer=adamw_8bit or peft=lora"
     lines.append(f"fix: {fix}")
     text = "\n".join(lines)
     facts.update(
         suggested_micro_batch=micro_batch,
-        suggested_accumulation=global_batch // micro_batch if micro_batch else None,
+        suggested_accumulation=share // micro_batch if micro_batch else None,
         advice=levers,
         planner=planner_line,
         fix=fix,

@@ -43,7 +43,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ..models.levers import enable_activation_checkpointing
 from ..optim import StepInBackward, build_optimizer
-from ..utils.config import ConfigError, to_plain, uses_cuda
+from ..utils.config import ConfigError, to_plain, uses_cuda, world_size
 from . import tracer
 
 GIB = 2**30
@@ -84,6 +84,7 @@ class MemoryPlan:
     counts: dict = field(default_factory=dict)
     corrections: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
+    processes: int = 1  # trainer.devices x trainer.num_nodes: the plan is one process's (one GPU's)
 
     def as_json(self) -> dict:
         """Plain JSON: every byte field also as ``<name>_gib`` (GiB, 3 decimals)."""
@@ -116,8 +117,9 @@ class MemoryPlan:
             ("CUDA context + allocator", self.overhead),
             ("= total", self.total),
         ]
+        each = f" per process ({self.processes} processes, one GPU each)" if self.processes > 1 else ""
         lines = [
-            f"Memory plan: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}",
+            f"Memory plan{each}: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}",
             '  (what is alive at the peak moment; full sizes in plan.json "counts")',
         ]
         lines += [f"  {name:<26}{size / GIB:>8.2f} GiB" for name, size in rows]
@@ -381,9 +383,22 @@ def nf4_bytes(numel: int, double_quant: bool) -> int:
     return math.ceil(numel / 2) + constants
 
 
+def process_batch(cfg: DictConfig) -> tuple[int, int, int]:
+    """``(micro-batch, global batch share, processes)`` of one process of ``cfg``'s run.
+
+    One GPU holds one process: under DDP/FSDP (``trainer.devices x trainer.num_nodes``
+    processes) each runs micro-batches of ``batch.device_batch_size`` and accumulates its share
+    ``global_batch_size / processes`` of every optimizer step, as the batch group derives them.
+    """
+    devices, nodes = world_size(cfg)
+    processes = devices * nodes
+    return cfg.batch.device_batch_size, cfg.batch.global_batch_size // processes, processes
+
+
 def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = True, config: PretrainedConfig | None = None) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``cfg`` (a composed ``train`` config) at ``micro_batch``
-    (default ``batch.micro_batch_size``), with the largest micro-batch that fits when ``search``.
+    """The :class:`MemoryPlan` of one process of ``cfg`` (a composed ``train`` config) at
+    ``micro_batch`` (default: the process's micro-batch, :func:`process_batch`), with the largest
+    micro-batch that fits when ``search`` (a divisor of the process's share of the global batch).
 
     The search traces micro-batches 1 and 2, extrapolates linearly (activations grow with the
     micro-batch, the rest does not), takes the largest divisor of the global batch under the
@@ -395,8 +410,8 @@ def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = 
             or the module's own checks (max positions, LoRA targets...).
     """
     config = config or architecture(cfg)
-    global_batch = cfg.batch.global_batch_size
-    micro_batch = micro_batch or cfg.batch.micro_batch_size
+    device_batch, global_batch, _ = process_batch(cfg)
+    micro_batch = micro_batch or device_batch
     budget = int(cfg.hardware.budget_gib * GIB)
     plan = _plan_at(cfg, config, micro_batch, budget)
     if not search:
@@ -457,7 +472,8 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
     return MemoryPlan(
         micro_batch=micro_batch,
         seq_len=cfg.data.max_length,
-        accumulate=max(1, cfg.batch.global_batch_size // micro_batch),
+        accumulate=max(1, process_batch(cfg)[1] // micro_batch),
+        processes=process_batch(cfg)[2],
         params=peak["params"],
         buffers=peak["buffers"],
         grads=peak["grads"],

@@ -7,12 +7,14 @@ so a user fixes a bad command line in one round instead of one error per launch.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from .config_keys import unknown_key_problems
 
@@ -136,76 +138,89 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         ConfigError: with every problem found, one per line.
     """
     problems: list[str] = unknown_key_problems(cfg)
+    try:
+        seed = cfg.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            problems.append(f"seed={seed!r} must be an integer (0 is a seed) or null for no seeding")
 
-    seed = cfg.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        problems.append(f"seed={seed!r} must be an integer (0 is a seed) or null for no seeding")
+        if "batch" in cfg:
+            problem = batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, *world_size(cfg))
+            if problem:
+                problems.append(problem)
 
-    if "batch" in cfg:
-        problem = batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, *world_size(cfg))
-        if problem:
-            problems.append(problem)
+        if "trainer" in cfg:
+            precision = str(cfg.trainer.get("precision"))
+            if precision not in PRECISIONS:
+                problems.append(f"trainer.precision={precision!r} is not one of {PRECISIONS}; fix: precision=bf16-mixed")
+            elif precision.startswith("bf16") and "hardware" in cfg and not cfg.hardware.bf16:
+                problems.append(
+                    f"precision={precision} on hardware={cfg.hardware.name}, which has no bf16; "
+                    "fix: precision=16-mixed (fp16 with loss scaling) or 32-true"
+                )
+            elif precision == "16-mixed" and runs_here and not uses_cuda(cfg):
+                # Lightning would silently switch to bf16 on the CPU: say so instead.
+                problems.append(
+                    "precision=16-mixed needs a CUDA GPU (fp16 autocast with loss scaling), and none is in use; "
+                    "fix: precision=bf16-mixed (or 32-true) on the CPU"
+                )
+        problems += _lever_problems(cfg, runs_here)
+        if "trainer" in cfg:
+            problems += _distributed_problems(cfg.trainer, runs_here)
 
-    if "trainer" in cfg:
-        precision = str(cfg.trainer.get("precision"))
-        if precision not in PRECISIONS:
-            problems.append(f"trainer.precision={precision!r} is not one of {PRECISIONS}; fix: precision=bf16-mixed")
-        elif precision.startswith("bf16") and "hardware" in cfg and not cfg.hardware.bf16:
+        if "optimizer" in cfg:
+            lr = cfg.optimizer.get("lr")
+            if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+                problems.append(f"optimizer.lr={lr!r} must be a positive number, e.g. optimizer.lr=5e-5")
+            weight_decay = cfg.optimizer.get("weight_decay")
+            if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+                problems.append(f"optimizer.weight_decay={weight_decay!r} must be a number >= 0")
+
+        if "scheduler" in cfg:
+            warmup = cfg.scheduler.warmup_ratio
+            if not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
+                problems.append(f"scheduler.warmup_ratio={warmup!r} must be in [0, 1): the fraction of optimizer steps spent warming up")
+            if cfg.scheduler.decay not in DECAYS:
+                problems.append(f"scheduler.decay={cfg.scheduler.decay!r} is not one of {DECAYS}")
+            min_ratio = cfg.scheduler.min_lr_ratio
+            if not isinstance(min_ratio, (int, float)) or not 0 <= min_ratio <= 1:
+                problems.append(f"scheduler.min_lr_ratio={min_ratio!r} must be in [0, 1]")
+
+        if "task" in cfg and "data" in cfg:
+            problems += _task_problems(cfg)
+        if "data" in cfg:
+            problems += _data_problems(cfg.data)
+        if cfg.get("peft") is not None:
+            problems += _peft_problems(cfg.peft, task=cfg.task.name if "task" in cfg else None)
+
+        for group in ("callbacks", "logger"):
+            entries = cfg.get(group) or {}
+            for name, node in entries.items():
+                if node is not None and not isinstance(node, DictConfig):
+                    problems.append(
+                        f"{group}.{name}={node!r}: an entry is a config with a _target_, or null; fix: {group}.{name}=null to turn it off"
+                    )
+                elif node is not None and "_target_" not in node:
+                    named = [other for other in entries if other != name and entries[other] is not None]
+                    close = difflib.get_close_matches(str(name), named, n=1)
+                    hint = f"did you mean {group}.{close[0]}? " if close else ""
+                    problems.append(
+                        f"{group}.{name} has no _target_: {hint}fix: give it one, or disable it with {group}.{name}=null "
+                        f"(entries: {', '.join(map(str, named)) or 'none'})"
+                    )
+
+        missing = [key for key in required if cfg.get(key) is None]
+        for key in missing:
+            problems.append(f"{key} is required; fix: {key}={REQUIRED_EXAMPLES[key]}")
+        ckpt_path = cfg.get("ckpt_path")
+        resumes_last = ckpt_path == "last" and "ckpt_path" not in required  # train: this run's last.ckpt, if any
+        if ckpt_path is not None and not resumes_last and not Path(ckpt_path).is_file():
             problems.append(
-                f"precision={precision} on hardware={cfg.hardware.name}, which has no bf16; "
-                "fix: precision=16-mixed (fp16 with loss scaling) or 32-true"
+                f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)"
+                + ("" if "ckpt_path" in required else ", or ckpt_path=last to resume the run in hydra.run.dir")
             )
-        elif precision == "16-mixed" and runs_here and not uses_cuda(cfg):
-            # Lightning would silently switch to bf16 on the CPU: say so instead.
-            problems.append(
-                "precision=16-mixed needs a CUDA GPU (fp16 autocast with loss scaling), and none is in use; "
-                "fix: precision=bf16-mixed (or 32-true) on the CPU"
-            )
-    problems += _lever_problems(cfg, runs_here)
-    if "trainer" in cfg:
-        problems += _distributed_problems(cfg.trainer, runs_here)
 
-    if "optimizer" in cfg:
-        lr = cfg.optimizer.get("lr")
-        if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
-            problems.append(f"optimizer.lr={lr!r} must be a positive number, e.g. optimizer.lr=5e-5")
-        weight_decay = cfg.optimizer.get("weight_decay")
-        if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-            problems.append(f"optimizer.weight_decay={weight_decay!r} must be a number >= 0")
-
-    if "scheduler" in cfg:
-        warmup = cfg.scheduler.warmup_ratio
-        if not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
-            problems.append(f"scheduler.warmup_ratio={warmup!r} must be in [0, 1): the fraction of optimizer steps spent warming up")
-        if cfg.scheduler.decay not in DECAYS:
-            problems.append(f"scheduler.decay={cfg.scheduler.decay!r} is not one of {DECAYS}")
-        min_ratio = cfg.scheduler.min_lr_ratio
-        if not isinstance(min_ratio, (int, float)) or not 0 <= min_ratio <= 1:
-            problems.append(f"scheduler.min_lr_ratio={min_ratio!r} must be in [0, 1]")
-
-    if "task" in cfg and "data" in cfg:
-        problems += _task_problems(cfg)
-    if "data" in cfg:
-        problems += _data_problems(cfg.data)
-    if cfg.get("peft") is not None:
-        problems += _peft_problems(cfg.peft, task=cfg.task.name if "task" in cfg else None)
-
-    for group in ("callbacks", "logger"):
-        for name, node in (cfg.get(group) or {}).items():
-            if node is not None and "_target_" not in node:
-                problems.append(f"{group}.{name} has no _target_; fix: give it one, or disable it with {group}.{name}=null")
-
-    missing = [key for key in required if cfg.get(key) is None]
-    for key in missing:
-        problems.append(f"{key} is required; fix: {key}={REQUIRED_EXAMPLES[key]}")
-    ckpt_path = cfg.get("ckpt_path")
-    resumes_last = ckpt_path == "last" and "ckpt_path" not in required  # train: this run's last.ckpt, if any
-    if ckpt_path is not None and not resumes_last and not Path(ckpt_path).is_file():
-        problems.append(
-            f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)"
-            + ("" if "ckpt_path" in required else ", or ckpt_path=last to resume the run in hydra.run.dir")
-        )
-
+    except (ConfigAttributeError, ConfigKeyError) as error:  # a key the shipped group files have was removed (~key)
+        problems.append(f"{error.full_key} is missing (removed with ~?); fix: put it back: every key of the shipped config files is read")
     if problems:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
 

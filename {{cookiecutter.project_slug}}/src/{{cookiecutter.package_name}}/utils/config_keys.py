@@ -88,6 +88,17 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "loss": frozenset({"implementation", "chunk_size"}),
     "paths": frozenset({"root_dir", "data_dir", "log_dir", "output_dir", "cache_dir"}),
 }
+# Top-level keys that only one entry config reads (by task_name; train and eval read none extra).
+ENTRY_KEYS: dict[str, frozenset[str]] = {
+    "predict": frozenset({"input", "output"}),
+    "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation"}),
+    "export": frozenset({"output_dir", "dtype"}),
+}
+# Arguments of a _target_ that this project passes itself: never from the config.
+SET_BY_PROJECT: dict[str, frozenset[str]] = {
+    "lightning.pytorch.Trainer": frozenset({"callbacks", "logger"}),  # from the callbacks and logger groups
+    "optimizer": frozenset({"params"}),  # the parameter groups (optim.param_groups)
+}
 # Nodes whose own keys are not ours to check (dotted paths from the top).
 FREE_FORM = frozenset(
     {
@@ -135,7 +146,7 @@ def unknown_key_problems(cfg: DictConfig) -> list[str]:
     plain = OmegaConf.to_container(cfg, resolve=False)
     problems = []
     for path, node in _nodes(plain, ""):
-        problem = _target_problem(path, node) if "_target_" in node else _group_problem(path, node)
+        problem = _target_problem(path, node) if "_target_" in node else _group_problem(path, node, plain.get("task_name"))
         if problem:
             problems.append(problem)
     for path in HF_CONFIG_NODES:
@@ -163,13 +174,21 @@ def _hf_config_problem(path: str, node: dict) -> str | None:
         config = transformers.GenerationConfig()
     else:
         model_type = node.get("model_type")
+        if model_type is None:
+            return (
+                f"{path} has no model_type, so its keys ({', '.join(map(str, node))}) cannot be checked or used; "
+                f"fix: {path}.model_type=<the transformers model family, e.g. bert, llama, gpt2>"
+            )
         if not isinstance(model_type, str) or model_type.startswith("${"):
             return None
         try:
             config = transformers.AutoConfig.for_model(model_type)
-        except (ValueError, KeyError, ImportError):
-            return None  # an unknown model_type is named where the model is built
-    fields = {key for key in config.to_dict() if not key.startswith("_")} | set(getattr(config, "attribute_map", {}))
+        except (ValueError, KeyError) as error:
+            return f"{path}.model_type={model_type!r} is not a transformers model family ({str(error).splitlines()[0][:200]})"
+    fields = {key for key in config.to_dict() if not key.startswith("_") and key != "transformers_version"}
+    fields |= set(getattr(config, "attribute_map", {}))
+    if "rope_parameters" in fields:  # the older spellings transformers still converts into rope_parameters
+        fields |= {"rope_theta", "rope_scaling"}
     valid = frozenset(fields) | HF_CONFIG_NODES[path]
     return _unknown(path, set(node) - valid, valid, f"fields of transformers' {type(config).__name__}")
 
@@ -184,11 +203,14 @@ def accepted_keys(target: str) -> tuple[frozenset[str], bool]:
     """
     try:
         keys, complete = _parameters(hydra.utils.get_object(target))
-        for forwarded in FORWARDS.get(target, ()) if not complete else ():
-            more, complete = _parameters(hydra.utils.get_object(forwarded))
-            keys |= more
     except Exception as error:  # hydra wraps ImportError/AttributeError in its own type
-        raise ImportError(str(error).splitlines()[0]) from error
+        raise ImportError(" ".join(line.strip() for line in str(error).splitlines() if line.strip())[:400]) from error
+    for forwarded in FORWARDS.get(target, ()) if not complete else ():
+        try:
+            more, complete = _parameters(hydra.utils.get_object(forwarded))
+        except Exception:  # an optional package (tensorboard for its SummaryWriter) is missing: unchecked
+            return keys, False
+        keys |= more
     return keys, complete
 
 
@@ -224,21 +246,32 @@ def _target_problem(path: str, node: dict) -> str | None:
             return None
         return f"{_name(path, '_target_')}={target!r} cannot be imported ({error}); fix: a dotted path to a class or function that exists"
     if not complete:
-        return None  # a **kwargs callable with no known destination: listed by the config test
-    valid = accepted | OWN_KEYS.get(group, frozenset()) if path == group else accepted
+        return None  # a **kwargs callable with no known destination (or one whose package is missing)
+    if path == group:
+        accepted = accepted | OWN_KEYS.get(group, frozenset())
+    set_here = SET_BY_PROJECT.get(target, frozenset()) | (SET_BY_PROJECT.get(group, frozenset()) if path == group else frozenset())
+    valid = accepted - set_here
+    clash = sorted(set(node) & set_here)
+    if clash:
+        return f"{_name(path, clash[0])} is set by this project, not by the config; fix: remove it (valid keys: {', '.join(sorted(valid))})"
     return _unknown(path, set(node) - HYDRA_KEYS - valid, valid, f"arguments of {target}")
 
 
-def _group_problem(path: str, node: dict) -> str | None:
+def _group_problem(path: str, node: dict, entry: str | None = None) -> str | None:
     if path not in GROUP_KEYS:
         return None  # an inner node (data.splits, ...): the group's own rules check it
     valid = GROUP_KEYS[path]
-    return _unknown(path, set(node) - valid, valid, "keys this project reads")
+    if path == "":  # the top level: the shared keys, and those of this entry point alone
+        every_entry = frozenset().union(*ENTRY_KEYS.values())
+        valid = valid - every_entry | ENTRY_KEYS.get(entry, frozenset() if entry in ("train", "eval", "plan") else every_entry)
+    return _unknown(path, set(node) - valid, valid, "keys this project reads" + (f" in {entry}" if path == "" and entry else ""))
 
 
 def _unknown(path: str, unknown: set, valid: frozenset[str], what: str) -> str | None:
     if not unknown:
         return None
+    if not valid:
+        return f"{_name(path, sorted(unknown, key=str)[0])} is not a key of {path}: there are no {what} (fix: remove it)"
     key = sorted(unknown, key=str)[0]
     close = difflib.get_close_matches(str(key), valid, n=1)
     hint = f"did you mean {_name(path, close[0])}? " if close else ""
