@@ -75,6 +75,8 @@ def test_the_walk_finds_every_group():
 
 def task_contexts(group: str, option: str) -> list[list[str]]:
     """Overrides under which a group option may be used: as is, or with a task that reads it."""
+    if group.startswith("hydra/sweeper/"):  # e.g. hydra/sweeper/sampler: a part of our sweeper's config
+        return [["hydra/sweeper=resumable_optuna"]]
     if group == "task":
         return [[f"data={TASK_DATA[option]}"]]
     if group == "data":

@@ -22,8 +22,16 @@ from {{ cookiecutter.package_name }}.utils.sweeps import MetricNotLogged, TrialF
 from .conftest import METRIC, TASK, compose_config
 
 
+def study_storage(sweep_dir: Path):
+    """The storage of the study in ``sweep_dir``: ``optuna.journal`` if there is one, else ``optuna.db``."""
+    journal = sweep_dir / "optuna.journal"
+    if journal.is_file():
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+    return f"sqlite:///{sweep_dir / 'optuna.db'}"
+
+
 def study_trials(sweep_dir: Path) -> list:
-    storage = f"sqlite:///{sweep_dir / 'optuna.db'}"
+    storage = study_storage(sweep_dir)
     (summary,) = optuna.get_all_study_summaries(storage)
     return optuna.load_study(study_name=summary.study_name, storage=storage).trials
 
@@ -40,7 +48,7 @@ def all_different(trials: list) -> bool:
 
 def test_a_trial_that_did_not_log_the_metric_stops_the_sweep_other_failures_do_not(tmp_path):
     hydra_plugin = pytest.importorskip("hydra_plugins.{{ cookiecutter.package_name }}_sweeper")
-    sweeper = hydra_plugin.ResumableOptunaSweeper.__new__(hydra_plugin.ResumableOptunaSweeper)
+    sweeper = hydra_plugin.ResumableOptunaSweeper(None, "maximize", "sqlite://", "s", n_trials=1, n_jobs=1, max_failure_rate=0.5)
     sweeper.config = OmegaConf.create({"optimized_metric": METRIC})
     study = optuna.create_study()
 
@@ -100,11 +108,11 @@ class FakeLauncher:
         return jobs
 
 
-def fake_sweep(tmp_path: Path, outcome, n_trials: int):
+def fake_sweep(tmp_path: Path, outcome, n_trials: int, params: dict | None = None, storage: str | None = None, arguments=()):
     """The project's sweeper on a study in ``tmp_path`` with a fake launcher: the whole trial loop
     (top-up, numbering, failures, reseeding, best.yaml) in a second, without training."""
     plugin = pytest.importorskip("hydra_plugins.{{ cookiecutter.package_name }}_sweeper")
-    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    storage = storage or f"sqlite:///{tmp_path / 'optuna.db'}"
     sampler = {"_target_": "optuna.samplers.TPESampler", "seed": 1}
     sweeper = plugin.ResumableOptunaSweeper(
         sampler=optuna.samplers.TPESampler(seed=1),
@@ -114,7 +122,7 @@ def fake_sweep(tmp_path: Path, outcome, n_trials: int):
         n_trials=n_trials,
         n_jobs=1,
         max_failure_rate=0.5,
-        params=OmegaConf.create({"optimizer.lr": "interval(0.1, 1.0)"}),
+        params=OmegaConf.create(params or {"optimizer.lr": "interval(0.1, 1.0)"}),
     )
     config = OmegaConf.create(
         {
@@ -124,9 +132,9 @@ def fake_sweep(tmp_path: Path, outcome, n_trials: int):
             "hydra": {"sweep": {"dir": str(tmp_path)}, "sweeper": {"storage": storage, "sampler": sampler}, "runtime": {"choices": {}}},
         }
     )
-    sweeper.config = sweeper.impl.config = config
-    sweeper.impl.launcher = launcher = FakeLauncher(outcome)
-    sweeper.sweep([])
+    sweeper.config = config
+    sweeper.launcher = launcher = FakeLauncher(outcome)
+    sweeper.sweep(list(arguments))
     return launcher
 
 
@@ -251,3 +259,39 @@ def test_run_and_sweep_folders_carry_the_process_id():
     for folder in (run_dir, sweep_dir):
         date, time, pid = folder.rsplit("/", 1)[1].split("_")
         assert pid == str(os.getpid()) and len(date) == 10 and len(time) == 8, folder
+
+
+def test_the_search_space_is_read_with_hydras_override_syntax():
+    plugin = pytest.importorskip("hydra_plugins.{{ cookiecutter.package_name }}_sweeper")
+    space, fixed = plugin.search_space([
+        "optimizer.lr=tag(log, interval(1e-5, 3e-4))", "batch.micro_batch_size=choice(8, 16, 32)", "+peft.r=range(4, 13, 4)",
+        "seed=7", "scheduler.decay=choice(linear, cosine)", "batch.micro_batch_size=choice(4, 8)",  # the later line wins
+    ])  # fmt: skip
+    lr = space["optimizer.lr"]
+    assert isinstance(lr, optuna.distributions.FloatDistribution) and (lr.low, lr.high, lr.log) == (1e-5, 3e-4, True)
+    assert space["batch.micro_batch_size"].choices == (4, 8) and space["+peft.r"].choices == (4, 8, 12)
+    assert space["scheduler.decay"].choices == ("linear", "cosine") and fixed == ["seed=7"]
+    assert plugin.override("scheduler.decay", "cosine") == "scheduler.decay='cosine'"
+    assert plugin.override("optimizer.lr", 1e-4) == "optimizer.lr=0.0001"
+    with pytest.raises(plugin.SweepConfigError, match="hydra.sweeper.params"):
+        plugin.search_space(["optimizer.lr=interval(1e-5"])
+
+
+def test_an_edited_search_space_stops_before_any_trial_naming_the_parameter(tmp_path, capsys):
+    fake_sweep(tmp_path, lambda n, o: 0.5, n_trials=2, params={"optimizer.lr": "choice(0.1, 0.2)"})
+    with pytest.raises(SystemExit) as stop:
+        fake_sweep(tmp_path, lambda n, o: 0.5, n_trials=3, params={"optimizer.lr": "choice(0.1, 0.2, 0.3)"})
+    assert stop.value.code == 1
+    message = capsys.readouterr().err
+    assert "hydra.sweeper.params.optimizer.lr is choice(0.1, 0.2, 0.3) now, but was choice(0.1, 0.2)" in message
+    assert "fix: a new study (hydra.sweeper.study_name=<new name>)" in message and "Traceback" not in message
+    assert study_states(tmp_path) == {0: "COMPLETE", 1: "COMPLETE"}  # nothing asked, nothing left RUNNING
+
+
+def test_two_launches_share_a_journal_study(tmp_path):
+    """journal:<file> (Optuna's journal file storage, for several launches at once or NFS): a
+    second launch tops the same study up, with its own trial numbers and new parameters."""
+    storage = f"journal:{tmp_path / 'optuna.journal'}"
+    assert fake_sweep(tmp_path, lambda n, o: 0.5, n_trials=2, storage=storage).numbers == [0, 1]
+    assert fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=4, storage=storage).numbers == [2, 3]
+    assert study_states(tmp_path) == {n: "COMPLETE" for n in range(4)} and all_different(study_trials(tmp_path))

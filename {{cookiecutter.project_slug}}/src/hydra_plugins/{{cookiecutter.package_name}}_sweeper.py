@@ -1,40 +1,47 @@
 """Optuna sweeps that resume, survive failed trials and check their objective first.
 
-A Hydra sweeper plugin (Hydra finds plugins in the ``hydra_plugins`` namespace package, hence
-this module's place).  It is hydra-optuna-sweeper's ``OptunaSweeper`` (same config fields, same
-search-space syntax, same samplers: ``hydra/sweeper: optuna``) with its own trial loop:
+A Hydra sweeper plugin (Hydra's public ``Sweeper`` interface; Hydra finds plugins in the
+``hydra_plugins`` namespace package, hence this module's place) that drives Optuna through its
+public API: ``create_study(load_if_exists=True)``, ``ask``/``tell``, trials counted by state.
+The search space (``hydra.sweeper.params`` and command-line sweeps) is read with Hydra's own
+override parser: ``choice(...)``, ``range(...)``, ``interval(a, b)`` and ``tag(log, interval(...))``.
 
-- The study lives in ``storage`` (``sqlite:///<sweep dir>/optuna.db`` in ``hparams_search/``);
-  the sweep folder is created before the database is opened (the plugin opens it before Hydra
-  creates the folder).  Re-running the same command loads the study and **tops it up** to
-  ``n_trials`` *completed* trials (the plugin would run ``n_trials`` more).
+- The study lives in ``storage``: ``sqlite:///<sweep dir>/optuna.db`` (``hparams_search/``), or
+  ``journal:<file>`` (Optuna's journal file storage) when several launches work on one study at
+  once, or on NFS (SQLite is unsafe with concurrent writers there).  The sweep folder is
+  created before the storage is opened.  Re-running the same command loads the study and **tops
+  it up** to ``n_trials`` *completed* trials.
 - Each trial runs in the job folder named by its **trial number** (``hydra.job.num``), so a
   resumed sweep, or a second process working on the same study, never reuses a folder.  Each
   launch reseeds the sampler (``seed + launch number``): a resumed sweep does not replay the
   first launch's suggestions.
 - A failed trial (the job raised: bad trial config, out of memory, non-finite loss, ...; or its
-  config did not compose) is told to Optuna as ``FAIL`` and the sweep goes on.  The sweep stops with an error once more than
-  ``max_failure_rate x n_trials`` trials of this launch have failed (the plugin counts per batch
-  of ``n_jobs``, so with ``n_jobs: 1`` any rate below 1 stops at the first failure).
+  config did not compose) is told to Optuna as ``FAIL`` and the sweep goes on.  The sweep stops
+  with an error once more than ``max_failure_rate x n_trials`` trials of this launch have failed.
 - Before the first trial: ``optimized_metric`` must be one of ``task.objectives`` and
-  ``direction`` must agree with it; every parameter must name a key of the config.  A trial
-  that raises an error with ``stops_sweep`` (the run did not log ``optimized_metric``) stops
-  the sweep at once, as a configuration error, not as one more failed trial.
+  ``direction`` must agree with it; every parameter must name a key of the config; the search
+  space must be the one the study began with (an edited ``choice(...)`` list is refused with the
+  parameter's name: Optuna cannot mix two spaces in one study).  A trial that raises an error
+  with ``stops_sweep`` (the run did not log ``optimized_metric``) stops the sweep at once.
 - The best trial is written to ``<sweep dir>/best.yaml`` (parameters, value, trial number, job
-  folder, counts) and printed; ``optimization_results.yaml`` (the plugin's format) too.
+  folder, counts) and printed; ``optimization_results.yaml`` too.
 
-Optuna and the plugin are imported when a sweep starts: Hydra imports this module at every
-start, also where the ``sweep`` extra is not installed.
+Optuna is imported when a sweep starts: Hydra imports this module at every start, also where the
+``sweep`` extra is not installed.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
@@ -43,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger(__name__)
 
 BETTER = {"max": "maximize", "min": "minimize"}
+JOURNAL = "journal:"  # storage prefix: Optuna's journal file storage at the path that follows
 
 
 class SweepConfigError(ValueError):
@@ -50,46 +58,47 @@ class SweepConfigError(ValueError):
 
 
 class ResumableOptunaSweeper(Sweeper):
-    """hydra-optuna-sweeper's ``OptunaSweeper`` with a resumable, failure-tolerant trial loop
-    (see the module docstring).  Arguments: those of ``hydra/sweeper: optuna``
-    (``hydra_plugins.hydra_optuna_sweeper.config.OptunaSweeperConf``).
+    """A resumable, failure-tolerant Optuna sweep (see the module docstring).
 
-    Raises (from :meth:`sweep`):
-        SweepConfigError: an objective, direction or parameter that cannot work; more failed
-            trials than ``max_failure_rate`` allows; no completed trial at all.
-        ImportError: the ``sweep`` extra is not installed.
+    Args:
+        sampler: an Optuna sampler (``hydra/sweeper/sampler``: ``tpe``, ``random``).
+        direction: ``maximize`` or ``minimize`` (checked against ``task.objectives``).
+        storage: ``sqlite:///<file>`` (one launch at a time) or ``journal:<file>`` (several).
+        study_name: the study; another name starts another study.
+        n_trials: completed trials to reach (failed ones do not count).
+        n_jobs: trials launched at a time (1 on one GPU; more with ``launcher=slurm``).
+        max_failure_rate: stop once more than this x ``n_trials`` trials of a launch have failed.
+        params: ``{key: sweep}`` in Hydra's override syntax (``choice``, ``range``, ``interval``, ``tag(log, ...)``).
+
+    Raises (from :meth:`sweep`, printed alone with exit code 1):
+        SweepConfigError: an objective, direction, parameter or search space that cannot work;
+            more failed trials than ``max_failure_rate`` allows; no completed trial at all.
     """
 
     def __init__(
         self,
         sampler: Any,
-        direction: Any,
-        storage: Any,
-        study_name: str | None,
+        direction: str,
+        storage: str,
+        study_name: str,
         n_trials: int,
         n_jobs: int,
         max_failure_rate: float,
-        search_space: DictConfig | None = None,
-        custom_search_space: str | None = None,
         params: DictConfig | None = None,
     ) -> None:
-        try:
-            from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
-        except ImportError as error:
-            raise ImportError(f'{error}; fix: pip install -e ".[sweep]" (Optuna and hydra-optuna-sweeper)') from error
         if not 0.0 <= max_failure_rate <= 1.0:
             raise SweepConfigError(f"hydra.sweeper.max_failure_rate={max_failure_rate} must be in [0, 1]")
-        if n_trials < 1:
-            raise SweepConfigError(f"hydra.sweeper.n_trials={n_trials} must be at least 1")
-        # The plugin's implementation parses the search space and configures trials; the loop is ours.
-        self.impl = OptunaSweeperImpl(
-            sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate, search_space, custom_search_space, params
-        )
+        if n_trials < 1 or n_jobs < 1:
+            raise SweepConfigError(f"hydra.sweeper.n_trials={n_trials} and n_jobs={n_jobs} must be at least 1")
+        self.sampler, self.direction, self.storage, self.study_name = sampler, str(direction), str(storage), str(study_name)
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, n_jobs, max_failure_rate
+        self.params = {str(key): str(value) for key, value in (params or {}).items()}
+        self.config: DictConfig | None = None
+        self.launcher = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        self.impl.setup(hydra_context=hydra_context, task_function=task_function, config=config)
         self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> None:
         """Run the study to ``n_trials`` completed trials.  A :class:`SweepConfigError` is printed
@@ -101,44 +110,30 @@ class ResumableOptunaSweeper(Sweeper):
             sys.exit(1)
 
     def _sweep(self, arguments: list[str]) -> None:
-        import optuna
-        from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+        try:
+            import optuna
+        except ImportError as error:
+            raise SweepConfigError(f'{error}; fix: pip install -e ".[sweep]" (Optuna)') from error
 
-        impl = self.impl
-        directions = impl._get_directions()
-        check_objective(self.config, directions)
-        impl._process_searchspace_config()
-        distributions, fixed = create_params_from_overrides(impl._parse_sweeper_params_config() + list(arguments))
-        distributions = {**(impl.search_space_distributions or {}), **distributions}
-        for name in fixed:
-            distributions.pop(name, None)
+        check_objective(self.config, [self.direction])
+        distributions, fixed = search_space([f"{key}={value}" for key, value in self.params.items()] + list(arguments))
         check_params(self.config, list(distributions))
-        if not isinstance(impl.sampler, optuna.samplers.BaseSampler):
-            raise SweepConfigError(
-                "hydra/sweeper/sampler=grid needs the search space when it is built, which this sweeper "
-                "does not do; fix: a plain Hydra grid sweep (-m key=a,b,c) or sampler=tpe|random"
-            )
-
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)  # before the SQLite file in it is opened
-        # Two launches of one command may open a new database at once: one creates its tables
-        # and the study, the other waits and loads them.
+        sweep_dir.mkdir(parents=True, exist_ok=True)  # before the storage file in it is opened
+        # Two launches of one command may open a new study at once: one creates it (and records
+        # its search space), the other waits and loads it.
         with (sweep_dir / ".study.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             study = optuna.create_study(
-                study_name=impl.study_name, storage=impl.storage, sampler=impl.sampler, direction=directions[0], load_if_exists=True
-            )
+                study_name=self.study_name, storage=open_storage(self.storage), sampler=self.sampler, direction=self.direction,
+                load_if_exists=True,
+            )  # fmt: skip
+            check_search_space(study, distributions)
             launch = study.user_attrs.get("launches", 0)  # this launch's number: 0 for the first
             study.set_user_attr("launches", launch + 1)
         study.sampler = reseeded(self.config.hydra.sweeper.sampler, launch) or study.sampler
-        log.info(
-            "Study %s in %s: %d trials so far, topping up to %d completed (launch %d)",
-            study.study_name,
-            impl.storage,
-            len(study.trials),
-            self.n_trials,
-            launch,
-        )
+        log.info("Study %s in %s: %d trials so far, topping up to %d completed (launch %d)",
+                 study.study_name, self.storage, len(study.trials), self.n_trials, launch)  # fmt: skip
 
         failed = 0  # in this launch: a re-run after fixing the cause starts with a clean count
         while (done := count(study, "COMPLETE")) < self.n_trials:
@@ -151,8 +146,8 @@ class ResumableOptunaSweeper(Sweeper):
                     f"(error.txt) under {sweep_dir}; fix the cause and run the same command again (the study resumes), "
                     "or raise hydra.sweeper.max_failure_rate"
                 )
-            trials = [study.ask() for _ in range(min(self.n_jobs, self.n_trials - done))]
-            overrides = impl._configure_trials(trials, distributions, fixed)
+            trials = [study.ask(distributions) for _ in range(min(self.n_jobs, self.n_trials - done))]
+            overrides = [[*fixed, *(override(name, value) for name, value in trial.params.items())] for trial in trials]
             try:
                 jobs = self._launch(trials, overrides)
             except Exception as error:  # noqa: BLE001  (Hydra could not compose a trial: a value the config refuses)
@@ -162,15 +157,15 @@ class ResumableOptunaSweeper(Sweeper):
 
         write_best(study, sweep_dir, self.config)
 
-    def _launch(self, trials: list, overrides: list) -> list:
+    def _launch(self, trials: list, overrides: list[list[str]]) -> list[JobReturn]:
         """Launch the trials' jobs with ``hydra.job.num`` = trial number (their folder names)."""
         numbers = [trial.number for trial in trials]
         if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-            return list(self.impl.launcher.launch(overrides, initial_job_idx=numbers[0]))
+            return list(self.launcher.launch(overrides, initial_job_idx=numbers[0]))
         # Another process asked trials in between: one launch per trial keeps the numbers.
-        return [self.impl.launcher.launch([o], initial_job_idx=n)[0] for o, n in zip(overrides, numbers)]
+        return [self.launcher.launch([o], initial_job_idx=n)[0] for o, n in zip(overrides, numbers)]
 
-    def _tell(self, study, trial, job, sweep_dir: Path) -> bool:
+    def _tell(self, study, trial, job: JobReturn, sweep_dir: Path) -> bool:
         """Tell Optuna how ``trial`` ended; return whether it completed.
 
         Raises:
@@ -178,13 +173,7 @@ class ResumableOptunaSweeper(Sweeper):
         """
         import optuna
 
-        error = job._return_value if job.status != JobStatus.COMPLETED else None
-        value = None
-        if error is None:
-            try:
-                value = float(job._return_value)
-            except (TypeError, ValueError):
-                error = ValueError(f"the job returned {job._return_value!r}, not a number")
+        error, value = job_outcome(job)
         if error is None and value == value:  # (NaN != NaN: a NaN objective is a failed trial)
             study.tell(trial, value)
             log.info("Trial %d: %s = %s  %s", trial.number, self.config.optimized_metric, value, trial.params)
@@ -197,11 +186,110 @@ class ResumableOptunaSweeper(Sweeper):
         return False
 
 
+def job_outcome(job: JobReturn) -> tuple[BaseException | None, float | None]:
+    """``(error, objective)`` of a finished job, through ``JobReturn.return_value`` (which raises
+    the job's exception for a failed job)."""
+    try:
+        value = job.return_value
+    except Exception as error:  # noqa: BLE001  (the trial's own failure, whatever it is)
+        return error, None
+    try:
+        return None, float(value)
+    except (TypeError, ValueError):
+        return ValueError(f"the job returned {value!r}, not a number"), None
+
+
 def failed_job(error: Exception) -> JobReturn:
     """A job that never ran (its config did not compose), as Hydra reports a failed one."""
     job = JobReturn(status=JobStatus.FAILED)
     job.return_value = error
     return job
+
+
+def search_space(lines: list[str]) -> tuple[dict, list[str]]:
+    """``({name: Optuna distribution}, [fixed overrides])`` of Hydra override lines.
+
+    ``choice(a, b)`` and ``range(...)`` become categorical, ``interval(lo, hi)`` a float range
+    (``tag(log, interval(...))`` on a log scale); a plain ``key=value`` stays a fixed override of
+    every trial.  A later line for the same key replaces an earlier one (the command line wins
+    over ``hydra.sweeper.params``).
+
+    Raises:
+        SweepConfigError: a line Hydra's parser refuses, or a sweep this sweeper cannot search.
+    """
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(lines)
+    except Exception as error:  # noqa: BLE001  (Hydra's OverrideParseException and friends)
+        raise SweepConfigError(f"hydra.sweeper.params: {error}") from error
+    distributions, fixed = {}, {}
+    for item in parsed:
+        name, value = item.get_key_element(), item.value()
+        distributions.pop(name, None)
+        fixed.pop(name, None)
+        if isinstance(value, IntervalSweep):
+            distributions[name] = FloatDistribution(float(value.start), float(value.end), log="log" in value.tags)
+        elif isinstance(value, (ChoiceSweep, RangeSweep)):
+            distributions[name] = CategoricalDistribution(list(item.sweep_iterator()))
+        elif item.is_sweep_override():
+            raise SweepConfigError(f"hydra.sweeper.params: {item.input_line!r} is not a sweep Optuna can search; "
+                                   "fix: choice(...), range(...), interval(lo, hi) or tag(log, interval(lo, hi))")  # fmt: skip
+        else:
+            fixed[name] = item.input_line
+    return distributions, list(fixed.values())
+
+
+def override(name: str, value: Any) -> str:
+    """The Hydra override that sets ``name`` to a sampled ``value`` (strings quoted)."""
+    if isinstance(value, str):
+        return f"{name}='{value}'" if "'" not in value else f'{name}="{value}"'
+    return f"{name}={value}"
+
+
+def open_storage(storage: str) -> Any:
+    """The Optuna storage of ``hydra.sweeper.storage``: an RDB URL as it is, or ``journal:<file>``
+    as Optuna's journal file storage (safe for several processes, and on NFS)."""
+    if not storage.startswith(JOURNAL):
+        return storage
+    import optuna
+
+    path = Path(storage[len(JOURNAL) :])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+
+
+def check_search_space(study, distributions: dict) -> None:
+    """The first launch records the search space in the study; a later one must sweep the same.
+
+    Raises:
+        SweepConfigError: naming the first parameter whose space differs, and the fix.
+    """
+    from optuna.distributions import distribution_to_json
+
+    space = {name: json.loads(distribution_to_json(d)) for name, d in sorted(distributions.items())}
+    recorded = study.user_attrs.get("search_space")
+    if recorded is None:
+        study.set_user_attr("search_space", space)
+        return
+    for name in sorted(set(space) | set(recorded)):
+        if space.get(name) != recorded.get(name):
+            raise SweepConfigError(
+                f"hydra.sweeper.params.{name} is {describe(space.get(name))} now, but was {describe(recorded.get(name))} when "
+                f"study {study.study_name!r} began, and one study cannot mix two search spaces; fix: a new study "
+                f"(hydra.sweeper.study_name=<new name>), or the old search space"
+            )
+
+
+def describe(distribution: dict | None) -> str:
+    """A distribution's JSON (``distribution_to_json``) in a few words."""
+    if distribution is None:
+        return "not swept"
+    attributes = distribution["attributes"]
+    if "choices" in attributes:
+        return f"choice{tuple(attributes['choices'])}"
+    scale = "log " if attributes.get("log") else ""
+    return f"{scale}interval({attributes.get('low')}, {attributes.get('high')})"
 
 
 def reseeded(sampler: DictConfig, launch: int) -> Any:
@@ -232,7 +320,7 @@ def check_objective(config: DictConfig, directions: list[str]) -> None:
     """
     metric = config.get("optimized_metric")
     objectives = OmegaConf.select(config, "task.objectives") or {}
-    if len(directions) != 1:
+    if len(directions) != 1 or directions[0] not in BETTER.values():
         raise SweepConfigError(
             f"hydra.sweeper.direction={directions}: this sweeper optimises one metric; fix: hydra.sweeper.direction=maximize or minimize"
         )
@@ -277,7 +365,7 @@ def check_params(config: DictConfig, names: list[str]) -> None:
 
 
 def write_best(study, sweep_dir: Path, config: DictConfig) -> Path:
-    """Write ``best.yaml`` (and the plugin's ``optimization_results.yaml``) and print the best trial.
+    """Write ``best.yaml`` (and ``optimization_results.yaml``) and print the best trial.
 
     Raises:
         SweepConfigError: no trial of the study completed.

@@ -61,7 +61,7 @@ EXTRAS = {
     "liger_kernel": ("liger-kernel", "fused Triton kernels (RMSNorm, RoPE, cross-entropy)", "pip install liger-kernel"),
     "wandb": ("wandb", "logger=wandb (the default; logger=csv works without it)", "pip install -e ."),
     "pynvml": ("nvidia-ml-py", "the driver and GPU checks here; GPU utilisation logging", "pip install -e ."),
-    "hydra_plugins.hydra_optuna_sweeper": ("hydra-optuna-sweeper", "sweeps (hydra/sweeper=optuna)", "pip install hydra-optuna-sweeper"),
+    "optuna": ("optuna", "Optuna sweeps (hparams_search=...)", 'pip install -e ".[sweep]"'),
     "hydra_plugins.hydra_submitit_launcher": (
         "hydra-submitit-launcher",
         "SLURM jobs (hydra/launcher=submitit_slurm)",

@@ -10,11 +10,9 @@ A run folder (its ``csv/metrics.csv``, written by ``logger=csv``, on by default)
 metrics the run did not log (GPU memory on a CPU run) is skipped and said so.
 
 A sweep folder gives ``objective.png``: the objective of each trial and the best so far
-(Optuna's ``plot_optimization_history``, read from ``optuna.db``), and ``importances.png``:
-each parameter's importance (Optuna's ``get_param_importances`` with the mean-decrease-impurity
-evaluator; drawn here, because Optuna 2.10's own importance plot calls a matplotlib function
-removed in matplotlib 3.9, and its default fANOVA evaluator fails under NumPy 2).  A grid
-multirun (no ``optuna.db``) gives ``objective.png`` from each job's ``metrics.json``.
+(Optuna's ``plot_optimization_history``, read from ``optuna.db`` or ``optuna.journal``), and
+``importances.png``: each parameter's fANOVA importance (Optuna's ``plot_param_importances``).
+A grid multirun (no study) gives ``objective.png`` from each job's ``metrics.json``.
 
 A plain command line, not a Hydra app: it reads files and has nothing to compose.
 Exit code 1 with a message when the folder holds nothing to plot.
@@ -109,14 +107,14 @@ def plot_sweep(sweep_dir: Path, out_dir: Path) -> list[Path]:
     Raises:
         NothingToPlot: no ``optuna.db`` with a completed trial, and no job folder with a ``metrics.json``.
     """
-    database = sweep_dir / "optuna.db"
-    if database.is_file():
-        return plot_study(f"sqlite:///{database}", out_dir)
+    database, journal = sweep_dir / "optuna.db", sweep_dir / "optuna.journal"
+    if database.is_file() or journal.is_file():
+        return plot_study(f"sqlite:///{database}" if database.is_file() else f"journal:{journal}", out_dir)
     jobs = sorted(
         (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.json").is_file()), key=lambda p: int(p.name)
     )
     if not jobs:
-        raise NothingToPlot(f"{sweep_dir} has no optuna.db and no job folder (0, 1, ...) with a metrics.json")
+        raise NothingToPlot(f"{sweep_dir} has no optuna.db or optuna.journal and no job folder (0, 1, ...) with a metrics.json")
     metric = job_objective_name(jobs[0])
     values = [json.loads((job / "metrics.json").read_text()).get(metric) for job in jobs]
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(jobs)), 4.5))
@@ -156,7 +154,8 @@ def job_objective_name(job_dir: Path) -> str:
 
 
 def plot_study(storage: str, out_dir: Path) -> list[Path]:
-    """Objective history and parameter importances of every study in ``storage``.
+    """Objective history and parameter importances of every study in ``storage`` (an RDB URL, or
+    ``journal:<file>``), both drawn by ``optuna.visualization.matplotlib``.
 
     Raises:
         NothingToPlot: Optuna is not installed, or no study has a completed trial.
@@ -169,6 +168,8 @@ def plot_study(storage: str, out_dir: Path) -> list[Path]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     written = []
+    if storage.startswith("journal:"):
+        storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage.removeprefix("journal:")))
     summaries = optuna.get_all_study_summaries(storage)
     for summary in summaries:
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
@@ -184,12 +185,9 @@ def plot_study(storage: str, out_dir: Path) -> list[Path]:
         written.append(save(ax.figure, out_dir / f"objective{suffix}.png"))
         importances = param_importances(study)
         if importances:
-            fig, ax = plt.subplots(figsize=(7, 0.6 * len(importances) + 1.5))
-            names = list(importances)[::-1]
-            ax.barh(names, [importances[n] for n in names])
-            ax.set_xlabel("importance (mean decrease in impurity)")
-            ax.set_title(f"Parameter importance\n{summary.study_name}", fontsize=10)
-            written.append(save(fig, out_dir / f"importances{suffix}.png"))
+            ax = optuna_plots.plot_param_importances(study)  # fANOVA (Optuna's default evaluator)
+            ax.set_title(f"Parameter importance (fANOVA)\n{summary.study_name}", fontsize=10)
+            written.append(save(ax.figure, out_dir / f"importances{suffix}.png"))
         else:
             print(f"skipped importances{suffix}.png: needs 2 completed trials whose parameters differ")
     if not written:
@@ -205,8 +203,7 @@ def param_importances(study) -> dict[str, float]:
     if len(completed) < 2 or not completed[0].params:
         return {}
     try:
-        evaluator = optuna.importance.MeanDecreaseImpurityImportanceEvaluator(seed=0)
-        return dict(optuna.importance.get_param_importances(study, evaluator=evaluator))
+        return dict(optuna.importance.get_param_importances(study))  # fANOVA (Hutter et al., ICML 2014)
     except (ValueError, RuntimeError) as error:  # a single distinct value per parameter, ...
         print(f"parameter importances not computed: {error}")
         return {}

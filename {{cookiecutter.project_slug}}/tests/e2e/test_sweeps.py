@@ -137,10 +137,14 @@ def start_together(args: list[str], cwd: Path, copies: int = 2) -> None:
 
 
 def test_two_identical_optuna_sweeps_started_together_share_the_study_without_collisions(cli_base, tmp_path):
+    # Several launches on one study: Optuna's journal file storage (SQLite is unsafe with concurrent writers).
+    journal = "hydra.sweeper.storage='journal:${hydra.sweep.dir}/optuna.journal'"
     start_together(
-        [*cli_base, f"paths.log_dir={tmp_path / 'logs'}", f"hparams_search={SEARCH}", "hydra.sweeper.n_trials=2", "logger=csv"], tmp_path
+        [*cli_base, f"paths.log_dir={tmp_path / 'logs'}", f"hparams_search={SEARCH}", "hydra.sweeper.n_trials=2", "logger=csv", journal],
+        tmp_path,
     )
     (sweep_dir,) = (tmp_path / "logs" / "train" / "sweeps").iterdir()
+    assert (sweep_dir / "optuna.journal").is_file() and not (sweep_dir / "optuna.db").exists()
     states = study_states(sweep_dir)  # both worked on one study, each trial in its own folder
     assert 2 <= list(states.values()).count("COMPLETE") <= 3 and "FAIL" not in states.values()
     assert all_different(study_trials(sweep_dir))  # the second launch did not replay the first's suggestions
