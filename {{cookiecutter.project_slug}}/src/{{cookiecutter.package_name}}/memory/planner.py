@@ -307,7 +307,7 @@ def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
         if module.loss_implementation == "liger":  # Triton: no CPU; traced as the chunked loss
             module.hparams.loss = {"implementation": "chunked", "chunk_size": liger_chunk_positions(config, cfg.data.max_length)}
         method = module.peft_method
-        config, modules = module._architecture(precision, cfg.data.max_length, config=config)
+        config, modules = module.architecture_spec(precision, cfg.data.max_length, config=config)
         dtype = COMPUTE_DTYPES.get(precision, torch.float32) if method == "qlora" else load_dtype(precision, method)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
         if method == "qlora":

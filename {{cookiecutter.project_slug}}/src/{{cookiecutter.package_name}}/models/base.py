@@ -147,7 +147,7 @@ class HFModule(L.LightningModule):
         checkpoint["tokenizer_files"] = self._tokenizer_files
         checkpoint["skipped_steps"] = self.skipped_steps
         for logger in self.loggers if self._trainer is not None else []:
-            if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            if isinstance(logger, WandbLogger) and logger.version:  # the run's id, once it exists (or the id resumed)
                 checkpoint["wandb_run_id"] = logger.version  # a resume continues this W&B run
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

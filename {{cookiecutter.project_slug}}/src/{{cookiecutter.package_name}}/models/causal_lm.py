@@ -178,7 +178,7 @@ class CausalLMModule(HFModule):
         data is tokenised and before any weights load (Lightning calls this first)."""
         super().prepare_data()
         if self.hparams.hf_config is None and self._trainer is not None and self.trainer.datamodule is not None:
-            self._architecture(precision=str(self.trainer.precision), max_length=self.trainer.datamodule.max_length)
+            self.architecture_spec(precision=str(self.trainer.precision), max_length=self.trainer.datamodule.max_length)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -202,7 +202,7 @@ class CausalLMModule(HFModule):
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
-    def _architecture(
+    def architecture_spec(
         self, precision: str, max_length: int | None, config: PretrainedConfig | None = None
     ) -> tuple[PretrainedConfig, list[str]]:
         """The HF config and the LoRA target modules (``[]`` without peft), after checking the
@@ -251,9 +251,9 @@ class CausalLMModule(HFModule):
         return config, modules
 
     def _build(self, precision: str, max_length: int | None) -> torch.nn.Module:
-        """Check the spec (:meth:`_architecture`), then load or initialise the weights."""
+        """Check the spec (:meth:`architecture_spec`), then load or initialise the weights."""
         spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
-        config, modules = self._architecture(precision, max_length)
+        config, modules = self.architecture_spec(precision, max_length)
         if spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
             options = {"dtype": load_dtype(precision, method), "attn_implementation": self.attn_implementation}
             if method == "qlora":

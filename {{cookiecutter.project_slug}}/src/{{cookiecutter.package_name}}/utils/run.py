@@ -57,8 +57,11 @@ def close_loggers(loggers: list[Logger], failed: bool) -> None:
     One W&B run per job: without this, the next job of a multirun would re-use the open run.
     """
     for logger in loggers:
-        if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger.experiment.finish(exit_code=1 if failed else 0)
+        if isinstance(logger, WandbLogger):
+            import wandb
+
+            if wandb.run is not None:  # the run this job's logger started (logger.experiment would start one)
+                wandb.run.finish(exit_code=1 if failed else 0)
         else:
             logger.finalize("failed" if failed else "success")
 
