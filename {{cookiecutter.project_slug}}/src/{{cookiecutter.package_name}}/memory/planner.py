@@ -436,6 +436,7 @@ def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = 
 
 def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget: int) -> MemoryPlan:
     traced = trace(cfg, config, micro_batch)
+    _, share, processes = process_batch(cfg)
     peak = dict(traced.peak)
     notes = []
     target = cfg.optimizer._target_
@@ -472,8 +473,8 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
     return MemoryPlan(
         micro_batch=micro_batch,
         seq_len=cfg.data.max_length,
-        accumulate=max(1, process_batch(cfg)[1] // micro_batch),
-        processes=process_batch(cfg)[2],
+        accumulate=max(1, share // micro_batch),
+        processes=processes,
         params=peak["params"],
         buffers=peak["buffers"],
         grads=peak["grads"],

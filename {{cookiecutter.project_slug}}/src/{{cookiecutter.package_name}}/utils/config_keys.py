@@ -42,7 +42,7 @@ OWN_KEYS: dict[str, frozenset[str]] = {
 # Groups (and the top level) without a _target_: every key they may hold.
 GROUP_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(
-        {  # the top level of train/eval/plan/predict/generate/export
+        {  # the top level that every entry point shares (ENTRY_KEYS adds each one's own)
             "task_name",
             "seed",
             "ckpt_path",
@@ -65,14 +65,6 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
             "logger",
             "trainer",
             "paths",
-            "input",
-            "output",
-            "output_dir",
-            "dtype",
-            "model_dir",
-            "prompts",
-            "prompts_file",
-            "generation",
         }
     ),
     "task": frozenset(
@@ -99,20 +91,6 @@ SET_BY_PROJECT: dict[str, frozenset[str]] = {
     "lightning.pytorch.Trainer": frozenset({"callbacks", "logger"}),  # from the callbacks and logger groups
     "optimizer": frozenset({"params"}),  # the parameter groups (optim.param_groups)
 }
-# Nodes whose own keys are not ours to check (dotted paths from the top).
-FREE_FORM = frozenset(
-    {
-        "model.config",  # a Hugging Face config: PretrainedConfig keeps any attribute
-        "model.architecture",  # the published config.json numbers the planner reads
-        "task.objectives",
-        "task.requires",
-        "peft.target_modules_by_family",
-        "generation",  # transformers' GenerationConfig fields, passed to model.generate
-        "callbacks",
-        "logger",  # their entries are checked one by one as _target_ nodes
-    }
-)
-PACKAGE = __package__.split(".")[0]
 # Free-form nodes that hold a transformers config's fields (checked by its class), with the keys
 # of ours they may hold besides.
 HF_CONFIG_NODES: dict[str, frozenset[str]] = {
@@ -120,10 +98,21 @@ HF_CONFIG_NODES: dict[str, frozenset[str]] = {
     "model.architecture": frozenset({"model_type", "of"}),  # `of`: the model these numbers describe
     "generation": frozenset(),
 }
+# Nodes whose own keys are not ours to check (dotted paths from the top).
+FREE_FORM = frozenset(
+    {
+        *HF_CONFIG_NODES,  # transformers config fields: checked by their class (_hf_config_problem)
+        "task.objectives",
+        "task.requires",
+        "peft.target_modules_by_family",
+        "callbacks",
+        "logger",  # their entries are checked one by one as _target_ nodes
+    }
+)
+PACKAGE = __package__.split(".")[0]
 # Callables with **kwargs: where the extra keys go (checked against that signature as well).
+# Keyed by where each is defined (``__module__.__qualname__``), so any import path finds it.
 FORWARDS: dict[str, tuple[str, ...]] = {
-    "lightning.pytorch.loggers.WandbLogger": ("wandb.init",),
-    "lightning.pytorch.loggers.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter",),
     "lightning.pytorch.loggers.wandb.WandbLogger": ("wandb.init",),
     "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter",),
     f"{PACKAGE}.utils.csv_log.ResumableCSVLogger": ("lightning.pytorch.loggers.CSVLogger",),
@@ -202,10 +191,12 @@ def accepted_keys(target: str) -> tuple[frozenset[str], bool]:
         ImportError: ``target`` (or what it forwards to) cannot be imported.
     """
     try:
-        keys, complete = _parameters(hydra.utils.get_object(target))
+        function = hydra.utils.get_object(target)
     except Exception as error:  # hydra wraps ImportError/AttributeError in its own type
         raise ImportError(" ".join(line.strip() for line in str(error).splitlines() if line.strip())[:400]) from error
-    for forwarded in FORWARDS.get(target, ()) if not complete else ():
+    keys, complete = _parameters(function)
+    defined_at = f"{function.__module__}.{function.__qualname__}"
+    for forwarded in FORWARDS.get(defined_at, ()) if not complete else ():
         try:
             more, complete = _parameters(hydra.utils.get_object(forwarded))
         except Exception:  # an optional package (tensorboard for its SummaryWriter) is missing: unchecked
@@ -227,7 +218,7 @@ def _nodes(node: object, path: str) -> Iterator[tuple[str, dict]]:
         if path not in FREE_FORM or "_target_" in node:
             yield path, node
         for key, child in node.items():
-            if path not in FREE_FORM or (isinstance(child, dict) and "_target_" in child) or path in ("callbacks", "logger"):
+            if path not in FREE_FORM or (isinstance(child, dict) and "_target_" in child):
                 yield from _nodes(child, f"{path}.{key}" if path else str(key))
     elif isinstance(node, list):
         for index, child in enumerate(node):
@@ -261,9 +252,8 @@ def _group_problem(path: str, node: dict, entry: str | None = None) -> str | Non
     if path not in GROUP_KEYS:
         return None  # an inner node (data.splits, ...): the group's own rules check it
     valid = GROUP_KEYS[path]
-    if path == "":  # the top level: the shared keys, and those of this entry point alone
-        every_entry = frozenset().union(*ENTRY_KEYS.values())
-        valid = valid - every_entry | ENTRY_KEYS.get(entry, frozenset() if entry in ("train", "eval", "plan") else every_entry)
+    if path == "":  # the shared keys, and those of this entry point (all of them for an unknown task_name)
+        valid |= ENTRY_KEYS.get(entry, frozenset() if entry in ("train", "eval", "plan") else frozenset().union(*ENTRY_KEYS.values()))
     return _unknown(path, set(node) - valid, valid, "keys this project reads" + (f" in {entry}" if path == "" and entry else ""))
 
 
