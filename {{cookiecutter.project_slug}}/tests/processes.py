@@ -4,7 +4,6 @@ the subprocess's PYTHONPATH so that ``faults.py`` can be loaded by ``_target_`` 
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import matplotlib.image
 import torch
 
 from {{ cookiecutter.package_name }}.utils.distributed import JOB_ENV
+from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 TESTS = Path(__file__).parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -54,9 +54,8 @@ def is_png(path: Path) -> bool:
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:
-    """``step -> train/loss`` from the run's CSV log; each step must appear once."""
-    with (run_dir / "csv" / "metrics.csv").open(newline="") as file:
-        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
+    """``step -> train/loss`` from the run's CSV log (its launches merged); each step must appear once."""
+    rows = [row for row in read_metrics(run_dir / "csv") if row.get("train/loss")]
     steps = [int(row["step"]) for row in rows]
     assert len(steps) == len(set(steps)), f"a step is logged twice: {sorted(steps)}"
     return {int(row["step"]): float(row["train/loss"]) for row in rows}

@@ -3,7 +3,6 @@ edge cases (a data set smaller than one batch, fewer batches than the accumulati
 
 from __future__ import annotations
 
-import csv
 {% if cookiecutter.tasks != "causal_lm" %}import signal
 {% endif %}from pathlib import Path
 
@@ -14,13 +13,13 @@ import torch
 from {{ cookiecutter.package_name }}.train import train
 {% endif %}from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
 from {{ cookiecutter.package_name }}.utils.csv_log import ResumableCSVLogger
+from {{ cookiecutter.package_name }}.utils.metrics_csv import launch_files, read_metrics
 {% if cookiecutter.tasks != "causal_lm" %}
 from .processes import step_losses
 {% endif %}
 
 def csv_rows(run_dir: Path) -> list[dict]:
-    with (run_dir / "csv" / "metrics.csv").open(newline="") as file:
-        return list(csv.DictReader(file))
+    return read_metrics(run_dir / "csv")
 
 
 # ------------------------------------------------------------------------ kill-safe files
@@ -45,19 +44,46 @@ def test_a_failed_checkpoint_write_leaves_the_previous_file_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
-def test_resumed_csv_log_keeps_earlier_rows_and_drops_the_ones_logged_again(tmp_path):
-    first = ResumableCSVLogger(tmp_path, name="csv", version="", flush_logs_every_n_steps=1)
+def test_each_launch_writes_its_own_csv_and_a_resume_replaces_the_steps_it_logs_again(tmp_path):
+    first = ResumableCSVLogger(tmp_path, name="csv", flush_logs_every_n_steps=1)
     for step in range(6):
         first.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
-        first.save()
-    # killed after step 5; the checkpoint was at step 3, so the resumed run logs steps 3, 4, ... again
-    resumed = ResumableCSVLogger(tmp_path, name="csv", version="", flush_logs_every_n_steps=1)
+    # killed after step 5; the checkpoint was at step 3, so the resumed launch logs 3, 4, ... again
+    resumed = ResumableCSVLogger(tmp_path, name="csv", flush_logs_every_n_steps=1)
     resumed.log_metrics({"train/loss": 0.3, "val/loss": 0.5}, step=3)
-    resumed.save()
+    assert [p.parent.name for p in launch_files(tmp_path / "csv")] == ["version_0", "version_1"]
+    assert (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().count("\n") == 7  # the first launch's file is never rewritten
     rows = csv_rows(tmp_path)
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     assert [r["train/loss"] for r in rows] == ["1.0", "0.5", str(1 / 3), "0.3"]
     assert rows[3]["val/loss"] == "0.5" and rows[0]["val/loss"] == ""
+    # A launch that died before its first row cuts nothing; the next one still replaces from its first step.
+    ResumableCSVLogger(tmp_path, name="csv").log_hyperparams({"seed": 1})
+    third = ResumableCSVLogger(tmp_path, name="csv", flush_logs_every_n_steps=1)
+    third.log_metrics({"train/loss": 0.7}, step=2)
+    assert [(int(r["step"]), r["train/loss"]) for r in csv_rows(tmp_path)] == [(0, "1.0"), (1, "0.5"), (2, "0.7")]
+
+
+def test_a_new_column_rewrites_the_file_whole_and_a_row_written_early_is_not_written_again(tmp_path):
+    logger = ResumableCSVLogger(tmp_path, name="csv", flush_logs_every_n_steps=1)
+    logger.log_metrics({"train/loss": 2.0, "epoch": 0}, step=0)
+    logger.experiment.write_now({"train/loss": float("nan"), "epoch": 0}, step=1)  # before step 1's checkpoint
+    logger.log_metrics({"train/loss": torch.tensor(float("nan")), "epoch": 0, "train/extra": 1.0}, step=1)  # Lightning's delivery
+    logger.log_metrics({"val/loss": 1.5, "epoch": 0}, step=1)  # another row at the same step is written
+    logger.experiment.write_now({"train/loss": 3.0, "epoch": 0}, step=2)
+    logger.experiment.write_now({"train/loss": 3.0, "epoch": 0}, step=2)  # a second save of the same step
+    logger.finalize("success")
+    rows = csv_rows(tmp_path)
+    assert [(r["step"], r["train/loss"], r["train/extra"], r["val/loss"]) for r in rows] == [
+        ("0", "2.0", "", ""),
+        ("1", "nan", "", ""),
+        ("1", "", "1.0", ""),
+        ("1", "", "", "1.5"),
+        ("2", "3.0", "", ""),
+    ]
+    assert sorted(p.name for p in (tmp_path / "csv" / "version_0").iterdir()) == ["metrics.csv"]  # no partial file left
+
+
 {%- if cookiecutter.tasks != "causal_lm" %}
 
 

@@ -201,6 +201,17 @@ def test_ddp_child_of_a_multirun_job_runs_that_job_alone():
         "hydra.output_subdir=null",
         "hydra.job.name=train_ddp_process_1",
     ]
+    # The other spellings of Hydra's config flags, as Hydra's own parser reads them.
+    spelled = ["train.py", "-m", "-cn=train", "--config-path", "/abs/configs", "-c", "job", "-cd=extra", "optimizer.lr=1e-4,2e-4"]
+    assert ddp_child_argv(spelled, environ)[:7] == [
+        "train.py",
+        "--config-dir",
+        "extra",
+        "--config-name",
+        "train",
+        "--config-path",
+        "/abs/configs",
+    ]
     assert ddp_child_argv(argv, {**environ, "LOCAL_RANK": "0"}) is None  # rank 0 is the job itself
     assert ddp_child_argv(argv, {"LOCAL_RANK": "1"}) is None  # a DDP child of a single run: Lightning's command as is
 

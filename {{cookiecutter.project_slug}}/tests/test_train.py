@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
@@ -16,12 +15,12 @@ from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.models import builder
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.train import train
+from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 
 def logged(run_dir: Path, key: str) -> list[float]:
-    """The values of ``key`` in the CSV logger's metrics file, in step order."""
-    with (run_dir / "csv" / "metrics.csv").open() as file:
-        return [float(row[key]) for row in csv.DictReader(file) if row.get(key)]
+    """The values of ``key`` in the run's CSV log, in step order."""
+    return [float(row[key]) for row in read_metrics(run_dir / "csv") if row.get(key)]
 
 
 def test_fast_dev_run_writes_metrics(make_cfg, tmp_path):

@@ -4,7 +4,7 @@
     python -m <package>.plot logs/train/sweeps/<study>      # -> <sweep>/plots/*.png
     python -m <package>.plot logs/train/multiruns/<sweep>   # a grid multirun: the objective per job
 
-A run folder (its ``csv/metrics.csv``, written by ``logger=csv``, on by default) gives
+A run folder (its ``csv/version_<n>/metrics.csv``, one per launch, written by ``logger=csv``, on by default) gives
 ``loss.png`` (train/loss per optimizer step, val/loss at each validation), ``lr.png``,
 ``throughput.png`` (tokens/s) and ``gpu_memory.png`` (allocated, reserved, peak GiB); a panel whose
 metrics the run did not log (GPU memory on a CPU run) is skipped and said so.
@@ -21,7 +21,6 @@ Exit code 1 with a message when the folder holds nothing to plot.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -33,6 +32,8 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .utils.metrics_csv import launch_files, read_metrics  # noqa: E402
+
 # Panel file -> (title, y label, the columns it draws: exact names or a prefix ending in "*").
 RUN_PANELS = {
     "loss.png": ("Loss", "loss", ["train/loss", "val/loss"]),
@@ -43,25 +44,18 @@ RUN_PANELS = {
 
 
 class NothingToPlot(ValueError):
-    """The folder is neither a run (``csv/metrics.csv``) nor a sweep (``optuna.db`` or job folders)."""
+    """The folder is neither a run (``csv/version_<n>/metrics.csv``) nor a sweep (``optuna.db`` or job folders)."""
 
 
-def read_curves(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
-    """``column -> [(step, value), ...]`` from a Lightning CSV log, blank cells skipped.
-
-    Raises:
-        NothingToPlot: the file has no ``step`` column.
-    """
+def read_curves(csv_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``column -> [(step, value), ...]`` from a run's CSV log (its launches merged, see
+    :func:`.utils.metrics_csv.read_metrics`), blank cells skipped."""
     curves: dict[str, list[tuple[int, float]]] = {}
-    with metrics_csv.open(newline="") as file:
-        reader = csv.DictReader(file)
-        if "step" not in (reader.fieldnames or []):
-            raise NothingToPlot(f"{metrics_csv} has no 'step' column: not a Lightning CSV log")
-        for row in reader:
-            step = int(float(row["step"]))
-            for name, cell in row.items():
-                if name not in ("step", "epoch") and cell not in ("", None):
-                    curves.setdefault(name, []).append((step, float(cell)))
+    for row in read_metrics(csv_dir):
+        step = int(float(row["step"]))
+        for name, cell in row.items():
+            if name not in ("step", "epoch") and cell != "":
+                curves.setdefault(name, []).append((step, float(cell)))
     return curves
 
 
@@ -69,12 +63,12 @@ def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
     """Write the run panels (see the module docstring) into ``out_dir``; return the files written.
 
     Raises:
-        NothingToPlot: ``run_dir/csv/metrics.csv`` is missing or holds none of the panels' metrics.
+        NothingToPlot: ``run_dir/csv`` holds no ``version_<n>/metrics.csv``, or none of the panels' metrics.
     """
-    metrics_csv = run_dir / "csv" / "metrics.csv"
-    if not metrics_csv.is_file():
+    metrics_csv = run_dir / "csv"
+    if not launch_files(metrics_csv):
         raise NothingToPlot(
-            f"{metrics_csv} does not exist: plot reads a run's CSV log; fix: train with logger=csv "
+            f"{metrics_csv} holds no version_<n>/metrics.csv: plot reads a run's CSV log; fix: train with logger=csv "
             "(on by default) or pass a run folder (logs/<task>/runs/<run>)"
         )
     curves = read_curves(metrics_csv)
@@ -229,7 +223,7 @@ def plot(path: Path, out_dir: Path | None = None) -> list[Path]:
     if not path.is_dir():
         raise NothingToPlot(f"{path} is not a folder; fix: pass a run folder (logs/<task>/runs/<run>) or a sweep folder")
     out_dir = out_dir or path / "plots"
-    is_run = (path / "csv" / "metrics.csv").is_file()
+    is_run = bool(launch_files(path / "csv"))
     return plot_run(path, out_dir) if is_run else plot_sweep(path, out_dir)
 
 

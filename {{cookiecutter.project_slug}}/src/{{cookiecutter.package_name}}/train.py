@@ -111,6 +111,7 @@ def train(cfg: DictConfig) -> dict:
         return metrics
     finally:
         close_loggers(loggers, failed=failed)
+        finish_ranks(trainer)  # DDP: rank 0 ends after the ranks it started (its own exit code, also in a sweep)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
@@ -128,8 +129,6 @@ def run(cfg: DictConfig) -> float | None:
     except RunStopped as stop:
         print(f"\n{stop}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)
-    finally:
-        finish_ranks()  # DDP: exit after the other ranks, with this run's own exit code
 
 
 def main() -> None:

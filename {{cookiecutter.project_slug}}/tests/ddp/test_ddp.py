@@ -4,9 +4,9 @@ real process shows)."""
 
 from __future__ import annotations
 
-import csv
-
 import torch
+
+from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 from ..processes import ok, run_module
 
@@ -64,7 +64,6 @@ def test_ddp_cpu_trains_with_two_processes_which_stop_together_on_a_signal_to_on
     # Each process trained on its share of the epoch at the same global batch (twice the steps if
     # each had gone through all the rows), and the resume started at the right row of the epoch.
     assert final == reference
-    with (run_dir / "csv" / "metrics.csv").open() as file:
-        steps = [int(row["step"]) for row in csv.DictReader(file) if row.get("train/loss")]
+    steps = [int(row["step"]) for row in read_metrics(run_dir / "csv") if row.get("train/loss")]
     assert steps == list(range(reference))
     assert not list(tmp_path.glob("logs"))  # the rank-1 process wrote no run folder of its own

@@ -57,11 +57,15 @@ class _StepBoundary(L.Callback):
         trainer.save_checkpoint(path)
         return path
 
-    def log_step_and_save(self, trainer: L.Trainer) -> Path:
-        """At ``on_train_batch_end`` of a step that ends the run: send the step's metrics to the
-        loggers first (Lightning does so right after this hook, which the stop skips), so the
-        step the checkpoint holds is also in the logs."""
-        trainer._logger_connector.update_train_step_metrics()
+    def log_step_and_save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path:
+        """At ``on_train_batch_end`` of a step that ends the run: send the step's row to the
+        loggers first (Lightning would right after this hook, which the stop skips), so the step
+        the checkpoint holds is also in the logs."""
+        if hasattr(pl_module, "step_row"):
+            step, metrics = pl_module.step_row()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+                logger.save()
         return self.save_last(trainer)
 
 
@@ -116,11 +120,11 @@ class StopOnSignal(_StepBoundary):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int) -> None:
         if self._stepped and self._agreed_signal(trainer):
-            self._stop(trainer)
+            self._stop(trainer, pl_module)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and self._agreed_signal(trainer):
-            self._stop(trainer, after_step=False)  # validation runs between optimizer steps: a boundary too
+            self._stop(trainer, pl_module, after_step=False)  # validation runs between optimizer steps: a boundary too
 
     def _agreed_signal(self, trainer: L.Trainer) -> bool:
         """Whether any process received a signal.  Several processes (DDP/FSDP) decide together,
@@ -135,8 +139,8 @@ class StopOnSignal(_StepBoundary):
             self.received = signal.Signals(number)  # received by another rank: stop for the same reason
         return bool(number)
 
-    def _stop(self, trainer: L.Trainer, after_step: bool = True) -> None:
-        path = self.log_step_and_save(trainer) if after_step else self.save_last(trainer)
+    def _stop(self, trainer: L.Trainer, pl_module: L.LightningModule, after_step: bool = True) -> None:
+        path = self.log_step_and_save(trainer, pl_module) if after_step else self.save_last(trainer)
         name, self.received = self.received.name, None
         raise RunStopped(
             f"Stopped by {name} after optimizer step {trainer.global_step}; checkpoint: {path}\n"
@@ -282,6 +286,6 @@ class NonFiniteLoss(_StepBoundary):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int) -> None:
         if self._stop_message is not None and self._stepped:
-            path = self.log_step_and_save(trainer)
+            path = self.log_step_and_save(trainer, pl_module)
             message, self._stop_message = self._stop_message, None
             raise RunStopped(f"{message}\ncheckpoint (last good weights): {path}", EXIT_NON_FINITE_LOSS)

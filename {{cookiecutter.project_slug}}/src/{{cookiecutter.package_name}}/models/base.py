@@ -53,6 +53,8 @@ class HFModule(L.LightningModule):
         self._window_items = torch.zeros((), dtype=torch.long)
         self._step_loss: torch.Tensor | None = None
         self._step_items = torch.zeros(())
+        self.step_metrics: dict[str, torch.Tensor] = {}
+        self._row_step = 0
 
     def prepare_data(self) -> None:
         """Install the model files once (``model.fetch``), before anything reads them."""
@@ -122,13 +124,34 @@ class HFModule(L.LightningModule):
         if self.automatic_optimization:  # (stepped in backward, the loss was normalised already)
             # DDP averages gradients over devices, hence the world-size factor.
             scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / float(self._step_items)
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, scale)  # one fused launch
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+            for parameter in self.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(scale)  # (one launch per tensor: microseconds against a step)
+        self._row_step = self.trainer.global_step  # (the step this optimizer step's row is logged at)
+        self.log_step_metric("train/loss", loss, prog_bar=True)
         self._window_loss.zero_()
         self._window_items.zero_()
         self._step_loss = None
+
+    def log_step_metric(self, name: str, value: torch.Tensor | float, **kwargs) -> None:
+        """``self.log(name, value, on_step=True, on_epoch=False, **kwargs)`` for a metric logged
+        once per optimizer step, keeping its latest value in :attr:`step_metrics` (for
+        :meth:`step_row`).  ``value``: a 0-dim tensor or a number, stored as Lightning stores it
+        (a 0-dim float32/float64 tensor)."""
+        value = torch.as_tensor(value, device=self.device).detach()
+        if value.dtype not in (torch.float32, torch.float64):
+            value = value.to(torch.get_default_dtype())
+        self.log(name, value, on_step=True, on_epoch=False, **kwargs)
+        self.step_metrics[name] = value
+
+    def step_row(self) -> tuple[int, dict[str, float]]:
+        """The row Lightning sends the loggers after the latest optimizer step: the step number
+        it logs it at (optimizer steps before this one) and the :meth:`log_step_metric` values
+        plus ``epoch``.  Read before that delivery, to write the row before the step's checkpoint
+        (:class:`..utils.csv_log.StepLogBeforeCheckpoint`) or when a stop skips the delivery
+        (:mod:`..callbacks.guards`).  One host sync per metric."""
+        metrics = {name: value.item() for name, value in self.step_metrics.items()}
+        return self._row_step, {**metrics, "epoch": self.trainer.current_epoch}
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         """The manual-optimization step of ``optimizer.step_in_backward``: ``backward`` updates

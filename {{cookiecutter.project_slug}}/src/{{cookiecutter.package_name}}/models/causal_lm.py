@@ -310,13 +310,13 @@ class CausalLMModule(HFModule):
         loss_sum, n_targets = self.model_step(batch)
         mask = batch["attention_mask"]
         self._window_tokens += mask.sum()  # a tensor: no host sync per micro-batch
-        self.log("train/padding_fraction", 1.0 - mask.float().mean(), on_step=True, on_epoch=False)
+        self.log_step_metric("train/padding_fraction", 1.0 - mask.float().mean())
         return self.add_to_window(loss_sum, n_targets)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)  # rescales the gradients, logs train/loss
         self.tokens_seen += int(self._window_tokens)  # one host sync per optimizer step
-        self.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False, reduce_fx="max")
+        self.log_step_metric("train/tokens", float(self.tokens_seen), reduce_fx="max")
         self._window_tokens.zero_()
 
     def _eval_step(self, batch: dict[str, torch.Tensor], metric: MeanMetric) -> None:

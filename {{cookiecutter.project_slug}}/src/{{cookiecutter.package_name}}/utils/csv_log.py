@@ -1,93 +1,86 @@
-"""A CSV logger whose file survives kills and continues across resumes.
+"""A CSV log that survives kills and continues across resumes, on Lightning's public logger API.
 
-Lightning's ``CSVLogger`` deletes an existing ``metrics.csv`` when it starts, so a resumed run
-would lose everything logged before the kill; and it rewrites the whole file in place when a new
-column appears, which a kill can cut short.  :class:`ResumableCSVLogger` keeps the file, drops
-the rows a resumed run is about to log again (those from the resume step on, which the killed
-run logged after its last checkpoint), and rewrites only through a temporary file renamed into
-place.  Rows are appended and the file closed (flushed to the OS) at every ``save``; with
-``flush_logs_every_n_steps: 1`` that is every logged step, and :class:`StepLogBeforeCheckpoint`
-writes a step's row before that step's checkpoint, so a SIGKILL loses no row that a resume
-would not write again.
+Each launch of a run writes its own file, in Lightning's versioned folders:
+``<run>/csv/version_0/metrics.csv`` for the first launch, ``version_1`` for the first resume, and
+so on (Lightning's ``CSVLogger`` with ``version: null``).  :func:`.metrics_csv.read_metrics` merges them
+by step: a later launch's rows replace those of earlier launches from its first step on (a resumed
+run logs again the steps the killed one logged after its last checkpoint).  No file is ever
+rewritten by a later launch, so a kill can cost at most the rows not yet written.
+
+Rows are appended and the file closed (flushed to the OS) at every ``save``; with
+``flush_logs_every_n_steps: 1`` that is every logged step.  A new column rewrites the launch's
+file through a temporary file renamed into place (Lightning's own writer rewrites it in place,
+which a kill can cut short).  And :class:`StepLogBeforeCheckpoint` writes a step's row before
+that step's checkpoint is saved, so a SIGKILL loses no row that a resume would not write again.
 """
 
 from __future__ import annotations
 
 import csv
-import os
+import math
 from pathlib import Path
 
 import lightning as L
-from lightning.fabric.loggers.csv_logs import _ExperimentWriter as _FabricWriter
+import torch
 from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
-from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from .run import atomic_write_path
 
 
-def _same(a: dict, b: dict) -> bool:
-    """Equal metric dicts, NaN equal to NaN (a skipped non-finite step logs a NaN loss)."""
-    return a.keys() == b.keys() and all(x == y or (x != x and y != y) for x, y in ((a[k], b[k]) for k in a))
+def _contains(row: dict, part: dict) -> bool:
+    """Whether ``row`` has every key of ``part`` with the same value (NaN equal to NaN: a skipped
+    non-finite step logs a NaN loss)."""
+
+    def same(a: object, b: object) -> bool:
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+    return all(key in row and same(row[key], value) for key, value in part.items())
 
 
-class _ResumableWriter(ExperimentWriter):
-    """Lightning's writer, minus the delete-on-start, with atomic rewrites and resume trimming."""
+class _AtomicWriter(ExperimentWriter):
+    """Lightning's writer with atomic header rewrites, and without a second copy of a row that
+    :meth:`write_now` already wrote."""
 
     def __init__(self, log_dir: str) -> None:
-        self.hparams = {}
-        self.metrics, self.metrics_keys = [], []
-        self.log_dir = log_dir
-        self.metrics_file_path = os.path.join(log_dir, self.NAME_METRICS_FILE)
-        self._fs = None  # local files only (ResumableCSVLogger refuses remote paths)
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        self._trimmed = False
-        self._early: tuple[int, dict] | None = None
-        path = Path(self.metrics_file_path)
-        if path.is_file() and path.stat().st_size:
-            with path.open(newline="") as file:
-                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+        super().__init__(log_dir)
+        self.written_early: tuple[int, dict] | None = None
+        self.last_logged: tuple[int | None, dict] = (None, {})
 
-    def log_hparams(self, params: dict) -> None:
-        self.hparams.update(params)
-        with atomic_write_path(Path(self.log_dir) / self.NAME_HPARAMS_FILE) as partial:
-            save_hparams_to_yaml(partial, self.hparams)
+    def write_now(self, metrics: dict, step: int) -> None:
+        """Write one step's row at once (see :class:`StepLogBeforeCheckpoint`), unless the same
+        values were just logged for that step; the same values for the same step, when Lightning
+        delivers them afterwards, are not written twice."""
+        if self.last_logged[0] != step or not _contains(self.last_logged[1], metrics):
+            self.log_metrics(metrics, step)
+            self.written_early = (step, dict(metrics))
+        self.save()
 
     def log_metrics(self, metrics_dict: dict, step: int | None = None) -> None:
-        if self._early is not None and self._early[0] == step and _same(self._early[1], metrics_dict):
-            self._early = None  # Lightning's own delivery of a step already written early
-            return
-        super().log_metrics(metrics_dict, step)
-
-    def write_early(self, metrics_dict: dict, step: int) -> None:
-        """Write one step's row now, and skip the identical delivery that follows."""
-        super().log_metrics(metrics_dict, step)
-        self.save()
-        self._early = (step, dict(metrics_dict))
+        values = {key: value.item() if isinstance(value, torch.Tensor) else value for key, value in metrics_dict.items()}
+        if self.written_early is not None and self.written_early[0] == step and _contains(values, self.written_early[1]):
+            early, self.written_early = self.written_early[1], None  # Lightning's delivery of the row written early
+            values = {key: value for key, value in values.items() if key not in early}
+            if not values:
+                return
+        super().log_metrics(values, step)
+        self.last_logged = (step, values)
 
     def save(self) -> None:
         if not self.metrics:
             return
         path = Path(self.metrics_file_path)
-        old_keys = list(self.metrics_keys)
-        new_keys = set().union(*self.metrics) - set(old_keys)
-        keys = sorted(set(old_keys) | new_keys)
-        first_step = min(int(row["step"]) for row in self.metrics)
+        new_keys = set().union(*self.metrics) - set(self.metrics_keys)
+        keys = sorted(set(self.metrics_keys) | new_keys)
         exists = path.is_file() and path.stat().st_size > 0
-        if exists and (new_keys or not self._trimmed):
-            # A new column, or the first write of this process into an older run's file: rewrite
-            # it whole, without the rows this run is about to log again.
+        if exists and new_keys:
             with path.open(newline="") as file:
                 rows = list(csv.DictReader(file))
-            if not self._trimmed:
-                rows = [row for row in rows if row.get("step", "") != "" and int(float(row["step"])) < first_step]
             with atomic_write_path(path) as partial, partial.open("w", newline="") as file:
                 writer = csv.DictWriter(file, fieldnames=keys)
                 writer.writeheader()
                 writer.writerows(rows)
-        self._trimmed = True
         self.metrics_keys = keys
         with path.open("a" if exists else "w", newline="") as file:
             writer = csv.DictWriter(file, fieldnames=keys)
@@ -97,40 +90,11 @@ class _ResumableWriter(ExperimentWriter):
         self.metrics = []
 
 
-class StepLogBeforeCheckpoint(L.Callback):
-    """Write each optimizer step's row to the :class:`ResumableCSVLogger` *before* that step's
-    checkpoints are saved.
-
-    Lightning hands a step's metrics to the loggers right after the ``on_train_batch_end`` hooks,
-    and ``ModelCheckpoint`` saves inside them: a kill between the two leaves a checkpoint of step
-    ``k`` and no row for ``k``, which the resumed run (starting after ``k``) never writes.
-    Lightning runs ``ModelCheckpoint`` callbacks last, so this one's ``on_train_batch_end`` comes
-    first and writes the row as Lightning would (same metrics, same step); the logger then skips
-    Lightning's identical delivery.  Other loggers (W&B) are left to Lightning.
-    """
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int) -> None:
-        loggers = [logger for logger in trainer.loggers if isinstance(logger, ResumableCSVLogger)]
-        connector = trainer._logger_connector
-        if not loggers or not connector.should_update_logs:
-            return
-        if trainer.fit_loop._should_accumulate() and pl_module.automatic_optimization:
-            return  # between the micro-batches of a step: Lightning logs nothing either
-        # What LoggerConnector.update_train_step_metrics -> log_metrics will send, computed the same way.
-        metrics = convert_tensors_to_scalars(connector.metrics["log"])
-        if not metrics:
-            return
-        step = metrics.pop("step", None)
-        if step is None:
-            metrics.setdefault("epoch", trainer.current_epoch)
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        for logger in loggers:
-            logger.experiment.write_early(metrics, int(step))
-
-
 class ResumableCSVLogger(CSVLogger):
-    """``lightning.pytorch.loggers.CSVLogger`` that continues ``metrics.csv`` across kills and
-    resumes (see the module docstring).  Same arguments; ``save_dir`` must be a local path.
+    """``lightning.pytorch.loggers.CSVLogger`` writing one file per launch, each kill-safe (see
+    the module docstring); :func:`.metrics_csv.read_metrics` reads a run's launches as one log.  Same
+    arguments; ``save_dir`` must be a local path, and ``version`` should stay ``None`` (a fixed
+    version would make every launch overwrite the same file).
 
     Raises:
         ValueError: ``save_dir`` is a remote URL.
@@ -140,10 +104,55 @@ class ResumableCSVLogger(CSVLogger):
         if "://" in str(save_dir):
             raise ValueError(f"logger.csv.save_dir={save_dir!r}: ResumableCSVLogger writes local files only; fix: a local folder")
         super().__init__(save_dir, **kwargs)
+        self.writer: _AtomicWriter | None = None
 
     @property
     @rank_zero_experiment
-    def experiment(self) -> _FabricWriter:
-        if self._experiment is None:
-            self._experiment = _ResumableWriter(log_dir=self.log_dir)
-        return self._experiment
+    def experiment(self) -> _AtomicWriter:
+        if self.writer is None:
+            Path(self.root_dir).mkdir(parents=True, exist_ok=True)
+            self.writer = _AtomicWriter(log_dir=self.log_dir)
+        return self.writer
+
+    def finalize(self, status: str) -> None:
+        if self.writer is not None:  # (on a rank that wrote nothing there is nothing to save)
+            self.save()
+
+
+class StepLogBeforeCheckpoint(L.Callback):
+    """Write an optimizer step's row to the CSV log *before* a checkpoint of that step is saved.
+
+    Lightning sends a step's metrics to the loggers after the ``on_train_batch_end`` hooks, and
+    ``ModelCheckpoint`` saves inside them: a kill between the two would leave a checkpoint of step
+    ``k`` and no row for ``k``, which the resumed run (starting after ``k``) never writes.  So
+    when a checkpoint is saved between an optimizer step and Lightning's delivery of its row
+    (``on_save_checkpoint``), this callback writes the row first: the module's
+    :meth:`..models.base.HFModule.step_row`, which holds what Lightning will send.  The logger
+    then skips the identical delivery.  Other loggers (W&B) are left to Lightning.
+    """
+
+    def __init__(self) -> None:
+        self.stepped = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
+        self.stepped = False
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self.stepped = True
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.stepped = False  # validation runs after Lightning logged the step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.stepped = False
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # Lightning logs an optimizer step whose number is a multiple of log_every_n_steps, and
+        # the last one (should_stop).
+        logged = trainer.global_step % trainer.log_every_n_steps == 0 or trainer.should_stop
+        if self.stepped and logged and hasattr(pl_module, "step_row"):
+            step, metrics = pl_module.step_row()
+            for logger in trainer.loggers:
+                if isinstance(logger, ResumableCSVLogger):
+                    logger.experiment.write_now(metrics, step)
+        self.stepped = False

@@ -12,24 +12,28 @@ before Hydra parses it: every rank trains the same job, in the job's folder, and
 Between two jobs of one multirun the process group is destroyed and the variables Lightning set
 (``LOCAL_RANK``, ``MASTER_PORT``, ...) are removed; otherwise the next job's trainer would find
 ``LOCAL_RANK`` set, take itself for a child and wait forever for ranks that never start.  The
-job's ranks are waited for, and Lightning's watcher of them is stood down (see
+job's ranks are waited for, and taken off the list Lightning's watcher of them reads (see
 :func:`finish_ranks`): it would kill the whole sweep after a failed trial.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from omegaconf import DictConfig
 
+log = logging.getLogger(__name__)
+
 # The job a DDP child must run: {"overrides": [...], "output_dir": "..."} as JSON.
 JOB_ENV = "LIGHTNING_HYDRA_DDP_JOB"
+# Hydra's command-line flags that select the config, long and short form (`python -m ... --help`).
+CONFIG_FLAGS = (("--config-dir", "-cd"), ("--config-name", "-cn"), ("--config-path", "-cp"))
 # What Lightning's launcher and the process group leave in os.environ.
 LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", JOB_ENV)
 
@@ -44,7 +48,7 @@ def ddp_job_env(overrides: list[str], output_dir: str) -> Iterator[None]:
     try:
         yield
     finally:
-        finish_ranks()
+        # (train() has waited for the job's ranks: finish_ranks)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         for key, value in before.items():
@@ -54,27 +58,30 @@ def ddp_job_env(overrides: list[str], output_dir: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def finish_ranks(timeout_s: float = 60.0) -> None:
-    """After a multirun job on rank 0: wait for the ranks Lightning started for it (killed after
-    ``timeout_s``, e.g. one left waiting in a collective), then stand down Lightning's
-    ``_ChildProcessObserver`` thread of that launch.  The observer SIGKILLs this process when a
-    rank exited non-zero: right for a single run (no hang), fatal for a sweep, whose next trial
-    must run after a failed one.  The job's outcome is rank 0's, already recorded.
+def finish_ranks(trainer: object, timeout_s: float = 60.0) -> None:
+    """After a run (or a multirun job) on rank 0: wait for the ranks Lightning started for it
+    (killed after ``timeout_s``, e.g. one left waiting in a collective), log any that failed,
+    and take them off the launcher's list of children (``trainer.strategy.launcher.procs``).
 
-    Reads two private attributes of Lightning 2.6's observer (``_child_processes``, ``_run``);
-    the multirun + DDP test with a failing trial pins them.
+    Lightning's observer thread watches that same list and SIGKILLs this process when a child
+    exited non-zero: right while ranks run (no hang), fatal after the job, for a sweep whose next
+    trial must run after a failed one.  The job's outcome is rank 0's, already recorded; with the
+    list empty the observer has nothing left to watch and ends.  ``trainer``: a Lightning
+    ``Trainer`` (anything else, or a launcher with no children, is a no-op).
     """
-    for thread in threading.enumerate():
-        children = getattr(thread, "_child_processes", None)
-        if type(thread).__name__ != "_ChildProcessObserver" or children is None:
-            continue
-        thread._run = lambda: True  # its next check finds nothing to do and ends the thread
-        for child in children:
-            try:
-                child.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+    children = getattr(launcher, "procs", None)
+    if not isinstance(children, list):
+        return
+    for rank, child in enumerate(children, start=1):
+        try:
+            child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        if child.returncode:
+            log.warning("rank %d (pid %d) exited with code %d", rank, child.pid, child.returncode)
+    children.clear()
 
 
 def ddp_child_argv(argv: list[str], environ: dict[str, str] | None = None) -> list[str] | None:
@@ -94,13 +101,17 @@ def ddp_child_argv(argv: list[str], environ: dict[str, str] | None = None) -> li
     if not job or local_rank == "0":
         return None
     job = json.loads(job)
-    from hydra._internal.utils import get_args_parser  # the parser @hydra.main itself uses
-
-    args = get_args_parser().parse_args(argv[1:])
-    flags = []
-    for flag, value in (("--config-dir", args.config_dir), ("--config-name", args.config_name), ("--config-path", args.config_path)):
-        if value is not None:
-            flags += [flag, value]
+    # Hydra's own flags that choose the config (`--config-dir X`, `-cd X`, `--config-dir=X`, ...);
+    # the rest of the line (-m, the sweep's overrides) is the sweep, replaced by the job.
+    found: dict[str, str] = {}
+    rest = iter(argv[1:])
+    for token in rest:
+        for flag, short in CONFIG_FLAGS:
+            if token in (flag, short):
+                found[flag] = next(rest, "")
+            elif token.startswith((f"{flag}=", f"{short}=")):
+                found[flag] = token.split("=", 1)[1]
+    flags = [part for flag, _short in CONFIG_FLAGS if flag in found for part in (flag, found[flag])]
     return [
         argv[0],
         *flags,
