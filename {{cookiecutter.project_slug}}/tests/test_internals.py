@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-THIRD_PARTY = r"torch|L|lightning|hydra|optuna|transformers|datasets|peft|omegaconf|wandb|np|numpy|bnb|bitsandbytes|torchao|torchmetrics|submitit"
+THIRD_PARTY = r"torch|L|lightning|hydra|optuna|transformers|datasets|peft|omegaconf|wandb|np|numpy|bnb|bitsandbytes|torchao|torchmetrics"
 PRIVATE = [
     (re.compile(r"getattr\([^,()]+,\s*[\"']_[A-Za-z]"), "getattr with a private name"),
     (re.compile(r"^\s*(from|import)\s+(?!\.)[\w.]*\._[A-Za-z]"), "a private module imported"),
