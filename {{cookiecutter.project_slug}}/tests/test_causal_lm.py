@@ -72,7 +72,7 @@ def test_lora_checkpoint_holds_only_the_adapter_and_loads_weights_only(lora_run)
     keys = list(checkpoint["state_dict"])
     assert keys and all("lora_" in key for key in keys), keys[:5]
     assert checkpoint["hyper_parameters"]["peft"]["method"] == "lora"
-    assert "tokenizer_files" in checkpoint and checkpoint["tokens_seen"] > 0
+    assert checkpoint["model_inputs"]["tokenizer_files"] and checkpoint["tokens_seen"] > 0
 
 
 def test_lora_trains_only_adapters_and_improves(lora_run):
@@ -267,7 +267,7 @@ def test_validation_interval_beyond_one_epoch_fails_before_weights_load(make_lm_
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were built before the interval was checked")
 
-    monkeypatch.setattr(causal_lm.CausalLMModule, "_build", no_weights)
+    monkeypatch.setattr(causal_lm.CausalLMModule, "build_model", no_weights)
     with pytest.raises(
         ConfigError, match=r"trainer.val_check_interval=500 is more than the \d+ training batches .*fix: trainer.val_check_interval=\d+"
     ):

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, nf4_bytes, optimizer_state_bytes, plan_memory
 {% else %}from {{ cookiecutter.package_name }}.memory.planner import architecture
 {% endif %}from {{ cookiecutter.package_name }}.memory.tracer import CudaAutocastEmulation
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
+{% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.models.precision import compute_dtype, weights_dtype
+{% endif %}from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
 from .conftest import compose_config
 
@@ -65,6 +66,38 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact():
     assert plan.params == real_params and plan.optimizer == real_state
     assert plan.total == plan.peak_allocated + plan.overhead
     assert plan.peak_allocated >= real_params + real_state + real_grads  # the optimizer step holds all three
+
+
+@pytest.mark.parametrize(
+    "precision, peft, weights, compute",
+    [
+        ("32-true", "none", torch.float32, torch.float32),
+        ("bf16-mixed", "none", torch.float32, torch.bfloat16),
+        ("16-mixed", "none", torch.float32, torch.float16),
+        ("bf16-mixed", "lora", torch.bfloat16, torch.bfloat16),
+        ("bf16-mixed", "qlora", torch.bfloat16, torch.bfloat16),
+        ("32-true", "lora", torch.float32, torch.float32),
+        ("bf16-true", "none", torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_one_precision_policy_gives_the_weight_and_matmul_dtypes(precision, peft, weights, compute):
+    assert weights_dtype(precision, peft) == weights and compute_dtype(precision) == compute
+
+
+def test_plan_builds_the_model_with_the_modules_own_builder(monkeypatch):
+    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+
+    built = []
+    original = CausalLMModule.build_model
+
+    def recording(self, precision, max_length, config=None, pretrained=True):
+        model = original(self, precision, max_length, config=config, pretrained=pretrained)
+        built.append((precision, max_length, pretrained, {p.dtype for p in model.parameters()}))
+        return model
+
+    monkeypatch.setattr(CausalLMModule, "build_model", recording)
+    plan_memory(plan_cfg(*TINY_LM, "precision=bf16-true", "batch.micro_batch_size=1", "batch.global_batch_size=1"), search=False)
+    assert built == [("bf16-true", 16, False, {torch.bfloat16})]
 
 
 def test_step_in_backward_plans_no_full_gradient_set():

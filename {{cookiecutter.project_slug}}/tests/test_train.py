@@ -12,7 +12,7 @@ import torch
 
 from {{ cookiecutter.package_name }}.data.loading import DataError
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.models import builder
+from {{ cookiecutter.package_name }}.models.inputs import ModelInputs
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.train import train
 from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
@@ -55,14 +55,16 @@ def test_train_learns_the_toy_task_and_tests_the_best_checkpoint(trained_run):
     assert metrics["val/acc_best"] >= metrics["val/acc"] - 1e-6
 
 
-def test_checkpoint_loads_with_weights_only_and_holds_labels_and_tokenizer(trained_run):
+def test_checkpoint_loads_with_weights_only_and_holds_the_model_inputs(trained_run):
     run_dir, metrics = trained_run
     checkpoint = torch.load(metrics["best_checkpoint"], map_location="cpu", weights_only=True)
-    hparams = checkpoint["hyper_parameters"]
-    assert hparams["id2label"] == {0: "negative", 1: "positive"}
-    assert hparams["hf_config"]["id2label"] == {"0": "negative", "1": "positive"}
-    tokenizer = builder.tokenizer_from_files(checkpoint["tokenizer_files"])
-    assert tokenizer.convert_tokens_to_ids("good") != tokenizer.unk_token_id
+    inputs = checkpoint["model_inputs"]
+    assert inputs["id2label"] == {0: "negative", 1: "positive"}
+    assert (inputs["max_length"], inputs["micro_batch_size"], inputs["precision"]) == (32, 8, "32-true")
+    assert checkpoint["hyper_parameters"]["hf_config"]["id2label"] == {"0": "negative", "1": "positive"}
+    restored = ModelInputs.from_state_dict(inputs)
+    assert restored.tokenizer.convert_tokens_to_ids("good") != restored.tokenizer.unk_token_id
+    assert restored.label2id == {"negative": 0, "positive": 1} and restored.compute_dtype == torch.float32
 
 
 def test_eval_reproduces_the_test_metrics(trained_run, make_cfg, tmp_path):

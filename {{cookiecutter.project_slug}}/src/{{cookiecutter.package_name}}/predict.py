@@ -40,7 +40,7 @@ def predict(cfg: DictConfig) -> Path:
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=[])
     probabilities = torch.cat(trainer.predict(module, datamodule=datamodule))  # (N, num_labels)
 
-    names = [module.hparams.id2label[i] for i in range(probabilities.shape[1])]
+    names = [module.inputs.id2label[i] for i in range(probabilities.shape[1])]
     frame = datamodule.predict_rows.to_pandas()
     frame["predicted_label"] = [names[i] for i in probabilities.argmax(dim=-1).tolist()]
     for index, name in enumerate(names):

@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig, PretrainedConfig
 
 from ..models.levers import enable_activation_checkpointing
+from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
 from ..utils.config import ConfigError, to_plain, uses_cuda, world_size
 from . import tracer
@@ -213,7 +214,7 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Trace
         setup = training_step(cfg, config, micro_batch, built)
         optimizer = setup.optimizer
         tracked = [setup.loss, *(optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer])]
-        peak = tracer.peak_bytes(setup.step, tracked, mixed=str(cfg.trainer.precision).endswith("-mixed"))
+        peak = tracer.peak_bytes(setup.step, tracked, mixed=is_mixed(cfg.trainer.precision))
         if isinstance(optimizer, StepInBackward):
             optimizer.remove_hooks()
         parameters = list(setup.loss.model.parameters())  # unique: tied weights once
@@ -251,8 +252,8 @@ def training_step(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, b
         the :class:`StepSetup`; ``quantized_numels`` are the weights a QLoRA base holds in 4 bits.
     """
     precision = str(cfg.trainer.precision)
-    mixed = precision.endswith("-mixed")
-    autocast_dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+    mixed = is_mixed(precision)
+    autocast_dtype = compute_dtype(precision)
     model, module, quantized = built or _build(cfg, config, precision)
     model.train()
     if cfg.checkpointing.mode == "full":
@@ -289,41 +290,29 @@ class _Loss(torch.nn.Module):
 
 
 def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
-    """The model as ``train`` builds it, from ``config`` (random fake weights); returns the model,
-    the task module holding it (its ``model_step`` is the loss) and the numels of the weights a
-    QLoRA base would hold in 4 bits."""
-    attention = cfg.attention.implementation
-    if attention == "flash_attention_2":
-        attention = "sdpa"  # the same saved tensors; flash-attn does not run on the CPU
+    """The model as ``train`` builds it, from ``config`` (random fake weights) through the task
+    module's own builder (``build_model``: dtype, LoRA adapters, the spec's checks); returns the
+    model, the task module holding it (its ``model_step`` is the loss) and the numels of the
+    weights a QLoRA base would hold in 4 bits."""
     module_class = hydra.utils.get_class(cfg.task.module)
     module = module_class(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
+    if module.attn_implementation == "flash_attention_2":
+        module.hparams.attention = {"implementation": "sdpa"}  # the same saved tensors; flash-attn does not run on the CPU
     quantized: list[int] = []
     if cfg.task.name == "causal_lm":
-        from transformers import AutoModelForCausalLM
-
-        from ..models.adapters import wrap_with_lora
-        from ..models.causal_lm import COMPUTE_DTYPES, load_dtype
-
         if module.loss_implementation == "liger":  # Triton: no CPU; traced as the chunked loss
             module.hparams.loss = {"implementation": "chunked", "chunk_size": liger_chunk_positions(config, cfg.data.max_length)}
-        method = module.peft_method
-        config, modules = module.architecture_spec(precision, cfg.data.max_length, config=config)
-        dtype = COMPUTE_DTYPES.get(precision, torch.float32) if method == "qlora" else load_dtype(precision, method)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
-        if method == "qlora":
+        model = module.build_model(precision, cfg.data.max_length, config=config, pretrained=False)
+        if module.peft_method == "qlora":
             quantized = _quantized_weights(model)
-        if method != "none":
-            model = wrap_with_lora(model, to_plain(cfg.peft), modules)
         module.model = model
     else:
-        from transformers import AutoModelForSequenceClassification
-
         config.num_labels = 2  # the head's size barely matters; the labels come with the data
         if config.pad_token_id is None:
             config.pad_token_id = 0  # HF's classifiers read the last non-pad token; the trace has no padding
-        model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attention)
-    if precision == "bf16-true":
-        model.to(torch.bfloat16)  # Lightning's bf16-true converts every floating tensor
+        model = module.build_model(precision, config=config)
+    if precision.endswith("-true"):
+        model.to(compute_dtype(precision))  # Lightning's *-true precision converts every floating tensor
     return model, module, quantized
 
 

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from ..optim import build_optimizer
-from .builder import tokenizer_from_files, tokenizer_to_files
+from .inputs import ModelInputs, model_inputs
 from .levers import apply_levers
 
 
@@ -38,15 +38,17 @@ class HFModule(L.LightningModule):
     :class:`..callbacks.guards.NonFiniteLoss`); the LR schedule does not advance on them.  It is
     saved in checkpoints.
 
-    Checkpoints carry the tokenizer's files as text (``checkpoint["tokenizer_files"]``), so
-    eval/predict/generate need nothing but the checkpoint.
+    **Inputs.**  What the module knows of its data and run (tokenizer, labels, ``max_length``,
+    per-process micro-batch, precision) is :attr:`inputs`, a :class:`.inputs.ModelInputs` read
+    once in :meth:`setup` and saved in checkpoints (``checkpoint["model_inputs"]``, the tokenizer
+    as its files' text), so eval/predict/generate/export need nothing but the checkpoint.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.model = None  # built in configure_model
         self.tokenizer = None
-        self._tokenizer_files: dict[str, str] | None = None
+        self.inputs: ModelInputs | None = None
         self.skipped_steps = 0
         self._loss_divisor = 1.0
         self._window_loss = torch.zeros(())
@@ -55,6 +57,21 @@ class HFModule(L.LightningModule):
         self._step_items = torch.zeros(())
         self.step_metrics: dict[str, torch.Tensor] = {}
         self._row_step = 0
+
+    def attached_trainer(self) -> L.Trainer | None:
+        """The trainer running this module, or ``None`` (built by hand, or loaded for eval/export)."""
+        try:
+            return self.trainer
+        except RuntimeError:  # Lightning's "not attached to a Trainer"
+            return None
+
+    def setup(self, stage: str) -> None:
+        """Read the run's :class:`.inputs.ModelInputs` (the data module is set up by now), unless
+        the module already has them (loaded from a checkpoint)."""
+        if self.inputs is None:
+            self.inputs = model_inputs(self.trainer)
+        if self.tokenizer is None and self.inputs is not None:
+            self.tokenizer = self.inputs.tokenizer
 
     def prepare_data(self) -> None:
         """Install the model files once (``model.fetch``), before anything reads them."""
@@ -165,16 +182,15 @@ class HFModule(L.LightningModule):
         self.optimizers().step()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if self._tokenizer_files is None:
-            self._tokenizer_files = tokenizer_to_files(self.tokenizer)
-        checkpoint["tokenizer_files"] = self._tokenizer_files
+        checkpoint["model_inputs"] = self.inputs.state_dict()
         checkpoint["skipped_steps"] = self.skipped_steps
-        for logger in self.loggers if self._trainer is not None else []:
+        for logger in self.loggers if self.attached_trainer() is not None else []:
             if isinstance(logger, WandbLogger) and logger.version:  # the run's id, once it exists (or the id resumed)
                 checkpoint["wandb_run_id"] = logger.version  # a resume continues this W&B run
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+        if self.inputs is None:
+            self.inputs = ModelInputs.from_state_dict(checkpoint["model_inputs"])
         if self.tokenizer is None:
-            self._tokenizer_files = checkpoint["tokenizer_files"]
-            self.tokenizer = tokenizer_from_files(self._tokenizer_files)
+            self.tokenizer = self.inputs.tokenizer

@@ -27,7 +27,11 @@ from transformers.pytorch_utils import Conv1D
 
 
 def build_sequence_classifier(
-    spec: dict, id2label: dict[int, str], tokenizer: PreTrainedTokenizerBase, attn_implementation: str = "sdpa"
+    spec: dict,
+    id2label: dict[int, str],
+    tokenizer: PreTrainedTokenizerBase,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
     """An ``AutoModelForSequenceClassification`` with a fresh head of ``len(id2label)`` outputs.
 
@@ -36,6 +40,7 @@ def build_sequence_classifier(
             architecture fields; ``vocab_size`` and ``pad_token_id`` are taken from ``tokenizer``,
             their one source).
         attn_implementation: HF's ``sdpa`` | ``flash_attention_2`` | ``eager`` (``attention`` group).
+        dtype: of the weights (see :func:`.precision.weights_dtype`).
 
     Raises:
         ValueError: the spec gives neither ``name_or_path`` nor ``config``.
@@ -49,9 +54,11 @@ def build_sequence_classifier(
         fields = dict(spec["config"])
         model_type = fields.pop("model_type")
         config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **fields, **labels)
-        return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation)
+        return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     if spec.get("name_or_path"):
-        return AutoModelForSequenceClassification.from_pretrained(spec["name_or_path"], attn_implementation=attn_implementation, **labels)
+        return AutoModelForSequenceClassification.from_pretrained(
+            spec["name_or_path"], attn_implementation=attn_implementation, dtype=dtype, **labels
+        )
     raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 
 
@@ -60,11 +67,13 @@ def config_to_dict(config: PretrainedConfig) -> dict:
     return json.loads(config.to_json_string(use_diff=False))
 
 
-def sequence_classifier_from_dict(config_dict: dict, attn_implementation: str = "sdpa") -> PreTrainedModel:
+def sequence_classifier_from_dict(
+    config_dict: dict, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
     """Rebuild the architecture stored by :func:`config_to_dict`, with random weights."""
     fields = dict(config_dict)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
 
 
 def tokenizer_to_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:

@@ -13,9 +13,8 @@ from ..utils.config import ConfigError
 from .adapters import quantization_config, target_modules, uses_peft, wrap_with_lora
 from .base import HFModule
 from .builder import causal_lm_config, config_to_dict, linear_layer_names, max_positions
-
-# Precision (Lightning's name) -> dtype of the matmuls, for loading frozen/quantized weights.
-COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}
+from .inputs import model_inputs
+from .precision import compute_dtype, weights_dtype
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,20 +92,6 @@ ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "elect
 LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def load_dtype(precision: str, peft_method: str) -> torch.dtype:
-    """The dtype to load pretrained weights in.
-
-    Trained weights stay fp32 (the master copy ``*-mixed`` precision needs) unless the precision
-    is ``bf16-true``; the frozen base of a LoRA run is stored in the compute dtype, since it only
-    takes part in matmuls (half the memory under bf16).
-    """
-    if precision == "bf16-true":
-        return torch.bfloat16
-    if peft_method == "lora":
-        return COMPUTE_DTYPES.get(precision, torch.float32)
-    return torch.float32
-
-
 class CausalLMModule(HFModule):
     """Train an ``AutoModelForCausalLM``: from scratch (``model.config``) or from pretrained
     weights (``model.name_or_path``), fully or with LoRA/QLoRA adapters (``peft``).
@@ -177,25 +162,25 @@ class CausalLMModule(HFModule):
         """Install the model files, then check the spec against the architecture, before the
         data is tokenised and before any weights load (Lightning calls this first)."""
         super().prepare_data()
-        if self.hparams.hf_config is None and self._trainer is not None and self.trainer.datamodule is not None:
-            self.architecture_spec(precision=str(self.trainer.precision), max_length=self.trainer.datamodule.max_length)
+        trainer = self.attached_trainer()
+        inputs = model_inputs(trainer) if self.hparams.hf_config is None and trainer is not None else None
+        if inputs is not None:  # (the tokenizer is not loaded yet; the spec checks need none)
+            self.architecture_spec(precision=inputs.precision, max_length=inputs.max_length)
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        trainer = self._trainer
-        precision = str(trainer.precision) if trainer is not None else "32-true"
+        # Loaded from a checkpoint (eval/export), the module has no inputs yet: fp32 weights.
+        precision = self.inputs.precision if self.inputs is not None else "32-true"
         if self.hparams.hf_config is None:
-            datamodule = trainer.datamodule
-            self.tokenizer = datamodule.tokenizer
-            self.model = self._build(precision, max_length=datamodule.max_length)
+            self.model = self.build_model(precision, max_length=self.inputs.max_length)
             hf_config = config_to_dict(self.model.config)
             hf_config.pop("quantization_config", None)  # QLoRA: the architecture, not how it was loaded
             self.hparams.hf_config = hf_config
         else:  # load_from_checkpoint / export: the weights come from the checkpoint
             if uses_peft(self.hparams.peft):
                 self.prepare_data()  # the base weights are read from model.name_or_path
-            self.model = self._build(precision, max_length=None)
+            self.model = self.build_model(precision, max_length=None)
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
         # The chunked loss calls the transformer body and the lm_head itself: compile the body.
         self.apply_levers(compile_target=causal_body(self.model) if self.loss_implementation != "plain" else None)
@@ -250,20 +235,32 @@ class CausalLMModule(HFModule):
         modules = target_modules(peft_cfg, config, linear_layer_names(config)) if method != "none" else []
         return config, modules
 
-    def _build(self, precision: str, max_length: int | None) -> torch.nn.Module:
-        """Check the spec (:meth:`architecture_spec`), then load or initialise the weights."""
+    def build_model(
+        self, precision: str, max_length: int | None, config: PretrainedConfig | None = None, pretrained: bool = True
+    ) -> torch.nn.Module:
+        """The one builder of this task's model (``train``, ``plan``, eval/export all call it):
+        check the spec (:meth:`architecture_spec`), then load the pretrained weights or initialise
+        random ones, in the dtype of :func:`.precision.weights_dtype`, and add the LoRA adapters.
+
+        Args:
+            precision: Lightning's precision flag the model will run under.
+            max_length: the longest row in tokens (checked against the positions), or ``None``.
+            config: the HF config to build (the planner's); default: the spec's.
+            pretrained: ``False`` builds random weights even for a pretrained spec (the planner).
+
+        Raises:
+            ConfigError: see the class docstring; QLoRA's 4-bit load failing.
+        """
         spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
-        config, modules = self.architecture_spec(precision, max_length)
-        if spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
-            options = {"dtype": load_dtype(precision, method), "attn_implementation": self.attn_implementation}
+        config, modules = self.architecture_spec(precision, max_length, config=config)
+        dtype = weights_dtype(precision, method)
+        if pretrained and spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
+            options = {"dtype": dtype, "attn_implementation": self.attn_implementation}
             if method == "qlora":
-                options = {
-                    "quantization_config": quantization_config(peft_cfg, COMPUTE_DTYPES.get(precision, torch.float32)),
-                    "dtype": COMPUTE_DTYPES.get(precision, torch.float32),
-                    "attn_implementation": self.attn_implementation,
-                }
-                if self._trainer is not None and self.trainer.strategy.root_device.type == "cuda":
-                    options["device_map"] = {"": self.trainer.strategy.root_device}
+                options["quantization_config"] = quantization_config(peft_cfg, compute_dtype(precision))
+                trainer = self.attached_trainer()
+                if trainer is not None and trainer.strategy.root_device.type == "cuda":
+                    options["device_map"] = {"": trainer.strategy.root_device}
             try:
                 model = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], **options)
             except (ImportError, RuntimeError, ValueError) as error:
@@ -275,7 +272,7 @@ class CausalLMModule(HFModule):
                     "or peft=lora"
                 ) from error
         else:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation, dtype=dtype)
         if method != "none":
             model = wrap_with_lora(model, peft_cfg, modules)
         return model
@@ -299,8 +296,7 @@ class CausalLMModule(HFModule):
     def loss_divisor(self) -> float:
         # The largest possible token count of a micro-batch keeps the loss at the per-token scale
         # (1 when fit on a bare DataLoader).
-        datamodule = self.trainer.datamodule
-        return datamodule.batch_size * datamodule.max_length if datamodule is not None else 1
+        return self.inputs.micro_batch_size * self.inputs.max_length if self.inputs is not None else 1
 
     def on_train_start(self) -> None:
         super().on_train_start()

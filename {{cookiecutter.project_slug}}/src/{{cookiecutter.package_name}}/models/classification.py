@@ -6,9 +6,11 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MaxMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from transformers import AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 
 from .base import HFModule
 from .builder import build_sequence_classifier, config_to_dict, sequence_classifier_from_dict
+from .precision import weights_dtype
 
 
 def classification_metrics(num_classes: int, split: str) -> MetricCollection:
@@ -37,8 +39,9 @@ class SequenceClassificationModule(HFModule):
         optimizer: the ``optimizer`` config group as a plain dict (``_target_``, ``lr``, ...).
         attention, checkpointing, compile: those config groups as plain dicts (see
             :class:`.base.HFModule`).
-        id2label, hf_config: filled in on the first fit and stored in checkpoints, from which
-            eval/predict rebuild the model without the pretrained files.
+        hf_config: filled in on the first fit and stored in checkpoints, from which
+            eval/predict rebuild the model without the pretrained files (the labels are in
+            :attr:`inputs`, ``checkpoint["model_inputs"]``).
 
     Batches are dicts of ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)`` and
     ``labels`` ``(B,)``; ``forward`` returns logits ``(B, num_labels)``.
@@ -51,7 +54,6 @@ class SequenceClassificationModule(HFModule):
         attention: dict | None = None,
         checkpointing: dict | None = None,
         compile: dict | None = None,
-        id2label: dict | None = None,
         hf_config: dict | None = None,
     ) -> None:
         super().__init__()
@@ -60,7 +62,8 @@ class SequenceClassificationModule(HFModule):
 
     @property
     def label2id(self) -> dict[str, int]:
-        return {name: int(index) for index, name in self.hparams.id2label.items()}
+        """Label name -> class index, from :attr:`inputs` (the data, or the checkpoint)."""
+        return self.inputs.label2id
 
     def datamodule_kwargs(self) -> dict:
         """What eval/predict pass to the data module: the checkpoint's tokenizer and labels."""
@@ -69,23 +72,35 @@ class SequenceClassificationModule(HFModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        if self.hparams.hf_config is None:
-            datamodule = self.trainer.datamodule
-            self.model = build_sequence_classifier(self.hparams.model, datamodule.id2label, datamodule.tokenizer, self.attn_implementation)
-            self.tokenizer = datamodule.tokenizer
-            self.hparams.id2label = datamodule.id2label
-            self.hparams.hf_config = config_to_dict(self.model.config)
-        else:
-            self.model = sequence_classifier_from_dict(self.hparams.hf_config, self.attn_implementation)
+        # Loaded from a checkpoint (eval/predict), the module has no inputs yet: fp32 weights.
+        self.model = self.build_model(self.inputs.precision if self.inputs is not None else "32-true")
+        self.hparams.hf_config = config_to_dict(self.model.config)
         # from_pretrained returns the model in eval mode (dropout off), and Lightning keeps
         # each submodule's mode as it finds it: switch to train mode explicitly.
         self.model.train()
         self.apply_levers()
-        num_classes = len(self.hparams.id2label)
+        num_classes = self.model.config.num_labels
         self.train_metrics = classification_metrics(num_classes, "train")
         self.val_metrics = classification_metrics(num_classes, "val")
         self.test_metrics = classification_metrics(num_classes, "test")
         self.val_acc_best = MaxMetric()
+
+    def build_model(self, precision: str, max_length: int | None = None, config: PretrainedConfig | None = None) -> PreTrainedModel:
+        """The one builder of this task's model (``train``, ``plan``, eval/predict all call it), in
+        the dtype of :func:`.precision.weights_dtype`: the architecture a checkpoint stored
+        (``hf_config``, random weights the checkpoint then fills), else the spec with a fresh head
+        of the data's labels (:attr:`inputs`), else ``config`` (the planner's: random weights).
+        ``max_length`` is not used (the signature is the causal LM's).
+
+        Raises:
+            ValueError: the spec gives neither ``name_or_path`` nor ``config``.
+        """
+        attention, dtype = self.attn_implementation, weights_dtype(precision)
+        if config is not None:
+            return AutoModelForSequenceClassification.from_config(config, attn_implementation=attention, dtype=dtype)
+        if self.hparams.hf_config is not None:
+            return sequence_classifier_from_dict(self.hparams.hf_config, attention, dtype=dtype)
+        return build_sequence_classifier(self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -99,7 +114,7 @@ class SequenceClassificationModule(HFModule):
 
     def loss_divisor(self) -> float:
         # The summed loss of a full micro-batch -> its mean (1 when fit on a bare DataLoader).
-        return getattr(self.trainer.datamodule, "batch_size", None) or 1
+        return self.inputs.micro_batch_size if self.inputs is not None else 1
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         """The summed cross-entropy of the rows, normalised over the whole accumulated batch
