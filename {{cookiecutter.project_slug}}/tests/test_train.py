@@ -9,12 +9,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from transformers import AutoConfig
 
 from {{ cookiecutter.package_name }}.data.loading import DataError
 from {{ cookiecutter.package_name }}.eval import evaluate
+from {{ cookiecutter.package_name }}.models import builder
 from {{ cookiecutter.package_name }}.models.inputs import ModelInputs
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.train import train
+from {{ cookiecutter.package_name }}.utils.config import ConfigError
 from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 
@@ -65,6 +68,39 @@ def test_checkpoint_loads_with_weights_only_and_holds_the_model_inputs(trained_r
     restored = ModelInputs.from_state_dict(inputs)
     assert restored.tokenizer.convert_tokens_to_ids("good") != restored.tokenizer.unk_token_id
     assert restored.label2id == {"negative": 0, "positive": 1} and restored.compute_dtype == torch.float32
+
+
+def test_the_best_so_far_is_in_the_checkpoint_so_a_resume_keeps_it(trained_run):
+    run_dir, metrics = trained_run
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert float(state["val_acc_best.max_value"]) == pytest.approx(metrics["val/acc_best"])
+
+
+def test_max_length_beyond_the_encoders_positions_fails_before_the_data_or_weights_load(make_cfg, monkeypatch):
+    from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule
+    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("reached after the check should have failed")
+
+    monkeypatch.setattr(SequenceClassificationModule, "build_model", refuse)
+    monkeypatch.setattr(ClassificationDataModule, "setup", refuse)
+    fix = r"data.max_length=1024 is longer than this model's maximum positions \(512, bert\); fix: data.max_length=512 or less"
+    with pytest.raises(ConfigError, match=fix):
+        train(make_cfg("data.max_length=1024"))
+
+
+@pytest.mark.parametrize(
+    "model_type, fields, positions",
+    [
+        ("bert", {"max_position_embeddings": 512}, 512),
+        ("roberta", {"max_position_embeddings": 514, "pad_token_id": 1}, 512),  # position ids start after the padding index
+        ("xlm-roberta", {"max_position_embeddings": 514, "pad_token_id": 1}, 512),
+        ("gpt2", {"n_positions": 256}, 256),
+    ],
+)
+def test_max_positions_counts_the_tokens_a_model_can_take(model_type, fields, positions):
+    assert builder.max_positions(AutoConfig.for_model(model_type, **fields)) == positions
 
 
 def test_eval_reproduces_the_test_metrics(trained_run, make_cfg, tmp_path):

@@ -25,6 +25,8 @@ from transformers import (
 )
 from transformers.pytorch_utils import Conv1D
 
+from ..utils.config import ConfigError
+
 
 def build_sequence_classifier(
     spec: dict,
@@ -91,18 +93,51 @@ def tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(folder)
 
 
+# Architectures whose position ids start after the padding index (RoBERTa's embeddings): the
+# first ``pad_token_id + 1`` positions are never used, so roberta-base's 514 hold 512 tokens.
+POSITIONS_AFTER_PADDING = {
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "camembert",
+    "data2vec-text",
+    "roberta-prelayernorm",
+    "longformer",
+    "mpnet",
+}
+
+
 def max_positions(config: PretrainedConfig) -> int | None:
-    """The longest sequence the architecture supports (``max_position_embeddings``, or GPT-2's
-    ``n_positions``); ``None`` when the config names no limit."""
+    """The longest sequence, in tokens, the architecture supports (``max_position_embeddings``,
+    or GPT-2's ``n_positions``, less the offset of RoBERTa-style position ids); ``None`` when the
+    config names no limit."""
     for field in ("max_position_embeddings", "n_positions"):
         value = getattr(config, field, None)
         if isinstance(value, int):
+            if config.model_type in POSITIONS_AFTER_PADDING:
+                value -= (config.pad_token_id if isinstance(config.pad_token_id, int) else 1) + 1
             return value
     return None
 
 
-def causal_lm_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
-    """The HF config a causal-LM spec describes, read without loading any weights.
+def check_max_length(config: PretrainedConfig, max_length: int | None) -> None:
+    """Refuse a ``data.max_length`` the architecture has no positions for (any task), before
+    the data is tokenised or any weights load.
+
+    Raises:
+        ConfigError: ``max_length`` above :func:`max_positions`.
+    """
+    limit = max_positions(config)
+    if max_length is not None and limit is not None and max_length > limit:
+        raise ConfigError(
+            f"data.max_length={max_length} is longer than this model's maximum positions ({limit}, "
+            f"{config.model_type}); fix: data.max_length={limit} or less"
+        )
+
+
+def spec_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
+    """The HF config a model spec describes (a causal LM's, or any other task's), read without
+    loading any weights.
 
     From scratch (``config``), ``vocab_size`` and the BOS/EOS/pad ids follow the tokenizer
     (their one source; with ``tokenizer=None``, the architecture's defaults, enough for checks

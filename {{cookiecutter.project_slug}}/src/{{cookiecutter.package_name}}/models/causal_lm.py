@@ -12,7 +12,7 @@ from ..data.text import IGNORE_INDEX, pad_token_id
 from ..utils.config import ConfigError
 from .adapters import quantization_config, target_modules, uses_peft, wrap_with_lora
 from .base import HFModule
-from .builder import causal_lm_config, config_to_dict, linear_layer_names, max_positions
+from .builder import check_max_length, config_to_dict, linear_layer_names, spec_config
 from .inputs import model_inputs
 from .precision import compute_dtype, weights_dtype
 
@@ -202,19 +202,14 @@ class CausalLMModule(HFModule):
             fields = dict(self.hparams.hf_config)
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         elif config is None:
-            config = causal_lm_config(spec, self.tokenizer)
+            config = spec_config(spec, self.tokenizer)
         if config.model_type in ENCODER_ONLY:
             raise ConfigError(
                 f"task=causal_lm needs a decoder, but the model is a {config.model_type} encoder "
                 f"(model.name_or_path={spec.get('name_or_path')!r}); fix: a causal LM such as model=smollm2_135m, "
                 "or task=classification"
             )
-        limit = max_positions(config)
-        if max_length is not None and limit is not None and max_length > limit:
-            raise ConfigError(
-                f"data.max_length={max_length} is longer than this model's maximum positions ({limit}, "
-                f"{config.model_type}); fix: data.max_length={limit} or less"
-            )
+        check_max_length(config, max_length)
         if method != "none":
             if not spec.get("name_or_path"):
                 raise ConfigError(

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MaxMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
-from transformers import AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 
 from .base import HFModule
-from .builder import build_sequence_classifier, config_to_dict, sequence_classifier_from_dict
+from .builder import build_sequence_classifier, check_max_length, config_to_dict, sequence_classifier_from_dict, spec_config
+from .inputs import model_inputs
 from .precision import weights_dtype
 
 
@@ -69,6 +70,22 @@ class SequenceClassificationModule(HFModule):
         """What eval/predict pass to the data module: the checkpoint's tokenizer and labels."""
         return {"tokenizer": self.tokenizer, "label2id": self.label2id}
 
+    def prepare_data(self) -> None:
+        """Install the model files, then refuse a ``data.max_length`` beyond the model's positions,
+        before the data is tokenised and before any weights load (Lightning calls this first)."""
+        super().prepare_data()
+        trainer = self.attached_trainer()
+        inputs = model_inputs(trainer) if trainer is not None else None
+        if inputs is not None:
+            check_max_length(self.architecture(), inputs.max_length)
+
+    def architecture(self) -> PretrainedConfig:
+        """The HF config of the model (the checkpoint's, or the spec's), read without weights."""
+        if self.hparams.hf_config is not None:
+            fields = dict(self.hparams.hf_config)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return spec_config(self.hparams.model, None)
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
@@ -84,6 +101,7 @@ class SequenceClassificationModule(HFModule):
         self.val_metrics = classification_metrics(num_classes, "val")
         self.test_metrics = classification_metrics(num_classes, "test")
         self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)  # in the checkpoint's state_dict: a resumed run keeps the best so far
 
     def build_model(self, precision: str, max_length: int | None = None, config: PretrainedConfig | None = None) -> PreTrainedModel:
         """The one builder of this task's model (``train``, ``plan``, eval/predict all call it), in
