@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 import os
 
 import datasets
 import pytest
 
-from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule, build_label_map
-from {{ cookiecutter.package_name }}.data.loading import DataError
+from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule, build_label_map, label_key
+from {{ cookiecutter.package_name }}.data.loading import DataError, load_split
 
 from .conftest import toy_rows, write_csv
 
@@ -48,6 +49,11 @@ def test_string_labels_are_sorted_and_mapped_once(make_datamodule):
     assert set(datamodule.datasets["train"]["labels"]) == {0, 1}
 
 
+def test_a_label_is_known_by_one_string_however_a_file_spells_it():
+    assert label_key(1) == label_key(1.0) == label_key("1") == label_key("1.0") == label_key(" 1.00 ") == "1"
+    assert label_key("007") == "007" and label_key("NA") == "NA" and label_key(None) is None
+
+
 def test_integer_labels_sort_numerically(tmp_path):
     rows = [{"text": "a", "label": label} for label in (10, 2, 2, 1)]
     dataset = datasets.Dataset.from_list(rows)
@@ -70,6 +76,37 @@ def test_numeric_and_string_spellings_of_a_label_agree(make_datamodule, tmp_path
     datamodule.setup("test")
     assert datamodule.label2id == {"0": 0, "1": 1}
     assert datamodule.datasets["test"]["labels"] == [1, 0]
+
+
+@pytest.mark.parametrize("suffix, sep", [(".csv", ","), (".tsv", "\t")])
+def test_csv_and_tsv_cells_are_read_as_written_so_na_is_a_label(make_datamodule, tmp_path, suffix, sep):
+    words = ["good", "bad", "fine", "null", "None", "n/a", "NA", "nan"]
+    rows = [{"text": words[i % len(words)], "label": ["positive", "negative", "NA"][i % 3], "id": f"00{i}"} for i in range(12)]
+    train = tmp_path / f"train{suffix}"
+    with train.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=["text", "label", "id"], delimiter=sep)
+        writer.writeheader()
+        writer.writerows(rows)
+    datamodule = make_datamodule(splits={"train": str(train), "validation": str(train), "test": str(train)})
+    datamodule.setup("fit")
+    assert datamodule.label2id == {"NA": 0, "negative": 1, "positive": 2}
+    assert len(datamodule.datasets["train"]) + len(datamodule.datasets["validation"]) == 24  # (the train file twice)
+    loaded = load_split("train", str(train), None, None, str(tmp_path / "cache"))
+    assert loaded["text"] == [r["text"] for r in rows] and loaded["id"] == [r["id"] for r in rows]  # "007" stays "007"
+
+
+def test_an_empty_label_cell_is_a_row_without_a_label(make_datamodule, tmp_path):
+    train = write_csv(tmp_path / "train.csv", [{"text": "good", "label": "1"}, {"text": "bad", "label": "0"}, {"text": "so-so", "label": ""}])
+    datamodule = make_datamodule(splits={"train": str(train), "validation": str(train), "test": str(train)})
+    with pytest.raises(DataError, match="some rows of the train split .* have no label"):
+        datamodule.setup("fit")
+
+
+def test_a_csv_saved_with_its_index_and_a_repeated_column_name_loads(tmp_path):
+    path = tmp_path / "saved.csv"
+    path.write_text(",text,text\n0,a,b\n1,c,d\n")
+    loaded = load_split("train", str(path), None, None, str(tmp_path / "cache"))
+    assert loaded.column_names == ["Unnamed: 0", "text", "text.1"] and loaded["text.1"] == ["b", "d"]
 
 
 def test_validation_split_is_seeded_and_sized(make_datamodule):

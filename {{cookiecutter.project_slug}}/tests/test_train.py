@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -121,6 +122,18 @@ def test_predict_writes_labels_and_probabilities(trained_run, make_cfg, toy_data
     assert ((frame.prob_negative + frame.prob_positive) - 1).abs().max() < 1e-5
     assert set(frame.predicted_label) <= {"negative", "positive"}
     assert (frame.predicted_label == frame.label).mean() == pytest.approx(metrics["test/acc"], abs=1e-6)
+
+
+def test_predict_writes_the_inputs_cells_back_as_written(trained_run, make_cfg, tmp_path):
+    _, metrics = trained_run
+    source = tmp_path / "texts.csv"
+    cells = [["null", "007"], ["NA", "1.50"], ["None", ""], ["n/a", "nan"], ["a good film", "N/A"]]
+    source.write_text("text,note\n" + "".join(f"{text},{note}\n" for text, note in cells))
+    out = tmp_path / "predictions.csv"
+    predict(make_cfg(f"ckpt_path={metrics['best_checkpoint']}", f"input={source}", f"output={out}", config_name="predict"))
+    with out.open(newline="") as file:
+        written = list(csv.reader(file))
+    assert written[0][:2] == ["text", "note"] and [row[:2] for row in written[1:]] == cells
 
 
 def test_overfitting_one_batch_drives_the_loss_down(make_cfg, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable
 
 import datasets
@@ -11,10 +12,14 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
-from .loading import DataError, drop_blank_rows, load_split, require_columns
+from .loading import DataError, drop_blank_rows, is_blank, load_split, require_columns
 from .tokenization import load_tokenizer, tokenize_batch
 
 log = logging.getLogger(__name__)
+
+
+# A whole number written with a decimal point ("1.0", "-2.00").
+WHOLE_DECIMAL = re.compile(r"-?\d+\.0+")
 
 
 def label_key(value: object) -> str | None:
@@ -23,7 +28,10 @@ def label_key(value: object) -> str | None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    return str(value).strip()
+    text = str(value).strip()
+    if WHOLE_DECIMAL.fullmatch(text):  # "1.0" as a csv cell reads it: the label 1
+        text = text.split(".")[0]
+    return text
 
 
 def _label_sort_key(name: str) -> tuple[int, int | str]:
@@ -51,7 +59,7 @@ def build_label_map(dataset: datasets.Dataset, label_column: str, source: str) -
     """
     feature = dataset.features[label_column]
     names = raw_label_names(dataset, label_column)
-    if None in names:
+    if any(is_blank(name) for name in names):  # (a csv/tsv cell is read as written: "" when empty)
         raise DataError(
             f"data.label_column={label_column!r}: some rows of the train split ({source}) have no label; fix: drop or label them"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import logging
 from pathlib import Path
 
@@ -9,10 +10,13 @@ import datasets
 
 log = logging.getLogger(__name__)
 
-# File suffix -> (datasets builder, extra builder kwargs).
+# File suffix -> (datasets builder, extra builder kwargs).  csv/tsv cells are read as written:
+# no missing-value guessing (pandas would take "NA", "null", "None", "n/a", ... for missing),
+# and every column a string (see :func:`csv_as_written`).
+AS_WRITTEN = {"keep_default_na": False, "na_filter": False}
 BUILDERS = {
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"sep": "\t"}),
+    ".csv": ("csv", {"sep": ",", **AS_WRITTEN}),
+    ".tsv": ("csv", {"sep": "\t", **AS_WRITTEN}),
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
@@ -64,6 +68,8 @@ def load_split(
     if builder == "csv" and whole_file_read and len([line for line in head.splitlines() if line.strip()]) < 2:
         raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
     try:
+        if builder == "csv":
+            kwargs = {**kwargs, "features": csv_as_written(path, kwargs["sep"])}
         dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **kwargs)
     except Exception as error:  # datasets wraps the reader's error (decoding, parsing) in DatasetGenerationError
         bad = first_non_utf8([str(path)]) if builder != "parquet" else None
@@ -80,6 +86,26 @@ def load_split(
     if len(dataset) == 0:
         raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
     return dataset
+
+
+def csv_as_written(path: Path, sep: str) -> datasets.Features:
+    """Every column of a csv/tsv file's header as a string column: cells keep their text
+    ("007", "1.50", "NA" stay as written) and an output file can carry them back unchanged.
+
+    Raises:
+        UnicodeDecodeError, csv.Error: the header cannot be read (reported as a DataError).
+    """
+    with path.open(newline="", encoding="utf-8") as file:
+        header = next(csv.reader(file, delimiter=sep), [])
+    names: list[str] = []
+    for index, name in enumerate(header):  # the names pandas gives: "Unnamed: 0" (a saved index), "a.1" (a repeat)
+        name = name or f"Unnamed: {index}"
+        base, repeat = name, 0
+        while name in names:
+            repeat += 1
+            name = f"{base}.{repeat}"
+        names.append(name)
+    return datasets.Features({name: datasets.Value("string") for name in names})
 
 
 def require_columns(dataset: datasets.Dataset, split: str, source: str, fields: dict[str, str | None]) -> None:
