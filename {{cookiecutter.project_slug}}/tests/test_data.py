@@ -96,7 +96,8 @@ def test_csv_and_tsv_cells_are_read_as_written_so_na_is_a_label(make_datamodule,
 
 
 def test_an_empty_label_cell_is_a_row_without_a_label(make_datamodule, tmp_path):
-    train = write_csv(tmp_path / "train.csv", [{"text": "good", "label": "1"}, {"text": "bad", "label": "0"}, {"text": "so-so", "label": ""}])
+    rows = [{"text": "good", "label": "1"}, {"text": "bad", "label": "0"}, {"text": "so-so", "label": ""}]
+    train = write_csv(tmp_path / "train.csv", rows)
     datamodule = make_datamodule(splits={"train": str(train), "validation": str(train), "test": str(train)})
     with pytest.raises(DataError, match="some rows of the train split .* have no label"):
         datamodule.setup("fit")
