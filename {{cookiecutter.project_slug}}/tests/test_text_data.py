@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import random
 
+import datasets
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from {{ cookiecutter.package_name }}.data.loading import DataError
-from {{ cookiecutter.package_name }}.data.text import CausalLMCollator, TextDataModule, pack_blocks
+from {{ cookiecutter.package_name }}.data.text import CausalLMCollator, TextDataModule, pack_documents
 
 
 @pytest.fixture
@@ -52,14 +53,17 @@ def test_collation_of_hand_made_ids_masks_labels_from_the_attention_mask():
     assert all(t.dtype == torch.long for t in padded.values())
 
 
-def test_packing_keeps_every_token_once_and_never_crosses_the_block_size():
+@pytest.mark.parametrize("batch_size", [1, 3, 1000])
+def test_packing_keeps_every_token_once_and_only_the_splits_last_block_is_short(batch_size):
     rng = random.Random(0)
     docs = [[rng.randrange(1000) for _ in range(rng.randint(1, 50))] for _ in range(40)]
+    tokenized = datasets.Dataset.from_dict({"input_ids": docs, "length": [len(doc) for doc in docs]})
     for block_size in (1, 7, 16, 64, 10_000):
-        blocks = pack_blocks({"input_ids": docs}, block_size)["input_ids"]
+        packed = pack_documents(tokenized, block_size, batch_size=batch_size)
+        blocks = packed["input_ids"]
         assert [t for block in blocks for t in block] == [t for doc in docs for t in doc]
-        assert all(len(block) == block_size for block in blocks[:-1])
-        assert 1 <= len(blocks[-1]) <= block_size
+        assert all(len(block) == block_size for block in blocks[:-1])  # whatever the map batches
+        assert 1 <= len(blocks[-1]) <= block_size and packed["length"] == [len(block) for block in blocks]
 
 
 def test_documents_end_with_eos_and_every_batch_has_targets(make_text_dm, lm_text, lm_tokenizer_dir):

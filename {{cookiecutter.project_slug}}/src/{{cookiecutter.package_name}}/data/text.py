@@ -4,7 +4,7 @@ Two ways to turn documents into training sequences (``mode``):
 
 - ``pack`` (the default for pretraining): every document is tokenised, an EOS token is
   appended, the token streams are concatenated and cut into blocks of exactly ``max_length``
-  tokens (the last block of each map batch may be shorter and is padded).  Almost no padding;
+  tokens (only the split's last block may be shorter, and is padded).  Almost no padding;
   a block may span two documents (the model attends across the EOS, as in GPT-2/Llama
   pretraining).
 - ``pad``: one sequence per document, truncated to ``max_length`` tokens, padded per micro-batch
@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 
 import datasets
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -53,14 +54,37 @@ def tokenize_documents(
     return {"input_ids": ids, "length": [len(row) for row in ids]}
 
 
-def pack_blocks(batch: dict[str, list], block_size: int) -> dict[str, list[list[int]]]:
-    """Concatenate the token lists of a map batch and cut them into blocks of ``block_size``.
+def pack_documents(tokenized: datasets.Dataset, block_size: int, batch_size: int = 1000, desc: str = "Packing") -> datasets.Dataset:
+    """Concatenate the token lists of all rows, in order, and cut the one stream into blocks of
+    ``block_size``: every token is kept exactly once, every block holds exactly ``block_size``
+    tokens but the split's last one, which may be shorter.
 
-    Every token is kept exactly once, in order; each block holds at most ``block_size`` tokens
-    (only the last block of the batch may be shorter).  ``length`` is each block's token count.
+    The blocks are cut from the whole split, not per map batch: a ``map`` over the blocks'
+    start offsets gathers each batch of blocks from the rows their offsets fall in (found from
+    the ``length`` column), so memory stays one map batch of blocks however large the corpus.
+
+    Args:
+        tokenized: rows with ``input_ids`` (token lists) and ``length`` (their lengths).
+        batch_size: blocks per map batch.
+
+    Returns:
+        a data set of ``input_ids`` (the blocks) and ``length`` (their token counts).
     """
-    stream = [token for row in batch["input_ids"] for token in row]
-    blocks = [stream[start : start + block_size] for start in range(0, len(stream), block_size)]
+    ends = np.cumsum(np.asarray(tokenized["length"], dtype=np.int64))
+    total = int(ends[-1]) if len(ends) else 0
+    starts = datasets.Dataset.from_dict({"start": list(range(0, total, block_size))})
+    kwargs = {"tokenized": tokenized, "ends": ends, "block_size": block_size}
+    return starts.map(_gather_blocks, batched=True, batch_size=batch_size, fn_kwargs=kwargs, remove_columns=["start"], desc=desc)
+
+
+def _gather_blocks(batch: dict[str, list], tokenized: datasets.Dataset, ends: np.ndarray, block_size: int) -> dict[str, list]:
+    """The blocks starting at ``batch["start"]`` (global token offsets), from the rows they span."""
+    first_token, last_token = batch["start"][0], min(batch["start"][-1] + block_size, int(ends[-1])) - 1
+    first_row = int(np.searchsorted(ends, first_token, side="right"))
+    last_row = int(np.searchsorted(ends, last_token, side="right"))
+    offset = int(ends[first_row - 1]) if first_row else 0  # global offset of first_row's first token
+    stream = [token for row in tokenized.select(range(first_row, last_row + 1))["input_ids"] for token in row]
+    blocks = [stream[start - offset : start - offset + block_size] for start in batch["start"]]
     return {"input_ids": blocks, "length": [len(block) for block in blocks]}
 
 
@@ -276,7 +300,7 @@ class TextDataModule(TokenizedDataModule):
             desc=f"Tokenizing {split}",
         )
         if self.mode == "pack":
-            sequences = tokenized.map(pack_blocks, batched=True, fn_kwargs={"block_size": self.max_length}, desc=f"Packing {split}")
+            sequences = pack_documents(tokenized, self.max_length, desc=f"Packing {split}")
         else:
             sequences = tokenized.map(
                 truncate_documents, batched=True, fn_kwargs={"max_length": self.max_length}, desc=f"Truncating {split}"
