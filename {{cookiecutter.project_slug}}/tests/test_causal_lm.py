@@ -124,6 +124,49 @@ def test_generate_from_checkpoint_and_exported_folder(lora_run, tmp_path):
         generate(compose_config("generate", [*common]))
 
 
+def gpt2_generator(tokenizer_dir, positions: int) -> CausalLMModule:
+    from transformers import AutoTokenizer, GPT2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=positions)
+    options = {"model": {"fetch": None}, "optimizer": {"step_in_backward": False}, "peft": {"method": "none"}}
+    module = CausalLMModule(**options, hf_config=config.to_dict())
+    module.model, module.tokenizer = AutoModelForCausalLM.from_config(config), tokenizer
+    return module
+
+
+@pytest.mark.parametrize("prompt_words, new_tokens", [(60, 5), (2, 100), (60, 100)])
+def test_generation_never_passes_the_models_positions(lm_tokenizer_dir, prompt_words, new_tokens):
+    module = gpt2_generator(lm_tokenizer_dir, positions=24)
+    generate_ids, lengths = module.model.generate, []
+
+    def measured(**inputs):
+        output = generate_ids(**inputs)  # (1, prompt + new tokens)
+        lengths.append((inputs["input_ids"].shape[1], output.shape[1], inputs["max_new_tokens"]))
+        return output
+
+    module.model.generate = measured
+    with pytest.warns(UserWarning, match="positions"):
+        [completion] = module.generate_text([" ".join(["king"] * prompt_words)], max_new_tokens=new_tokens, do_sample=False)
+    [(prompt, total, capped)] = lengths
+    assert total <= 24 and capped == min(new_tokens, 23) and prompt >= 1 and isinstance(completion, str)
+
+
+def test_a_failing_sample_generation_is_a_warning_not_the_end_of_the_run(tmp_path):
+    from types import SimpleNamespace
+
+    from {{ cookiecutter.package_name }}.callbacks.sample_generation import SampleGeneration
+
+    def broken(prompts, **generation):
+        raise IndexError("index out of range in self")
+
+    callback = SampleGeneration(prompts=["the king"], output_file=str(tmp_path / "samples.txt"))
+    module = SimpleNamespace(device=torch.device("cpu"), generate_text=broken)
+    with pytest.warns(UserWarning, match="sample_generation failed at step 7 and is skipped: IndexError"):
+        assert callback.generate(SimpleNamespace(global_step=7, loggers=[]), module) == []
+    assert not (tmp_path / "samples.txt").exists()
+
+
 def test_prompts_from_the_command_line_and_a_file_take_escaped_newlines(tmp_path):
     from omegaconf import OmegaConf
 

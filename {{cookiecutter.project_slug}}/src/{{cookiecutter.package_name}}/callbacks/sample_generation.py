@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,22 @@ class SampleGeneration(L.Callback):
             self.generate(trainer, pl_module)
 
     def generate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
-        """Generate now (all ranks run the model; rank 0 writes); return the completions."""
+        """Generate now (all ranks run the model; rank 0 writes); return the completions.  A
+        failure is a warning, never the end of the run (``[]`` returned); out of memory is raised."""
         self._last_step = trainer.global_step
         # On a fork of the RNG: sampling must not shift the training stream (a resumed run, which
         # may not generate at the same steps, would otherwise draw other dropout masks).
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            completions = pl_module.generate_text(self.prompts, **self.generation)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                completions = pl_module.generate_text(self.prompts, **self.generation)
+        except Exception as error:  # a sanity check must never cost the run its results
+            if isinstance(error, torch.OutOfMemoryError):
+                raise  # (the out-of-memory guard reports it, with a checkpoint)
+            rank_zero_warn(
+                f"callbacks.sample_generation failed at step {trainer.global_step} and is skipped: {type(error).__name__}: {error}"
+            )
+            return []
         self._write(trainer, completions)
         return completions
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -12,7 +13,7 @@ from ..data.text import IGNORE_INDEX, pad_token_id
 from ..utils.config import ConfigError
 from .adapters import quantization_config, target_modules, uses_peft, wrap_with_lora
 from .base import HFModule
-from .builder import check_max_length, config_to_dict, linear_layer_names, spec_config
+from .builder import check_max_length, config_to_dict, linear_layer_names, max_positions, spec_config
 from .inputs import model_inputs
 from .precision import compute_dtype, weights_dtype
 
@@ -346,14 +347,31 @@ class CausalLMModule(HFModule):
         """Complete each prompt (one at a time, so no padding is involved); return only the new text.
 
         ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``, ``temperature``,
-        ``top_p``...).  The model is put in eval mode and restored afterwards.
+        ``top_p``...).  The model is put in eval mode and restored afterwards.  Prompt and new
+        tokens together never pass the model's positions (:func:`.builder.max_positions`): with a
+        warning, ``max_new_tokens`` is capped to ``positions - 1`` and a prompt too long for the
+        rest is cut from the left (its end, next to the completion, is kept).
         """
+        limit = max_positions(self.model.config)
+        new_tokens = generation.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 20
+        if limit is not None and new_tokens >= limit:
+            rank_zero_warn(f"max_new_tokens={new_tokens} is not below the model's {limit} positions; generating {limit - 1}")
+            new_tokens = limit - 1
+        generation = {**generation, "max_new_tokens": new_tokens}
         was_training = self.model.training
         self.model.eval()
         completions = []
         try:
             for prompt in prompts:
-                inputs = self.tokenizer(prompt, return_tensors="pt").to(self.device)
+                inputs = self.tokenizer(prompt, return_tensors="pt")
+                room = None if limit is None else limit - new_tokens
+                if room is not None and inputs["input_ids"].shape[1] > room:
+                    rank_zero_warn(
+                        f"a prompt of {inputs['input_ids'].shape[1]} tokens leaves no room for {new_tokens} new ones in the model's "
+                        f"{limit} positions: its first {inputs['input_ids'].shape[1] - room} tokens are dropped"
+                    )
+                    inputs = {name: tensor[:, -room:] for name, tensor in inputs.items()}
+                inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
                 output = self.model.generate(
                     **inputs, pad_token_id=pad_token_id(self.tokenizer), use_cache=True, **generation
                 )  # (1, prompt + new tokens)
