@@ -110,6 +110,15 @@ def test_a_csv_saved_with_its_index_and_a_repeated_column_name_loads(tmp_path):
     assert loaded.column_names == ["Unnamed: 0", "text", "text.1"] and loaded["text.1"] == ["b", "d"]
 
 
+@pytest.mark.parametrize("rows, ranks", [(5, 2), (41, 2), (7, 3), (2, 4), (8, 2)])
+def test_each_rank_evaluates_its_own_rows_and_every_row_once(rows, ranks):
+    from {{ cookiecutter.package_name }}.data.sampling import EvaluationShardSampler
+
+    shards = [list(EvaluationShardSampler(rows, ranks, rank)) for rank in range(ranks)]
+    assert sorted(i for shard in shards for i in shard) == list(range(rows))
+    assert [len(EvaluationShardSampler(rows, ranks, rank)) for rank in range(ranks)] == [len(shard) for shard in shards]
+
+
 def test_validation_split_is_seeded_and_sized(make_datamodule):
     splits = lambda dm: (dm.setup("fit"), dm.datasets["validation"]["input_ids"])[1]  # noqa: E731
     first = splits(make_datamodule(splits={"train": make_datamodule().splits["train"]}))

@@ -136,6 +136,17 @@ def test_predict_writes_the_inputs_cells_back_as_written(trained_run, make_cfg, 
     assert written[0][:2] == ["text", "note"] and [row[:2] for row in written[1:]] == cells
 
 
+def test_predict_under_the_training_runs_ddp_trainer_writes_every_row_once_in_order(trained_run, make_cfg, toy_data, tmp_path):
+    _, metrics = trained_run
+    outputs = {}
+    for trainer in ("default", "ddp_cpu"):
+        outputs[trainer] = tmp_path / f"{trainer}.csv"
+        args = [f"ckpt_path={metrics['best_checkpoint']}", f"input={toy_data['test']}", f"output={outputs[trainer]}", f"trainer={trainer}"]
+        predict(make_cfg(*args, config_name="predict"))
+    assert outputs["ddp_cpu"].read_text() == outputs["default"].read_text()
+    assert len(pd.read_csv(outputs["ddp_cpu"])) == 40
+
+
 def test_overfitting_one_batch_drives_the_loss_down(make_cfg, tmp_path):
     train(make_cfg("debug=overfit", "optimizer.lr=2e-3", "trainer.log_every_n_steps=1", "test_after_fit=false"))
     losses = logged(tmp_path / "run", "train/loss")

@@ -4,7 +4,8 @@
         ckpt_path=RUN/checkpoints/last.ckpt input=reviews.csv output=predictions.csv
 
 The output is the input's columns plus ``predicted_label`` and one ``prob_<label>`` column per
-class (probabilities summing to 1).  The text columns are those of the data config.
+class (probabilities summing to 1), one row per input row in the input's order; the text columns
+are those of the data config.  It runs in one process whatever ``trainer`` says.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
-from .utils.config import ConfigError, to_plain, validate_config
+from .utils.config import ConfigError, to_plain, validate_config, world_size
 from .utils.instantiate import instantiate_trainer
 from .utils.run import atomic_write_path, exit_on_bad_input
 
@@ -31,6 +32,13 @@ def predict(cfg: DictConfig) -> Path:
     validate_config(cfg, required=("ckpt_path", "input"))
     if not Path(cfg.input).is_file():  # after validate_config: input is set
         raise ConfigError(f"input={cfg.input!r} is not a file; fix: input=path/to/texts.csv (csv/tsv/jsonl/parquet)")
+    if world_size(cfg) != (1, 1):
+        # Several processes would each predict a share of the rows (and pad the last batches):
+        # one process writes every row once, in the input's order.
+        print(f"predict runs in one process: trainer.devices={world_size(cfg)[0]} (the training trainer's) is not used")
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.strategy = 1, 1, "auto"
     module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
     # Resolved first, so that dropping the training-data download (fetch=None) cannot break
     # paths that interpolate from it.

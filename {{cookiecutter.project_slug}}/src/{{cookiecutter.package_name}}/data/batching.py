@@ -7,11 +7,13 @@ from collections.abc import Callable
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ..utils.config import ConfigError
-from .sampling import ResumableDataLoader, ResumableSampler
+from .sampling import EvaluationShardSampler, ResumableDataLoader, ResumableSampler
 from .tokenization import disable_tokenizer_parallelism
 
 
@@ -103,13 +105,15 @@ class TokenizedDataModule(L.LightningDataModule):
         # Worker seeds come from the loader's generator, not the global RNG (see the class docstring).
         return torch.Generator().manual_seed(self.order_seed)
 
-    def _loader(self, split: str, sampler: ResumableSampler | None = None) -> DataLoader:
+    def _loader(
+        self, split: str, sampler: ResumableSampler | None = None, evaluation_sampler: EvaluationShardSampler | None = None
+    ) -> DataLoader:
         if self.num_workers > 0:
             disable_tokenizer_parallelism()  # before the workers fork (tokenising is done by now)
         return (ResumableDataLoader if sampler is not None else DataLoader)(
             self.datasets[split],
             batch_size=self.batch_size,
-            sampler=sampler,
+            sampler=sampler or evaluation_sampler,
             generator=self._generator(),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -134,7 +138,24 @@ class TokenizedDataModule(L.LightningDataModule):
         return self._loader("train", sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation")
+        return self._evaluation_loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
+        return self._evaluation_loader("test")
+
+    def _evaluation_loader(self, split: str) -> DataLoader:
+        """One process: the split in order.  Several (DDP): each rank its own rows, every row
+        once (:class:`.sampling.EvaluationShardSampler`).  Under FSDP every rank must run as many
+        batches (each forward gathers the shards from all of them), so Lightning's padded
+        sampler stays, and up to ``world_size - 1`` repeated rows count twice (said once)."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size == 1:
+            return self._loader(split)
+        if isinstance(trainer.strategy, FSDPStrategy):
+            rank_zero_warn(
+                f"FSDP: every rank must run as many {split} batches, so {split} metrics count up to "
+                f"{trainer.world_size - 1} repeated rows twice; for exact figures, run eval on one device"
+            )
+            return self._loader(split)
+        sampler = EvaluationShardSampler(len(self.datasets[split]), trainer.world_size, trainer.global_rank)
+        return self._loader(split, evaluation_sampler=sampler)

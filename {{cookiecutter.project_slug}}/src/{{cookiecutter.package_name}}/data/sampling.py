@@ -95,6 +95,33 @@ class ResumableSampler(DistributedSampler):
         return math.ceil(self.num_rows / self.num_replicas)
 
 
+class EvaluationShardSampler(DistributedSampler):
+    """This rank's share of an evaluation split, in order and without padding: rank ``r`` of
+    ``n`` gets rows ``r, r + n, r + 2n, ...``, so every row is evaluated exactly once over all
+    ranks (torch's ``DistributedSampler``, which Lightning puts in by default, repeats rows so
+    that every rank gets as many, and they would count twice in the metrics).  The metrics add
+    the ranks' sums and counts up (torchmetrics' sync, Lightning's ``sync_dist`` means), so a
+    rank with one row fewer changes nothing.
+
+    Args:
+        num_rows: rows in the split.
+        num_replicas, rank: ``trainer.world_size`` and ``trainer.global_rank``.
+    """
+
+    def __init__(self, num_rows: int, num_replicas: int, rank: int) -> None:
+        # (DistributedSampler's own __init__ would read the process group; nothing of it is used.)
+        self.num_rows, self.num_replicas, self.rank = num_rows, num_replicas, rank
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to do: evaluation order does not depend on the epoch."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.num_rows, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.num_rows, self.num_replicas))
+
+
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` that Lightning recognises as resumable.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torchmetrics import MaxMetric, MetricCollection
+from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 
@@ -100,6 +100,7 @@ class SequenceClassificationModule(HFModule):
         self.train_metrics = classification_metrics(num_classes, "train")
         self.val_metrics = classification_metrics(num_classes, "val")
         self.test_metrics = classification_metrics(num_classes, "test")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in the checkpoint's state_dict: a resumed run keeps the best so far
 
@@ -146,7 +147,11 @@ class SequenceClassificationModule(HFModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, logits = self.model_step(batch)
         self.val_metrics.update(logits, batch["labels"])
-        self.log("val/loss", loss, on_epoch=True, batch_size=len(logits), sync_dist=True)  # (DDP: the mean over every rank)
+        # A torchmetrics mean weighted by rows: under DDP the ranks' sums and row counts add up
+        # exactly, also when they hold different numbers of rows (Lightning's sync_dist mean of
+        # an integer batch size would round).
+        self.val_loss.update(loss, weight=len(logits))
+        self.log("val/loss", self.val_loss, on_epoch=True)
         self.log_dict(self.val_metrics, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
@@ -158,7 +163,8 @@ class SequenceClassificationModule(HFModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, logits = self.model_step(batch)
         self.test_metrics.update(logits, batch["labels"])
-        self.log("test/loss", loss, on_epoch=True, batch_size=len(logits), sync_dist=True)
+        self.test_loss.update(loss, weight=len(logits))
+        self.log("test/loss", self.test_loss, on_epoch=True)
         self.log_dict(self.test_metrics, on_epoch=True)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
