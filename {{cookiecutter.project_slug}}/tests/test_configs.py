@@ -134,6 +134,29 @@ def test_eval_requires_a_checkpoint(tmp_path):
         evaluate(cfg)
 
 
+def test_the_default_precision_follows_the_machine_and_a_named_one_wins(tmp_path, monkeypatch):
+    from {{ cookiecutter.package_name }}.memory.planner import for_the_card
+
+    def precision(*overrides):
+        return compose_config("train", [f"paths.output_dir={tmp_path}", *overrides]).trainer.precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert precision() == "32-true"  # a CPU: fp32, not bf16 autocast
+    assert precision("precision=bf16-mixed") == "bf16-mixed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert precision() == "bf16-mixed"  # a bf16 GPU
+    assert precision("trainer=cpu") == "32-true"  # a GPU machine told to train on its CPU
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert precision() == "32-true"  # a GPU without native bf16 (a T4)
+    assert precision("precision=16-mixed") == "16-mixed"
+    card = compose_config("plan", [f"paths.output_dir={tmp_path}", "hardware=rtx4090_24gb"])
+    assert for_the_card(card).trainer.precision == "bf16-mixed"  # plan: the hardware group's card, not this machine
+    assert for_the_card(compose_config("plan", [f"paths.output_dir={tmp_path}", "hardware.bf16=false"])).trainer.precision == "16-mixed"
+    named = compose_config("plan", [f"paths.output_dir={tmp_path}", "precision=32-true"])
+    assert for_the_card(named) is named
+
+
 def test_accumulation_is_derived_from_global_and_micro_batch(tmp_path):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "batch.global_batch_size=64", "batch.micro_batch_size=16"])
     assert cfg.trainer.accumulate_grad_batches == 4

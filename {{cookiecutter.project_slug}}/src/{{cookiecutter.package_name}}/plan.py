@@ -18,7 +18,7 @@ import hydra
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
-from .memory.planner import plan_memory, write_plan
+from .memory.planner import for_the_card, plan_memory, write_plan
 from .utils.config import config_warnings, validate_config
 from .utils.run import exit_on_bad_input
 
@@ -27,6 +27,7 @@ from .utils.run import exit_on_bad_input
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry."""
     with exit_on_bad_input():
+        cfg = for_the_card(cfg)  # precision=auto: the card's, not this machine's
         validate_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
         for warning in config_warnings(cfg):
             rank_zero_warn(warning)

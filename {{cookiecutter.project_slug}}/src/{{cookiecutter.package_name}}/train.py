@@ -28,14 +28,14 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
 from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
 from .utils.checkpoints import read_checkpoint, resolve_ckpt_path
-from .utils.config import config_warnings, to_plain, validate_config
+from .utils.config import config_warnings, precision_is_auto, to_plain, validate_config
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
@@ -58,6 +58,8 @@ def train(cfg: DictConfig) -> dict:
     resume_wandb_id = read_checkpoint(ckpt_path, "wandb_run_id") if ckpt_path else None
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
+    if precision_is_auto(cfg):
+        rank_zero_info(f"precision=auto: {cfg.trainer.precision} on this machine (name a precision to choose another)")
     run_dir = Path(cfg.paths.output_dir)
     main_process = rank_zero_only.rank == 0  # the other ranks of a DDP/FSDP run write nothing of their own
     if main_process:

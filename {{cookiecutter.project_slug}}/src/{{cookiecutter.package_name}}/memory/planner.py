@@ -38,13 +38,13 @@ from pathlib import Path
 import hydra
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import AutoConfig, PretrainedConfig
 
 from ..models.levers import enable_activation_checkpointing
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
-from ..utils.config import ConfigError, to_plain, uses_cuda, world_size
+from ..utils.config import ConfigError, precision_is_auto, to_plain, uses_cuda, world_size
 from . import tracer
 
 GIB = 2**30
@@ -384,6 +384,18 @@ def process_batch(cfg: DictConfig) -> tuple[int, int, int]:
     return cfg.batch.device_batch_size, cfg.batch.global_batch_size // processes, processes
 
 
+def for_the_card(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``precision=auto`` resolved for the ``hardware`` group's card, not for the
+    machine the planner runs on: ``bf16-mixed`` where ``hardware.bf16``, else ``16-mixed``
+    (a copy; ``cfg`` itself when the precision was named)."""
+    if not precision_is_auto(cfg):
+        return cfg
+    planned = copy.deepcopy(cfg)
+    with open_dict(planned):
+        planned.trainer.precision = "bf16-mixed" if cfg.hardware.bf16 else "16-mixed"
+    return planned
+
+
 def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = True, config: PretrainedConfig | None = None) -> MemoryPlan:
     """The :class:`MemoryPlan` of one process of ``cfg`` (a composed ``train`` config) at
     ``micro_batch`` (default: the process's micro-batch, :func:`process_batch`), with the largest
@@ -398,6 +410,7 @@ def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = 
         ConfigError: the architecture cannot be read (see :func:`architecture`; or pass ``config``),
             or the module's own checks (max positions, LoRA targets...).
     """
+    cfg = for_the_card(cfg)
     config = config or architecture(cfg)
     device_batch, global_batch, _ = process_batch(cfg)
     micro_batch = micro_batch or device_batch

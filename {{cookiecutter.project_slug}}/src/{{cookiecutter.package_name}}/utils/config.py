@@ -103,6 +103,25 @@ def world_size(cfg: DictConfig) -> tuple[object, object]:
     return trainer.get("devices", 1), trainer.get("num_nodes", 1)
 
 
+def machine_precision(accelerator: str = "auto") -> str:
+    """``precision=auto``: ``bf16-mixed`` on a CUDA GPU with native bf16 (compute capability 8.0
+    and newer: Ampere, Ada, Hopper), ``32-true`` otherwise (the CPU, an older GPU, or
+    ``trainer.accelerator=cpu``)."""
+    if (
+        str(accelerator) in ("auto", "gpu", "cuda")
+        and torch.cuda.is_available()
+        and torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        return "bf16-mixed"
+    return "32-true"
+
+
+def precision_is_auto(cfg: DictConfig) -> bool:
+    """Whether ``cfg.trainer.precision`` is the ``precision=auto`` choice (read unresolved)."""
+    trainer = cfg.get("trainer")
+    return trainer is not None and "machine_precision" in str(OmegaConf.to_container(trainer, resolve=False).get("precision", ""))
+
+
 def register_resolvers() -> None:
     """Register ``${accumulate:global,micro,devices,nodes}``, ``${device_batch:...}`` (same arguments), ``${pid:}`` and ``${or:value,default}``
     (idempotent).  ``or`` gives ``default`` where ``value`` is null (``oc.select`` only does so
@@ -118,6 +137,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("device_batch", device_batch_size)
     if not OmegaConf.has_resolver("pid"):
         OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
+    if not OmegaConf.has_resolver("machine_precision"):
+        OmegaConf.register_new_resolver("machine_precision", machine_precision)
     if not OmegaConf.has_resolver("or"):
         OmegaConf.register_new_resolver("or", lambda value, default: default if value is None else value)
 
