@@ -104,6 +104,21 @@ def test_max_positions_counts_the_tokens_a_model_can_take(model_type, fields, po
     assert builder.max_positions(AutoConfig.for_model(model_type, **fields)) == positions
 
 
+@pytest.mark.parametrize("interval, fix", [("3", "2"), ("5", "4"), ("0.25", "2")])
+def test_a_validation_inside_an_optimizer_step_is_refused_before_weights_load(make_cfg, monkeypatch, interval, fix):
+    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the model was built before the interval was checked")
+
+    monkeypatch.setattr(SequenceClassificationModule, "build_model", no_weights)
+    # 96 rows / micro-batch 8 = 12 micro-batches per epoch, 2 per optimizer step (global batch 16)
+    cfg = make_cfg("batch.global_batch_size=16", "batch.micro_batch_size=8", f"trainer.val_check_interval={interval}")
+    refusal = rf"inside an optimizer step of accumulate_grad_batches=2 .* fix: trainer.val_check_interval={fix} "
+    with pytest.raises(ConfigError, match=refusal):
+        train(cfg)
+
+
 def test_eval_reproduces_the_test_metrics(trained_run, make_cfg, tmp_path):
     run_dir, metrics = trained_run
     evaluated = evaluate(make_cfg(f"ckpt_path={metrics['best_checkpoint']}", config_name="eval"))

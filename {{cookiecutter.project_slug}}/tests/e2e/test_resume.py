@@ -7,14 +7,17 @@ Each run is ``python -m {{ cookiecutter.package_name }}.train ... hydra.run.dir=
 
 from __future__ import annotations
 
-import random
+{% if cookiecutter.tasks != "causal_lm" %}import csv
+{% endif %}import random
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from ..processes import checkpoint_step, run_train, step_losses, without_output_dir
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.utils.metrics_csv import launch_files
+
+{% endif %}from ..processes import checkpoint_step, run_train, step_losses, without_output_dir
 
 EVERY = 3  # callbacks.step_checkpoint.every_n_train_steps in these runs
 
@@ -84,6 +87,18 @@ def test_classifier_killed_between_micro_batches_resumes_bit_identically(cls_bas
     fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={step}", "+callbacks.fault.micro_batch=1"]
     run_dir, _ = kill_and_resume(cls_base, tmp_path, fault, expect_code=-signal.SIGKILL)
     assert_same_losses(cls_reference, step_losses(run_dir), context)
+
+
+def test_classifier_killed_right_after_a_validation_checkpoint_in_an_accumulating_run_resumes_bit_identically(cls_base, tmp_path):
+    # Validation every 4 micro-batches (optimizer step 2 of accumulation 2) saves best + last.ckpt;
+    # the kill comes right after last.ckpt is in place, before the step is logged or training goes on.
+    base = cls_base + ["trainer.val_check_interval=4"]
+    reference = uninterrupted_losses(base, tmp_path / "reference")
+    fault = ["trainer.plugins=[{_target_: faults.KillAfterSave, save: 2}]"]
+    run_dir, _ = kill_and_resume(base, tmp_path, fault, expect_code=-signal.SIGKILL)
+    with launch_files(run_dir / "csv")[0].open(newline="") as file:  # the killed launch logged steps 1-2 (rows 0-1)
+        assert max(int(row["step"]) for row in csv.DictReader(file) if row["train/loss"]) == 1
+    assert_same_losses(reference, step_losses(run_dir), "SIGKILL right after the validation checkpoint at step 2")
 {%- endif %}
 {%- if cookiecutter.tasks != "classification" %}
 

@@ -54,20 +54,37 @@ class TokenizedDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def check_validation_interval(self) -> None:
-        """Refuse an integer ``trainer.val_check_interval`` above the batches of one epoch, which
-        Lightning only rejects after the model is built (a small corpus with a recipe made for
-        a large one).  Call at the end of ``setup("fit")``.
+        """Refuse a ``trainer.val_check_interval`` that Lightning would only reject after the
+        model is built (an integer above the batches of one epoch: a small corpus with a recipe
+        made for a large one), or that puts a validation inside an optimizer step: the interval
+        counts micro-batches, and a validation (with the checkpoint it may save) between the
+        micro-batches of one step leaves a half-accumulated gradient that no checkpoint holds, so
+        no resume from there is exact.  Call at the end of ``setup("fit")``.
 
         Raises:
-            ConfigError: with the number of batches and the fix.
+            ConfigError: with the number of batches or the accumulation, and the fix.
         """
-        interval = getattr(self.trainer, "val_check_interval", None)
-        batches = math.ceil(len(self.datasets["train"]) / self.batch_size)
+        trainer = self.trainer
+        interval = getattr(trainer, "val_check_interval", None)
+        world = trainer.world_size if trainer is not None else 1
+        batches = math.ceil(len(self.datasets["train"]) / (self.batch_size * world))  # of one process, per epoch
         if isinstance(interval, int) and not isinstance(interval, bool) and interval > batches:
             raise ConfigError(
                 f"trainer.val_check_interval={interval} is more than the {batches} training batches of one epoch "
                 f"({len(self.datasets['train'])} sequences / micro-batch {self.batch_size}); "
                 f"fix: trainer.val_check_interval={batches}, or 1.0 (once per epoch)"
+            )
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1) or 1
+        if interval is None or isinstance(interval, bool) or accumulate == 1:
+            return
+        # Lightning validates after this many micro-batches (a fraction: of the epoch's batches).
+        every = interval if isinstance(interval, int) else max(1, int(batches * interval))
+        if every % accumulate and every != batches:
+            fix = max(accumulate, every // accumulate * accumulate)
+            raise ConfigError(
+                f"trainer.val_check_interval={interval} validates every {every} micro-batches, inside an optimizer step of "
+                f"accumulate_grad_batches={accumulate} micro-batches: a checkpoint saved there cannot be resumed exactly; "
+                f"fix: trainer.val_check_interval={fix} (a multiple of {accumulate}), or 1.0 (at the end of each epoch)"
             )
 
     def prepare_data(self) -> None:
