@@ -159,17 +159,33 @@ def test_consecutive_nan_steps_stop_with_the_last_good_weights(make_cfg, tmp_pat
 
 
 # ------------------------------------------------------------------------- W&B on resume
-def test_a_resumed_run_continues_its_wandb_run_id_in_a_second_offline_folder(make_cfg, tmp_path, monkeypatch):
+def test_each_launch_of_a_resumed_run_is_its_own_wandb_run_in_one_group_on_the_global_step(make_cfg, tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import WandbLogger
+
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+    given = []  # (run id, group, name, notes, step) of every log_metrics call
+    log_metrics = WandbLogger.log_metrics
+
+    def recording(self, metrics, step=None):
+        run = self.experiment
+        given.append((run.id, run.group, run.name, run.notes, step))
+        return log_metrics(self, metrics, step)
+
+    monkeypatch.setattr(WandbLogger, "log_metrics", recording)
     common = ("logger=wandb", "test_after_fit=false", "batch.micro_batch_size=8")
     train(make_cfg(*common, "trainer.max_steps=3"))
-    run_id = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["wandb_run_id"]
+    first_id = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["wandb_run_id"]
     train(make_cfg(*common, "trainer.max_steps=5", "ckpt_path=last"))
-    # docs/reliability.md: `wandb sync RUN/wandb/offline-run-*-<id>` uploads both parts into one run.
-    parts = sorted((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(parts) == 2, sorted(p.name for p in (tmp_path / "run" / "wandb").iterdir())
-    assert all(list(part.glob(f"run-{run_id}.wandb")) for part in parts)
+    ids = list(dict.fromkeys(run_id for run_id, *_ in given))
+    assert len(ids) == 2 and ids[0] == first_id  # one W&B run per launch
+    first, second = ([g for g in given if g[0] == run_id] for run_id in ids)
+    assert {g[1:3] for g in first} == {g[1:3] for g in second} == {("train", "run")}  # one group, the run folder's name
+    assert all(first_id in g[3] for g in second)  # the resumed launch names the run it continues
+    first_steps, second_steps = [g[4] for g in first if g[4] is not None], [g[4] for g in second if g[4] is not None]
+    assert max(first_steps) < min(second_steps) and max(second_steps) == 4  # trainer/global_step continues, no overlap
+    parts = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert sorted(p.name.rsplit("-", 1)[1] for p in parts) == sorted(ids)
 
 
 # ------------------------------------------------------------------------------- seeds

@@ -55,7 +55,7 @@ def train(cfg: DictConfig) -> dict:
     validate_config(cfg)
     ckpt_path = resolve_ckpt_path(cfg)
     # One read of the checkpoint before anything loads: a damaged file fails here, with its name.
-    resume_wandb_id = read_checkpoint(ckpt_path, "wandb_run_id") if ckpt_path else None
+    resumes_wandb_run = read_checkpoint(ckpt_path, "wandb_run_id") if ckpt_path else None
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
     if precision_is_auto(cfg):
@@ -72,7 +72,7 @@ def train(cfg: DictConfig) -> dict:
 
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.get_class(cfg.task.module)(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
-    loggers = instantiate_loggers(cfg, resume_wandb_id=resume_wandb_id)
+    loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     trainer = instantiate_trainer(cfg, instantiate_callbacks(cfg), loggers)
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))

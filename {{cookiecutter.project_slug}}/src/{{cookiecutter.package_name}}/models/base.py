@@ -186,7 +186,7 @@ class HFModule(L.LightningModule):
         checkpoint["skipped_steps"] = self.skipped_steps
         for logger in self.loggers if self.attached_trainer() is not None else []:
             if isinstance(logger, WandbLogger) and logger.version:  # the run's id, once it exists (or the id resumed)
-                checkpoint["wandb_run_id"] = logger.version  # a resume continues this W&B run
+                checkpoint["wandb_run_id"] = logger.version  # a resume's W&B run names the run it continues
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))

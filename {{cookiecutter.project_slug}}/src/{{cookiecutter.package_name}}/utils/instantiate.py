@@ -27,17 +27,18 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
     return [hydra.utils.instantiate(cfg.scheduler), *instantiate_group(cfg.get("callbacks"))]
 
 
-def instantiate_loggers(cfg: DictConfig, resume_wandb_id: str | None = None) -> list[Logger]:
+def instantiate_loggers(cfg: DictConfig, resumes_wandb_run: str | None = None) -> list[Logger]:
     """Loggers of the ``logger`` group (empty for ``logger=none``).
 
-    W&B: one run per Hydra job, grouped by sweep (``group: null`` = the sweep folder's name in a
-    multirun, ``task_name`` alone) and tagged with the task, model and precision (plus the
-    experiment, if any) besides the config's own ``tags``.
+    W&B: one run per launch of a Hydra job, grouped by sweep (``group: null`` = the sweep
+    folder's name in a multirun, ``task_name`` alone), named after the run folder (``name:
+    null``) and tagged with the task, model and precision (plus the experiment, if any) besides
+    the config's own ``tags``.  Lightning plots every metric against ``trainer/global_step``.
 
-    ``resume_wandb_id`` (from the checkpoint a run resumes) continues that W&B run: the same run
-    id, ``resume="allow"``.  Offline, wandb writes the resumed part to a second folder,
-    ``<run>/wandb/offline-run-<time>-<id>``; ``wandb sync <run>/wandb/offline-run-*-<id>`` uploads
-    both parts into the one run.
+    A resumed run (``resumes_wandb_run``: the W&B run id its checkpoint names) is a new W&B run,
+    with the same name and group and a note naming the run it continues: an offline run cannot
+    continue another's history (wandb restarts its internal ``_step`` at 0, so the two parts
+    would overlap), while the launches side by side, on ``trainer/global_step``, read as one run.
     """
     loggers = []
     for name, node in (cfg.get("logger") or {}).items():
@@ -46,14 +47,14 @@ def instantiate_loggers(cfg: DictConfig, resume_wandb_id: str | None = None) -> 
         extra = {}
         if str(node.get("_target_", "")).endswith("WandbLogger"):
             extra = wandb_run_fields(cfg, node)
-            if resume_wandb_id:
-                extra.update(id=resume_wandb_id, resume="allow")
+            if resumes_wandb_run:
+                extra["notes"] = f"resumes W&B run {resumes_wandb_run} (ckpt_path={cfg.get('ckpt_path')})"
         loggers.append(hydra.utils.instantiate(node, **extra))
     return loggers
 
 
 def wandb_run_fields(cfg: DictConfig, node: DictConfig) -> dict:
-    """``group`` and ``tags`` of this job's W&B run (see :func:`instantiate_loggers`)."""
+    """``group``, ``name`` and ``tags`` of this job's W&B run (see :func:`instantiate_loggers`)."""
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     group = node.get("group")
     if group is None:
@@ -64,7 +65,8 @@ def wandb_run_fields(cfg: DictConfig, node: DictConfig) -> dict:
         f"precision:{cfg.trainer.precision}" if "trainer" in cfg else None,
         f"experiment:{choices['experiment']}" if choices.get("experiment") else None,
     ]
-    return {"group": group, "tags": [*(node.get("tags") or []), *filter(None, tags)]}
+    name = node.get("name") or Path(cfg.paths.output_dir).name
+    return {"group": group, "name": name, "tags": [*(node.get("tags") or []), *filter(None, tags)]}
 
 
 def instantiate_trainer(cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger]):
