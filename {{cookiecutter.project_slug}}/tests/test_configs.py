@@ -144,10 +144,10 @@ def test_the_default_precision_follows_the_machine_and_a_named_one_wins(tmp_path
     assert precision() == "32-true"  # a CPU: fp32, not bf16 autocast
     assert precision("precision=bf16-mixed") == "bf16-mixed"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # an RTX 4090
     assert precision() == "bf16-mixed"  # a bf16 GPU
     assert precision("trainer=cpu") == "32-true"  # a GPU machine told to train on its CPU
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
     assert precision() == "32-true"  # a GPU without native bf16 (a T4)
     assert precision("precision=16-mixed") == "16-mixed"
     card = compose_config("plan", [f"paths.output_dir={tmp_path}", "hardware=rtx4090_24gb"])

@@ -107,11 +107,7 @@ def machine_precision(accelerator: str = "auto") -> str:
     """``precision=auto``: ``bf16-mixed`` on a CUDA GPU with native bf16 (compute capability 8.0
     and newer: Ampere, Ada, Hopper), ``32-true`` otherwise (the CPU, an older GPU, or
     ``trainer.accelerator=cpu``)."""
-    if (
-        str(accelerator) in ("auto", "gpu", "cuda")
-        and torch.cuda.is_available()
-        and torch.cuda.is_bf16_supported(including_emulation=False)
-    ):
+    if str(accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 8:
         return "bf16-mixed"
     return "32-true"
 
