@@ -188,6 +188,22 @@ def test_each_launch_of_a_resumed_run_is_its_own_wandb_run_in_one_group_on_the_g
     assert sorted(p.name.rsplit("-", 1)[1] for p in parts) == sorted(ids)
 
 
+def test_a_wandb_run_starts_without_a_warning_of_our_own_making(make_cfg, capfd, monkeypatch):
+    from {{ cookiecutter.package_name }}.utils.instantiate import instantiate_loggers
+    from {{ cookiecutter.package_name }}.utils.run import close_loggers
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    loggers = instantiate_loggers(make_cfg("logger=wandb"))
+    try:
+        run = loggers[0].experiment
+        assert (run.name, run.group, run.settings.mode) == ("run", "train", "offline")
+    finally:
+        close_loggers(loggers, failed=False)
+    printed = capfd.readouterr()
+    assert "anonymous setting" not in printed.err + printed.out and "already in progress" not in printed.err + printed.out
+
+
 # ------------------------------------------------------------------------------- seeds
 def first_losses(make_cfg, run: str, *overrides: str) -> list[float]:
     cfg = make_cfg(

@@ -112,6 +112,14 @@ def test_jsonl_with_a_text_column_and_blank_rows(make_text_dm, tmp_path):
         make_text_dm(splits={"train": str(path), "validation": str(path)}).setup("fit")
 
 
+def test_a_csv_corpus_keeps_text_cells_that_read_like_missing_values(make_text_dm, tmp_path):
+    path = tmp_path / "docs.csv"
+    path.write_text("body\nNA\nnull\nNone\nn/a\nthe king speaks.\n\n")
+    dm = make_text_dm(splits={"train": str(path), "validation": str(path)}, text_column="body")
+    dm.setup("fit")
+    assert dm.split_sizes["train"] == 5  # NA, null, None and n/a are text; only the empty line is no row
+
+
 @pytest.mark.parametrize("content", ["", "\n\n   \n\n"], ids=["empty", "only-blank-lines"])
 def test_a_file_without_text_is_refused(make_text_dm, tmp_path, content):
     path = tmp_path / "train.txt"

@@ -12,8 +12,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
+from .config import to_plain
 from .sweeps import is_multirun
 
 
@@ -49,8 +51,49 @@ def instantiate_loggers(cfg: DictConfig, resumes_wandb_run: str | None = None) -
             extra = wandb_run_fields(cfg, node)
             if resumes_wandb_run:
                 extra["notes"] = f"resumes W&B run {resumes_wandb_run} (ckpt_path={cfg.get('ckpt_path')})"
+            if rank_zero_only.rank == 0:  # (the other ranks of a DDP run log nothing)
+                extra["experiment"] = start_wandb_run(node, extra)
         loggers.append(hydra.utils.instantiate(node, **extra))
     return loggers
+
+
+# WandbLogger arguments that are Lightning's own, not wandb.init's (see start_wandb_run).
+LIGHTNING_WANDB_ARGS = (
+    "_target_",
+    "save_dir",
+    "dir",
+    "version",
+    "id",
+    "offline",
+    "anonymous",
+    "log_model",
+    "prefix",
+    "checkpoint_name",
+    "experiment",
+    "add_file_policy",
+)
+
+
+def start_wandb_run(node: DictConfig, fields: dict):
+    """Start this job's W&B run with ``wandb.init`` and hand it to ``WandbLogger(experiment=...)``
+    (a public argument), as Lightning would, less the ``anonymous=None`` it always passes (wandb
+    then warns on every run that the setting has no effect).  ``node``'s other keys (``project``,
+    ``mode``, ``entity``...) and ``fields`` (group, name, tags, notes) go to ``wandb.init``; every
+    metric is plotted against ``trainer/global_step``, as Lightning sets it up.
+
+    Returns:
+        the ``wandb`` run.
+    """
+    import wandb
+
+    settings = {key: value for key, value in to_plain(node).items() if key not in LIGHTNING_WANDB_ARGS and value is not None}
+    settings.update(fields)
+    if node.get("offline"):
+        settings["mode"] = "offline"
+    run = wandb.init(dir=node.get("save_dir") or node.get("dir"), id=node.get("version") or node.get("id"), **settings)
+    run.define_metric("trainer/global_step")
+    run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+    return run
 
 
 def wandb_run_fields(cfg: DictConfig, node: DictConfig) -> dict:
