@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.utils.metrics_csv import launch_files
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.utils.metrics_csv import launch_files, read_metrics
 
 {% endif %}from ..processes import checkpoint_step, run_train, step_losses, without_output_dir
 
@@ -99,6 +99,11 @@ def test_classifier_killed_right_after_a_validation_checkpoint_in_an_accumulatin
     with launch_files(run_dir / "csv")[0].open(newline="") as file:  # the killed launch logged steps 1-2 (rows 0-1)
         assert max(int(row["step"]) for row in csv.DictReader(file) if row["train/loss"]) == 1
     assert_same_losses(reference, step_losses(run_dir), "SIGKILL right after the validation checkpoint at step 2")
+
+    def best_so_far(run: Path) -> list[tuple[int, float]]:
+        return [(int(row["step"]), float(row["val/acc_best"])) for row in read_metrics(run / "csv") if row.get("val/acc_best")]
+
+    assert len(best_so_far(run_dir)) >= 5 and best_so_far(run_dir) == best_so_far(tmp_path / "reference")  # it survived the kill
 {%- endif %}
 {%- if cookiecutter.tasks != "classification" %}
 
