@@ -122,15 +122,13 @@ class TokenizedDataModule(L.LightningDataModule):
         # Worker seeds come from the loader's generator, not the global RNG (see the class docstring).
         return torch.Generator().manual_seed(self.order_seed)
 
-    def _loader(
-        self, split: str, sampler: ResumableSampler | None = None, evaluation_sampler: EvaluationShardSampler | None = None
-    ) -> DataLoader:
+    def _loader(self, split: str, sampler: ResumableSampler | EvaluationShardSampler | None = None) -> DataLoader:
         if self.num_workers > 0:
             disable_tokenizer_parallelism()  # before the workers fork (tokenising is done by now)
-        return (ResumableDataLoader if sampler is not None else DataLoader)(
+        return (ResumableDataLoader if isinstance(sampler, ResumableSampler) else DataLoader)(
             self.datasets[split],
             batch_size=self.batch_size,
-            sampler=sampler or evaluation_sampler,
+            sampler=sampler,
             generator=self._generator(),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
@@ -175,4 +173,4 @@ class TokenizedDataModule(L.LightningDataModule):
             )
             return self._loader(split)
         sampler = EvaluationShardSampler(len(self.datasets[split]), trainer.world_size, trainer.global_rank)
-        return self._loader(split, evaluation_sampler=sampler)
+        return self._loader(split, sampler)

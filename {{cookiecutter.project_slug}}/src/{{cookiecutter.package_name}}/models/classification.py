@@ -91,7 +91,8 @@ class SequenceClassificationModule(HFModule):
             return
         # Loaded from a checkpoint (eval/predict), the module has no inputs yet: fp32 weights.
         self.model = self.build_model(self.inputs.precision if self.inputs is not None else "32-true")
-        self.hparams.hf_config = config_to_dict(self.model.config)
+        if self.hparams.hf_config is None:  # (first fit: the architecture built, stored for eval/predict)
+            self.hparams.hf_config = config_to_dict(self.model.config)
         # from_pretrained returns the model in eval mode (dropout off), and Lightning keeps
         # each submodule's mode as it finds it: switch to train mode explicitly.
         self.model.train()
