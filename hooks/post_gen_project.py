@@ -12,12 +12,11 @@ SRC = f"src/{PACKAGE}"
 CONFIGS = f"{SRC}/configs"
 # The files only one task uses (paths relative to the project; a folder goes whole).  Everything
 # else (entry points train/eval, builder, optimizer, LR schedule, loading, configs of the shared
-# groups) serves both tasks.
+# groups, LoRA adapters and the peft group) serves both tasks.
 ONLY_FOR = {
     "classification": [
         f"{SRC}/data/classification.py",
         f"{SRC}/models/classification.py",
-        f"{SRC}/assets/vader.py",
         f"{SRC}/predict.py",
         f"{CONFIGS}/predict.yaml",
         f"{CONFIGS}/task/classification.yaml",
@@ -36,12 +35,12 @@ ONLY_FOR = {
         "tests/real_data/test_demo_classification.py",
         "tests/e2e/test_cli_classification.py",
         "tests/test_assets.py",
+        "tests/test_decoder_classifier.py",
         "bench/throughput.py",
     ],
     "causal_lm": [
         f"{SRC}/data/text.py",
         f"{SRC}/models/causal_lm.py",
-        f"{SRC}/models/adapters.py",
         f"{SRC}/callbacks/sample_generation.py",
         f"{SRC}/assets/shakespeare.py",
         f"{SRC}/assets/gguf.py",
@@ -50,7 +49,6 @@ ONLY_FOR = {
         f"{CONFIGS}/export.yaml",
         f"{CONFIGS}/generate.yaml",
         f"{CONFIGS}/task/causal_lm.yaml",
-        f"{CONFIGS}/peft",
         f"{CONFIGS}/loss/chunked.yaml",
         f"{CONFIGS}/loss/liger.yaml",
         f"{CONFIGS}/experiment/lm_llama31_8b_lora.yaml",
@@ -77,6 +75,15 @@ ONLY_FOR = {
         "tests/test_levers.py",
         "tests/slow/test_compile.py",
         "bench/text_pipeline.py",
+        f"{SRC}/data/chat.py",
+        f"{SRC}/assets/chat_templates",
+        f"{SRC}/inspect_data.py",
+        f"{CONFIGS}/inspect_data.yaml",
+        f"{CONFIGS}/data/chat.yaml",
+        f"{CONFIGS}/data/vader_sft.yaml",
+        f"{CONFIGS}/experiment/demo_sft_sentiment.yaml",
+        "tests/test_chat_data.py",
+        "tests/real_data/test_demo_sft.py",
     ],
 }
 

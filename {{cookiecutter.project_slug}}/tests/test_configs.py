@@ -130,7 +130,7 @@ def test_entry_configs_compose(config_name, tmp_path):
 
 def test_eval_requires_a_checkpoint(tmp_path):
     cfg = compose_config("eval", [f"paths.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"ckpt_path is required; fix: ckpt_path="):
+    with pytest.raises(ConfigError, match=r"give exactly one of ckpt_path=.* or model_dir="):
         evaluate(cfg)
 
 
@@ -316,25 +316,26 @@ def test_unknown_group_option_lists_the_available_ones(tmp_path):
 {%- if cookiecutter.tasks != "classification" %}
 
 
-@pytest.mark.parametrize("data", ["shakespeare", "text_files"])
+@pytest.mark.parametrize("data", ["shakespeare", "text_files", "chat", "vader_sft"])
 def test_lm_data_with_the_classification_task_or_the_reverse_is_refused(tmp_path, data):
     {%- if cookiecutter.tasks == "both" %}
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task=classification", f"data={data}"])
-    with pytest.raises(ConfigError, match=r"data._target_=.*TextDataModule.* is not the data module of task=classification"):
+    with pytest.raises(ConfigError, match=r"data._target_=.*(TextDataModule|ChatDataModule).* is not a data module of task=classification"):
         validate_config(cfg)
     {%- endif %}
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task=causal_lm", f"data={data}", "peft=lora"])
     validate_config(cfg)  # the right pairing passes
 {%- endif %}
-{%- if cookiecutter.tasks == "both" %}
-
-
-def test_peft_with_the_classification_task_is_refused(tmp_path):
-    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "experiment=demo_classification", "peft=lora"])
-    with pytest.raises(ConfigError, match="peft=lora applies to task=causal_lm only"):
-        validate_config(cfg)
-{%- endif %}
 {%- if cookiecutter.tasks != "causal_lm" %}
+
+
+def test_peft_with_the_classification_task_is_accepted_and_its_values_checked(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "experiment=demo_classification", "peft=lora"])
+    assert "peft" in cfg.task.module_args
+    validate_config(cfg)
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "experiment=demo_classification", "peft=lora", "peft.r=0"])
+    with pytest.raises(ConfigError, match=r"peft.r=0 must be a positive integer"):
+        validate_config(cfg)
 
 
 def test_sst2_recipe_maps_the_labelled_validation_split_to_test(tmp_path):

@@ -40,19 +40,15 @@ REQUIRED = {
     "omegaconf": ("omegaconf", "2.3"),
     "torchmetrics": ("torchmetrics", "1.4"),
     "rich": ("rich", "13.0"),
+    "peft": ("peft", "0.15"),  # LoRA/QLoRA (peft group, both tasks)
 }
 # A classification-only project has no causal-LM task, and its pyproject.toml none of the
 # causal-LM dependencies (the task config lists them: `task.requires`, read below).
 TASK_CONFIGS = Path(__file__).parent / "configs" / "task"
-HAS_CAUSAL_LM = (TASK_CONFIGS / "causal_lm.yaml").is_file()
 # Import name -> (distribution name, what it enables, how to install it). Reported, never a
 # failure. "pip install -e ." where pyproject.toml lists the package among the dependencies.
 EXTRAS = {
-    "bitsandbytes": (
-        ("bitsandbytes", "8-bit optimizers (optimizer=adamw_8bit); 4-bit NF4 weights (peft=qlora)", "pip install -e .")
-        if HAS_CAUSAL_LM
-        else ("bitsandbytes", "8-bit optimizers (optimizer=adamw_8bit)", "pip install bitsandbytes")
-    ),
+    "bitsandbytes": ("bitsandbytes", "8-bit optimizers (optimizer=adamw_8bit); 4-bit NF4 weights (peft=qlora)", "pip install -e ."),
     "flash_attn": (
         "flash-attn",
         "attention=flash_attention_2 (CUDA, Ampere or newer, bf16/fp16)",

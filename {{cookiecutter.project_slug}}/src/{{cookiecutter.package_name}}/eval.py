@@ -1,10 +1,12 @@
 """Evaluate a checkpoint on the test split of the configured data.
 
     python -m <package>.eval experiment=demo_classification ckpt_path=RUN/checkpoints/last.ckpt
+    python -m <package>.eval experiment=demo_sft_sentiment model_dir=models/sft   # an exported folder
 
-Works for every task (classification: test/acc, test/f1_macro; causal LM: test/loss, test/ppl).
-The model architecture, label mapping and tokenizer come from the checkpoint; the data from
-the config (use the same ``experiment=``/``data=`` as in training).  Writes ``metrics.json``.
+Works for every task (classification: test/acc, test/f1_macro; causal LM: test/loss, test/ppl;
+chat data also test/exact_match, with each answer in ``predictions.jsonl``).  The model
+architecture, label mapping and tokenizer come from the checkpoint (or the exported folder); the
+data from the config (use the same ``experiment=``/``data=`` as in training).  Writes ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,33 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra
+import lightning as L
 from omegaconf import DictConfig
 
-from .utils.config import validate_config
+from .models.answers import answer_metrics
+from .utils.config import ConfigError, to_plain, validate_config
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
+
+
+def load_module(cfg: DictConfig) -> L.LightningModule:
+    """The task module of ``cfg.ckpt_path``, or (causal LM) one that loads the exported folder
+    ``cfg.model_dir`` as pretrained weights, with the config's other groups.
+
+    Raises:
+        ConfigError: ``model_dir`` with no ``config.json``, or for a task other than causal_lm.
+    """
+    module_class = hydra.utils.get_class(cfg.task.module)
+    if cfg.ckpt_path is not None:
+        return module_class.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    if cfg.task.name != "causal_lm" or not Path(cfg.model_dir, "config.json").is_file():
+        raise ConfigError(
+            f"model_dir={cfg.model_dir!r} is not a causal LM folder written by export; fix: ckpt_path=RUN/checkpoints/last.ckpt"
+        )
+    args = {group: to_plain(cfg[group]) for group in cfg.task.module_args}
+    args["model"] = {**args["model"], "name_or_path": str(cfg.model_dir), "tokenizer": str(cfg.model_dir), "config": None, "fetch": None}
+    args["peft"] = {"method": "none"}  # export merged the adapters
+    return module_class(**args)
 
 
 def evaluate(cfg: DictConfig) -> dict:
@@ -25,10 +49,12 @@ def evaluate(cfg: DictConfig) -> dict:
     Raises:
         ConfigError: invalid config or missing checkpoint.  DataError: bad test data.
     """
-    validate_config(cfg, required=("ckpt_path",))
+    validate_config(cfg)
+    if (cfg.ckpt_path is None) == (cfg.model_dir is None):
+        raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<folder written by export>")
     run_dir = Path(cfg.paths.output_dir)
     print_config_tree(cfg, save_to=run_dir / "config_tree.log")
-    module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    module = load_module(cfg)
     datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
     loggers = instantiate_loggers(cfg)
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=loggers)
@@ -36,7 +62,9 @@ def evaluate(cfg: DictConfig) -> dict:
     try:
         trainer.test(module, datamodule=datamodule)
         metrics = scalar_metrics(trainer.callback_metrics)
-        metrics.update(checkpoint=str(cfg.ckpt_path), rows=datamodule.split_sizes)
+        if hasattr(datamodule, "answer_prompts"):  # chat data: the greedy answers' exact match
+            metrics.update(answer_metrics(module, datamodule, run_dir / "predictions.jsonl", trainer))
+        metrics.update(checkpoint=str(cfg.ckpt_path or cfg.model_dir), rows=datamodule.split_sizes)
         write_metrics(run_dir / "metrics.json", metrics)
         failed = False
         return metrics

@@ -6,10 +6,15 @@ LoRA/QLoRA adapters are merged into the base weights (``merge_and_unload``); a Q
 merged into the *unquantized* base (loaded in fp32 from ``model.name_or_path``), the usual way to
 ship a QLoRA fine-tune.  The folder (``config.json``, ``model.safetensors``, tokenizer files)
 loads with ``AutoModelForCausalLM.from_pretrained(output_dir)`` anywhere, without this project.
+A model trained on chat data (``data=chat``) is written with its chat template, its end-of-turn
+token as the EOS of the tokenizer and of ``generation_config.json`` (so ``generate`` stops at the
+end of the answer anywhere), and ``chat.json`` (end-of-turn token, system prompt), from which
+this project's ``generate model_dir=`` renders prompts as chat.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from .models.causal_lm import CausalLMModule
+from .models.causal_lm import CHAT_FILE, CausalLMModule
 from .utils.config import ConfigError, validate_config
 from .utils.run import exit_on_bad_input
 
@@ -50,8 +55,15 @@ def export(cfg: DictConfig) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as tmp:
         staging = Path(tmp) / "model"
+        if module.chat:  # the end-of-turn token ends generation (and is the folder's EOS)
+            eot = module.inputs.end_of_turn
+            module.tokenizer.eos_token = eot
+            model.generation_config.eos_token_id = module.tokenizer.convert_tokens_to_ids(eot)
         model.save_pretrained(staging)
-        module.tokenizer.save_pretrained(staging)
+        module.tokenizer.save_pretrained(staging)  # with the chat template it was trained with
+        if module.chat:
+            chat = {"end_of_turn": module.inputs.end_of_turn, "system_prompt": module.inputs.system_prompt}
+            (staging / CHAT_FILE).write_text(json.dumps(chat, indent=1) + "\n", encoding="utf-8")
         shutil.move(str(staging), output)
     print(f"Exported: {output} (load with AutoModelForCausalLM.from_pretrained)")
     return output

@@ -3,7 +3,8 @@ r"""Complete prompts with a causal LM: a training checkpoint or an exported mode
     python -m <package>.generate ckpt_path=RUN/checkpoints/last.ckpt 'prompts=["ROMEO.\nO"]'
     python -m <package>.generate model_dir=models/my_lm prompts_file=prompts.txt generation.do_sample=true
 
-Prints each completion and writes ``{"prompt", "completion"}`` rows to ``output`` (jsonl).
+A model trained on chat data (``data=chat``) gets each prompt as a user turn rendered with its
+chat template, and stops at its end-of-turn token.  Prints each completion and writes ``{"prompt", "completion"}`` rows to ``output`` (jsonl).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def read_prompts(cfg: DictConfig) -> list[str]:
 def load_generator(cfg: DictConfig):
     """A :class:`CausalLMModule` from ``ckpt_path``, or one wrapping the HF folder ``model_dir``."""
     from .models.builder import config_to_dict
-    from .models.causal_lm import CausalLMModule
+    from .models.causal_lm import CHAT_FILE, CausalLMModule
+    from .models.inputs import ModelInputs
 
     if cfg.ckpt_path is not None:
         return CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
@@ -52,6 +54,10 @@ def load_generator(cfg: DictConfig):
         model={"fetch": None}, optimizer={"step_in_backward": False}, peft={"method": "none"}, hf_config=config_to_dict(model.config)
     )
     module.model, module.tokenizer = model, AutoTokenizer.from_pretrained(cfg.model_dir)
+    chat_file = Path(cfg.model_dir, CHAT_FILE)
+    if chat_file.is_file():  # trained on chat data: prompts are rendered as a user turn
+        chat = json.loads(chat_file.read_text(encoding="utf-8"))
+        module.inputs = ModelInputs(module.tokenizer, None, 1, end_of_turn=chat["end_of_turn"], system_prompt=chat["system_prompt"])
     return module
 
 

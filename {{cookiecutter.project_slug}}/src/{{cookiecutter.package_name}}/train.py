@@ -34,12 +34,18 @@ from omegaconf import DictConfig
 from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
+from .models.answers import answer_metrics
 from .utils.checkpoints import read_checkpoint, resolve_ckpt_path
 from .utils.config import config_warnings, precision_is_auto, to_plain, validate_config
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
 from .utils.sweeps import is_multirun, objective, run_multirun_job
+
+
+def answers_test(cfg: DictConfig, datamodule: L.LightningDataModule) -> bool:
+    """Chat data with a test split: ``test/exact_match`` from greedy answers (see :mod:`.models.answers`)."""
+    return cfg.test_after_fit and datamodule.has_test and hasattr(datamodule, "answer_prompts")
 
 
 def train(cfg: DictConfig) -> dict:
@@ -85,6 +91,10 @@ def train(cfg: DictConfig) -> dict:
             # The starting point, from the same validation loop as the final figures.
             trainer.validate(module, datamodule=datamodule)
             metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
+            if answers_test(cfg, datamodule) and main_process:  # the untuned model's answers, same prompts
+                metrics.update(
+                    answer_metrics(module, datamodule, run_dir / "predictions_start.jsonl", trainer, "test", "test/exact_match_start")
+                )
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         except torch.OutOfMemoryError as error:
@@ -100,6 +110,8 @@ def train(cfg: DictConfig) -> dict:
         if cfg.test_after_fit and datamodule.has_test:
             trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
             metrics.update(scalar_metrics(trainer.callback_metrics))
+            if answers_test(cfg, datamodule) and main_process:  # the tested (best) weights' answers
+                metrics.update(answer_metrics(module, datamodule, run_dir / "predictions.jsonl", trainer))
         metrics.update(
             best_checkpoint=best or None,
             rows=datamodule.split_sizes,  # rows (classification) or documents (causal LM) per split

@@ -35,4 +35,17 @@ def test_plan_writes_json_and_text_and_plans_gpu_only_choices_on_a_cpu_machine(t
         assert key in written, key
     assert written["fits"] is True and written["max_micro_batch"] == 16 and written["hardware"] == "rtx4090_24gb"
     assert "Verdict:" in (run / "plan.txt").read_text() and "Verdict:" in result.stdout
+
+
+def test_inspect_data_exits_2_naming_a_row_whose_answer_is_truncated_away(lm_tokenizer_dir, tmp_path):
+    rows = [{"prompt": "the king", "completion": "speaks"}, {"prompt": " ".join(["the fool"] * 40), "completion": "night"}]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = ["task=causal_lm", "model=tiny_llama", f"model.tokenizer={lm_tokenizer_dir}", "model.fetch=null", "data=chat",
+                 "data.chat_template=plain", f"data.splits.train={train}", "data.max_length=64", "color=never",
+                 f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]  # fmt: skip
+    result = run_module("inspect_data", overrides)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "1 of 2 rows have no trained token" in result.stdout and "rows [1]" in result.stdout
+    assert "[[speaks<|endoftext|>]]" in result.stdout  # the plain template: the answer and EOS trained
 {%- endif %}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import random
 import tarfile
 import tempfile
@@ -85,6 +86,38 @@ def fetch_vader_movie_reviews(out_dir: str, split_seed: int) -> Path:
                 writer = csv.DictWriter(file, fieldnames=COLUMNS)
                 writer.writeheader()
                 writer.writerows(rows)
+        staging.rename(target)
+    return target
+
+
+def fetch_vader_instructions(source_dir: str, split_seed: int, out_dir: str, instruction: str) -> Path:
+    """The same splits as one-turn instructions: ``out_dir/{train,validation,test}.jsonl`` rows of
+    ``{"prompt": instruction.format(text=snippet), "completion": "positive" | "negative"}``, once.
+
+    Args:
+        source_dir, split_seed: where and how :func:`fetch_vader_movie_reviews` writes the CSVs.
+        instruction: the prompt, with ``{text}`` where the snippet goes.
+
+    Returns:
+        ``out_dir`` (re-used when it exists; it appears only after a complete write).
+
+    Raises:
+        ValueError: ``instruction`` has no ``{text}`` field.  FetchError: as :func:`fetch_vader_movie_reviews`.
+    """
+    if "{text}" not in instruction:
+        raise ValueError(f"data.fetch.instruction={instruction!r} has no {{text}} field for the snippet; fix: add one")
+    target = Path(out_dir)
+    if target.is_dir():
+        return target
+    source = fetch_vader_movie_reviews(source_dir, split_seed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+        staging = Path(tmp) / "staging"
+        staging.mkdir()
+        for split, _ in SPLITS:
+            with (source / f"{split}.csv").open(newline="", encoding="utf-8") as file:
+                rows = [{"prompt": instruction.format(text=row["text"]), "completion": row["label"]} for row in csv.DictReader(file)]
+            (staging / f"{split}.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
         staging.rename(target)
     return target
 

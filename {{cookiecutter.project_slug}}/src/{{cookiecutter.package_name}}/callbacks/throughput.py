@@ -158,7 +158,7 @@ class TokenThroughput(L.Callback):
     - ``perf/mfu``: ``perf/tflops / peak`` (a fraction, 0-1), only on a GPU with a known peak.
 
     Per device, step = ``trainer.global_step``.  Batches are dicts with ``input_ids`` ``(B, T)``
-    and, optionally, ``attention_mask`` ``(B, T)`` (both tasks' collators give both).  Every
+    and, optionally, ``attention_mask`` or (packed chat rows) ``token_mask`` ``(B, T)``.  Every
     micro-batch of an accumulated step counts.  The clock (``time.perf_counter``) starts after
     the first optimizer step, which pays for CUDA warm-up, autotuning and ``torch.compile``; it
     stops from validation start to the next training batch.  CUDA is synchronised only at the
@@ -240,7 +240,7 @@ class TokenThroughput(L.Callback):
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise ValueError(f"TokenThroughput needs dict batches with input_ids (B, T); got {type(batch).__name__}")
         input_ids = batch["input_ids"]  # (B, T)
-        mask = batch.get("attention_mask")  # (B, T), 1 = real token
+        mask = batch.get("token_mask", batch.get("attention_mask"))  # (B, T), 1 = real token (packed chat rows: token_mask)
         tokens = mask.sum() if mask is not None else torch.tensor(input_ids.numel(), device=input_ids.device)
         # Stay on the device: .item() here would synchronise every micro-batch.
         self._window_tokens = self._window_tokens + tokens.to(torch.float64)

@@ -13,7 +13,7 @@ from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
 from .loading import DataError, drop_blank_rows, is_blank, load_split, require_columns
-from .tokenization import load_tokenizer, tokenize_batch
+from .tokenization import load_tokenizer, tokenize_batch, use_eos_as_pad
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,12 @@ class ClassificationDataModule(TokenizedDataModule):
             length), so dynamic padding wastes little; the order stays random and seeded.
         seed: seeds the training order (with the epoch); ``None`` = one drawn per process.
 
+    A tokenizer without a pad token (a decoder's) pads with its EOS token
+    (:func:`.tokenization.use_eos_as_pad`); rows are padded on the right.
+
     Raises (from ``setup``, before any model weights load):
-        DataError: missing file or column, empty file, unknown label in validation/test.
+        DataError: missing file or column, empty file, unknown label in validation/test, a
+            tokenizer with neither a pad nor an EOS token.
     """
 
     def __init__(
@@ -159,6 +163,11 @@ class ClassificationDataModule(TokenizedDataModule):
         """Load, check, label-map and tokenise what ``stage`` needs (idempotent, cached on disk)."""
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.tokenizer_name)
+        use_eos_as_pad(self.tokenizer)  # decoders (GPT-2, Llama) ship no pad token
+        # Padding on the right keeps each row's tokens at the positions they have alone (GPT-2's
+        # position ids count from the first column, padding or not), and a decoder's classifier
+        # reads the rightmost non-pad token: with right padding, the row's last real token.
+        self.tokenizer.padding_side = "right"
         if stage == "predict":
             self._setup_predict()
             return

@@ -7,9 +7,14 @@ re-uses the cached result (a bound method or a lambda would hash differently per
 
 from __future__ import annotations
 
+import logging
 import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from .loading import DataError
+
+log = logging.getLogger(__name__)
 
 
 def disable_tokenizer_parallelism() -> None:
@@ -32,6 +37,27 @@ def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     if not tokenizer.is_fast:
         raise ValueError(f"model.tokenizer={name_or_path!r} has no fast tokenizer; fix: use one with a tokenizer.json")
     return tokenizer
+
+
+def use_eos_as_pad(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give a tokenizer without a pad token its EOS token as pad (GPT-2, Llama and SmolLM2 ship
+    none), in place: the collator pads with it, the classifier's ``config.pad_token_id`` is set
+    from it (:func:`..models.builder.build_sequence_classifier`), and the checkpoint stores the
+    tokenizer with it.  A tokenizer that has a pad token is left as it is.
+
+    Raises:
+        DataError: the tokenizer has neither a pad nor an EOS token.
+    """
+    if tokenizer.pad_token is not None:
+        return
+    if tokenizer.eos_token is None:
+        raise DataError(
+            f"model.tokenizer={tokenizer.name_or_path!r} has neither a pad token nor an EOS token to pad batches with; "
+            "fix: a tokenizer that has one (every Hub decoder tokenizer has an eos_token), or add one to its "
+            'tokenizer_config.json ("pad_token": ...)'
+        )
+    tokenizer.pad_token = tokenizer.eos_token
+    log.info("model.tokenizer has no pad token: padding with its EOS token %r (id %d)", tokenizer.eos_token, tokenizer.eos_token_id)
 
 
 def tokenize_batch(

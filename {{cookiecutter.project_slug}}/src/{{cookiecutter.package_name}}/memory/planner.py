@@ -265,6 +265,11 @@ def training_step(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, b
     _allocate_optimizer_state(model, optimizer)
     input_ids = torch.randint(0, config.vocab_size, (micro_batch, cfg.data.max_length))  # (B, T)
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if cfg.task.name == "causal_lm" and cfg.data.mode == "pack_rows":
+        # Packed chat rows: per-row position ids, no attention mask, so the trace holds the dense
+        # block-diagonal (B, 1, T, T) mask that transformers builds for SDPA/eager (two rows a block).
+        positions = torch.arange(cfg.data.max_length) % -(-cfg.data.max_length // 2)
+        batch = {"input_ids": input_ids, "position_ids": positions.expand(micro_batch, -1)}
 
     def loss_fn() -> torch.Tensor:
         with torch.autocast("cpu", dtype=autocast_dtype, enabled=mixed):

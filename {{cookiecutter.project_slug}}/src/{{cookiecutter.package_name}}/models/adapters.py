@@ -2,7 +2,9 @@
 
 - LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021): the base
   weights are frozen; each target linear layer ``W`` gains a trainable ``B @ A`` of rank ``r``,
-  scaled by ``alpha / r``.  Only the adapter is trained, saved and exported.
+  scaled by ``alpha / r``.  Only the adapter is trained, saved and exported -- and, for a
+  sequence classifier, its new head (``score``/``classifier``), trained in full: peft's
+  ``SEQ_CLS`` task type lists it in ``modules_to_save``.
 - QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023): the same, on
   a base model stored in 4-bit NormalFloat (NF4) by bitsandbytes, optionally with "double
   quantization" of the quantization constants (about 0.37 bits per parameter saved, their
@@ -18,6 +20,7 @@ import torch
 from transformers import BitsAndBytesConfig, PretrainedConfig
 
 from ..utils.config import ConfigError
+from .precision import compute_dtype
 
 METHODS = ("none", "lora", "qlora")
 
@@ -54,8 +57,34 @@ def target_modules(peft_cfg: dict, config: PretrainedConfig, linear_names: list[
     return list(names)
 
 
-def lora_config(peft_cfg: dict, modules: list[str]):
-    """The ``peft.LoraConfig`` of the ``peft`` group (rank ``r``, ``alpha``, ``dropout``)."""
+def check_adapter_spec(peft_cfg: dict | None, spec: dict, precision: str) -> None:
+    """Refuse adapters the model spec cannot take, before any weights load (any task).
+
+    Raises:
+        ConfigError: LoRA/QLoRA without pretrained weights (``model.name_or_path``), QLoRA with
+            ``bf16-true``.
+    """
+    if not uses_peft(peft_cfg):
+        return
+    method = peft_cfg["method"]
+    if not spec.get("name_or_path"):
+        raise ConfigError(
+            f"peft={method} adapts pretrained weights, but model.name_or_path is null; "
+            "fix: a pretrained model (e.g. model=smollm2_135m), or peft=none to train from scratch"
+        )
+    if method == "qlora" and precision == "bf16-true":
+        raise ConfigError(
+            "peft=qlora with precision=bf16-true: Lightning would cast the 4-bit base weights; fix: precision=bf16-mixed (the QLoRA recipe)"
+        )
+
+
+def lora_config(peft_cfg: dict, modules: list[str], task_type: str = "CAUSAL_LM"):
+    """The ``peft.LoraConfig`` of the ``peft`` group (rank ``r``, ``alpha``, ``dropout``).
+
+    ``task_type``: peft's ``TaskType`` name: ``CAUSAL_LM``, or ``SEQ_CLS`` (peft then adds the
+    classifier head, a module named ``score`` or ``classifier``, to ``modules_to_save``: a trained
+    full copy of it, saved with the adapter).
+    """
     from peft import LoraConfig, TaskType
 
     return LoraConfig(
@@ -64,7 +93,7 @@ def lora_config(peft_cfg: dict, modules: list[str]):
         lora_dropout=peft_cfg["dropout"],
         target_modules=modules,
         bias="none",
-        task_type=TaskType.CAUSAL_LM,
+        task_type=TaskType[task_type],
     )
 
 
@@ -88,8 +117,20 @@ def quantization_config(peft_cfg: dict, compute_dtype: torch.dtype) -> BitsAndBy
     )
 
 
-def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str]) -> torch.nn.Module:
-    """Freeze ``model`` and add LoRA adapters (a ``peft.PeftModel``).
+def quantized_loading(peft_cfg: dict, precision: str, device: torch.device | None) -> dict:
+    """``from_pretrained`` options of a QLoRA base: the 4-bit config, and on CUDA the device to
+    quantize on (``device``: the trainer's, ``None`` without one)."""
+    options = {"quantization_config": quantization_config(peft_cfg, compute_dtype(precision))}
+    if device is not None and device.type == "cuda":
+        options["device_map"] = {"": device}
+    return options
+
+
+def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str], task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+    """Freeze ``model`` and add LoRA adapters (a ``peft.PeftModel``; ``task_type`` as in
+    :func:`lora_config`).  Every trained weight is fp32: peft makes the adapters fp32 itself, and
+    a classifier head copied by ``modules_to_save`` from a bf16 base is cast here (bf16 weights
+    would round most AdamW updates away).
 
     For a 4-bit base we do *not* call peft's ``prepare_model_for_kbit_training``: it casts every
     weight that is not 4-bit to fp32, and for Llama-3.1-8B that is the 128k x 4096 embedding and
@@ -99,4 +140,8 @@ def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str]) -
     """
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(peft_cfg, modules))
+    model = get_peft_model(model, lora_config(peft_cfg, modules, task_type))
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
+    return model

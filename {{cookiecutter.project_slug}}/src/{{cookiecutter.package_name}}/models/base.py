@@ -84,6 +84,11 @@ class HFModule(L.LightningModule):
         self.automatic_optimization = not self.hparams.optimizer["step_in_backward"]
 
     @property
+    def peft_method(self) -> str:
+        """The ``peft`` group's ``method``: none | lora | qlora (``none`` for a module built without it)."""
+        return self.hparams.peft["method"] if self.hparams.get("peft") else "none"
+
+    @property
     def attn_implementation(self) -> str:
         """The ``attention`` group's choice (``sdpa`` when the module was built without it)."""
         return self.hparams.attention["implementation"] if self.hparams.get("attention") else "sdpa"
@@ -180,6 +185,33 @@ class HFModule(L.LightningModule):
         if torch.isfinite(loss):
             self.manual_backward(loss)
         self.optimizers().step()
+
+    # ----------------------------------------------------------------------- checkpoints
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The full state, or with LoRA/QLoRA (``peft``) the trained weights of the model (the
+        adapters, and a classifier's head) plus the module's own state (metrics): the frozen
+        base is re-read from ``model.name_or_path`` when the checkpoint is loaded."""
+        state = super().state_dict(*args, **kwargs)
+        if self.peft_method == "none" or self.model is None:
+            return state
+        prefix = kwargs.get("prefix", "")
+        trained = {prefix + name for name, param in self.named_parameters() if param.requires_grad}
+        return {key: value for key, value in state.items() if key in trained or not key.startswith(prefix + "model.")}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load a full state, or (LoRA/QLoRA) the state of :meth:`state_dict` onto the rebuilt base.
+
+        Raises:
+            RuntimeError: ``strict`` and the keys differ from what :meth:`state_dict` produces.
+        """
+        if self.peft_method == "none":
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        expected = set(self.state_dict())
+        if strict and set(state_dict) != expected:
+            missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+            raise RuntimeError(f"adapter checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        return type(result)([], result.unexpected_keys)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["model_inputs"] = self.inputs.state_dict()

@@ -19,12 +19,14 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    BitsAndBytesConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.pytorch_utils import Conv1D
 
+from ..data.tokenization import use_eos_as_pad
 from ..utils.config import ConfigError
 
 
@@ -34,8 +36,15 @@ def build_sequence_classifier(
     tokenizer: PreTrainedTokenizerBase,
     attn_implementation: str = "sdpa",
     dtype: torch.dtype = torch.float32,
+    quantization_config: BitsAndBytesConfig | None = None,
+    device_map: dict | None = None,
 ) -> PreTrainedModel:
     """An ``AutoModelForSequenceClassification`` with a fresh head of ``len(id2label)`` outputs.
+
+    ``config.pad_token_id`` is the tokenizer's pad id (a decoder's classifier reads the logits
+    at each row's rightmost non-pad token), also for pretrained weights whose ``config.json``
+    names another or none; a tokenizer without a pad token gets its EOS as pad first
+    (:func:`..data.tokenization.use_eos_as_pad`, done by the data module before this).
 
     Args:
         spec: ``name_or_path`` (pretrained) or ``config`` (from scratch: ``model_type`` plus
@@ -43,30 +52,43 @@ def build_sequence_classifier(
             their one source).
         attn_implementation: HF's ``sdpa`` | ``flash_attention_2`` | ``eager`` (``attention`` group).
         dtype: of the weights (see :func:`.precision.weights_dtype`).
+        quantization_config, device_map: passed to ``from_pretrained`` (QLoRA's 4-bit base, see
+            :func:`.adapters.quantized_loading`); pretrained weights only.
 
     Raises:
         ValueError: the spec gives neither ``name_or_path`` nor ``config``.
+        DataError: the tokenizer has neither a pad nor an EOS token.
     """
+    use_eos_as_pad(tokenizer)
     labels = {
         "num_labels": len(id2label),
         "id2label": dict(id2label),
         "label2id": {name: index for index, name in id2label.items()},
+        "pad_token_id": tokenizer.pad_token_id,
     }
     if spec.get("config"):
         fields = dict(spec["config"])
         model_type = fields.pop("model_type")
-        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **fields, **labels)
+        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **fields, **labels)
         return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     if spec.get("name_or_path"):
+        loading = {"quantization_config": quantization_config, "device_map": device_map}
         return AutoModelForSequenceClassification.from_pretrained(
-            spec["name_or_path"], attn_implementation=attn_implementation, dtype=dtype, **labels
+            spec["name_or_path"],
+            attn_implementation=attn_implementation,
+            dtype=dtype,
+            **{name: value for name, value in loading.items() if value is not None},
+            **labels,
         )
     raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 
 
 def config_to_dict(config: PretrainedConfig) -> dict:
-    """The HF config as plain JSON types (storable in a ``weights_only`` checkpoint)."""
-    return json.loads(config.to_json_string(use_diff=False))
+    """The HF config as plain JSON types (storable in a ``weights_only`` checkpoint): the
+    architecture, without how it was loaded (QLoRA's ``quantization_config``)."""
+    fields = json.loads(config.to_json_string(use_diff=False))
+    fields.pop("quantization_config", None)
+    return fields
 
 
 def sequence_classifier_from_dict(
@@ -162,9 +184,10 @@ def spec_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None) -> Pretra
     raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 
 
-def linear_layer_names(config: PretrainedConfig) -> list[str]:
-    """Names of the linear layers (``nn.Linear``, GPT-2's ``Conv1D``) of the architecture, as
-    dotted paths; found on the meta device, so no memory is used and no weights load."""
+def linear_layer_names(config: PretrainedConfig, auto_class: type = AutoModelForCausalLM) -> list[str]:
+    """Names of the linear layers (``nn.Linear``, GPT-2's ``Conv1D``) of the architecture built
+    by ``auto_class`` (the task's ``AutoModelFor*``), as dotted paths; found on the meta device,
+    so no memory is used and no weights load."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class.from_config(config)
     return [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))]

@@ -11,11 +11,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from ..data.text import IGNORE_INDEX, pad_token_id
 from ..utils.config import ConfigError
-from .adapters import quantization_config, target_modules, uses_peft, wrap_with_lora
+from .adapters import check_adapter_spec, quantized_loading, target_modules, uses_peft, wrap_with_lora
 from .base import HFModule
 from .builder import check_max_length, config_to_dict, linear_layer_names, max_positions, spec_config
 from .inputs import model_inputs
-from .precision import compute_dtype, weights_dtype
+from .precision import weights_dtype
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +86,8 @@ def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.M
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+# Written by export next to a chat model's weights: {"end_of_turn": token, "system_prompt": text or null}.
+CHAT_FILE = "chat.json"
 # Bidirectional encoders: transformers maps some to a "*LMHeadModel", but they are not causal LMs.
 ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert", "modernbert")
 # Config fields of model families whose logits are rescaled or capped after the lm_head (Gemma 2,
@@ -147,17 +149,14 @@ class CausalLMModule(HFModule):
 
     # ----------------------------------------------------------------------------- building
     @property
-    def peft_method(self) -> str:
-        return self.hparams.peft.get("method", "none") if self.hparams.peft else "none"
-
-    @property
     def loss_implementation(self) -> str:
         """``loss.implementation``: plain | chunked | liger."""
         return self.hparams.loss["implementation"] if self.hparams.get("loss") else "plain"
 
     def datamodule_kwargs(self) -> dict:
-        """What eval passes to the data module: the checkpoint's tokenizer."""
-        return {"tokenizer": self.tokenizer}
+        """What eval passes to the data module: the checkpoint's tokenizer (none for a module
+        built to load an exported folder: the data config names the folder's)."""
+        return {"tokenizer": self.tokenizer} if self.tokenizer is not None else {}
 
     def prepare_data(self) -> None:
         """Install the model files, then check the spec against the architecture, before the
@@ -176,7 +175,6 @@ class CausalLMModule(HFModule):
         if self.hparams.hf_config is None:
             self.model = self.build_model(precision, max_length=self.inputs.max_length)
             hf_config = config_to_dict(self.model.config)
-            hf_config.pop("quantization_config", None)  # QLoRA: the architecture, not how it was loaded
             self.hparams.hf_config = hf_config
         else:  # load_from_checkpoint / export: the weights come from the checkpoint
             if uses_peft(self.hparams.peft):
@@ -211,17 +209,7 @@ class CausalLMModule(HFModule):
                 "or task=classification"
             )
         check_max_length(config, max_length)
-        if method != "none":
-            if not spec.get("name_or_path"):
-                raise ConfigError(
-                    f"peft={method} adapts pretrained weights, but model.name_or_path is null; "
-                    "fix: a pretrained model (e.g. model=smollm2_135m), or peft=none to train from scratch"
-                )
-            if method == "qlora" and precision == "bf16-true":
-                raise ConfigError(
-                    "peft=qlora with precision=bf16-true: Lightning would cast the 4-bit base weights; "
-                    "fix: precision=bf16-mixed (the QLoRA recipe)"
-                )
+        check_adapter_spec(peft_cfg, spec, precision)
         transforms = [field for field in LOGIT_TRANSFORM_FIELDS if getattr(config, field, None) not in (None, 1.0)]
         if self.loss_implementation != "plain" and transforms:
             raise ConfigError(
@@ -253,10 +241,8 @@ class CausalLMModule(HFModule):
         if pretrained and spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
             options = {"dtype": dtype, "attn_implementation": self.attn_implementation}
             if method == "qlora":
-                options["quantization_config"] = quantization_config(peft_cfg, compute_dtype(precision))
                 trainer = self.attached_trainer()
-                if trainer is not None and trainer.strategy.root_device.type == "cuda":
-                    options["device_map"] = {"": trainer.strategy.root_device}
+                options.update(quantized_loading(peft_cfg, precision, trainer.strategy.root_device if trainer is not None else None))
             try:
                 model = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], **options)
             except (ImportError, RuntimeError, ValueError) as error:
@@ -275,7 +261,7 @@ class CausalLMModule(HFModule):
 
     # ------------------------------------------------------------------------------ steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+        return self.model(**model_arguments(batch)).logits  # (B, T, V)
 
     def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed token loss and target count of a batch (train/val/test): the plain loss on
@@ -283,7 +269,7 @@ class CausalLMModule(HFModule):
         if self.loss_implementation == "plain":
             return token_loss_sum(self(batch), batch["labels"])
         body = causal_body(self.model)
-        hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state  # (B, T, D)
+        hidden = body(**model_arguments(batch)).last_hidden_state  # (B, T, D)
         lm_head = causal_lm_of(self.model).get_output_embeddings()
         if self.loss_implementation == "liger":
             return liger_token_loss_sum(hidden, lm_head, batch["labels"])
@@ -300,7 +286,7 @@ class CausalLMModule(HFModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss_sum, n_targets = self.model_step(batch)
-        mask = batch["attention_mask"]
+        mask = batch.get("token_mask", batch.get("attention_mask"))  # (B, T) 1 = a real token
         self._window_tokens += mask.sum()  # a tensor: no host sync per micro-batch
         self.log_step_metric("train/padding_fraction", 1.0 - mask.float().mean())
         return self.add_to_window(loss_sum, n_targets)
@@ -342,15 +328,35 @@ class CausalLMModule(HFModule):
         self.log_dict({f"{split}/loss": loss, f"{split}/ppl": torch.exp(loss)}, prog_bar=split == "val")
 
     # ------------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def generate_text(self, prompts: list[str], **generation: object) -> list[str]:
-        """Complete each prompt (one at a time, so no padding is involved); return only the new text.
+    @property
+    def chat(self) -> bool:
+        """Trained on chat rows (:mod:`..data.chat`): prompts are rendered with the chat template
+        and generation stops at the end-of-turn token."""
+        return self.inputs is not None and self.inputs.end_of_turn is not None
 
-        ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``, ``temperature``,
-        ``top_p``...).  The model is put in eval mode and restored afterwards.  Prompt and new
-        tokens together never pass the model's positions (:func:`.builder.max_positions`): with a
-        warning, ``max_new_tokens`` is capped to ``positions - 1`` and a prompt too long for the
-        rest is cut from the left (its end, next to the completion, is kept).
+    def prompt_ids(self, prompts: list[str], chat: bool) -> list[list[int]]:
+        """Token ids of each prompt: as text, or (``chat``) as one user turn (after the run's system
+        prompt, if it set one) rendered with the chat template and its generation prompt."""
+        if not chat:
+            return [self.tokenizer(prompt)["input_ids"] for prompt in prompts]
+        system = [{"role": "system", "content": self.inputs.system_prompt}] if self.inputs.system_prompt is not None else []
+        texts = [
+            self.tokenizer.apply_chat_template(system + [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+        return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+    @torch.no_grad()
+    def complete(self, prompt_ids: list[list[int]], batch_size: int = 1, **generation: object) -> list[list[int]]:
+        """The new token ids for each prompt, up to (not including) the first end token: the
+        end-of-turn token for a chat model, else the generation config's EOS.
+
+        Prompts go ``batch_size`` at a time, padded on the left (the attention mask hides the
+        padding).  ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``,
+        ``temperature``...).  The model is put in eval mode and restored afterwards.  Prompt and
+        new tokens together never pass the model's positions (:func:`.builder.max_positions`):
+        with a warning, ``max_new_tokens`` is capped to ``positions - 1`` and a prompt too long
+        for the rest is cut from the left (its end, next to the completion, is kept).
         """
         limit = max_positions(self.model.config)
         new_tokens = generation.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 20
@@ -358,55 +364,49 @@ class CausalLMModule(HFModule):
             rank_zero_warn(f"max_new_tokens={new_tokens} is not below the model's {limit} positions; generating {limit - 1}")
             new_tokens = limit - 1
         generation = {**generation, "max_new_tokens": new_tokens}
+        stop = self.tokenizer.convert_tokens_to_ids(self.inputs.end_of_turn) if self.chat else None
+        if stop is not None:
+            generation["eos_token_id"] = stop
+        stops = {stop} if stop is not None else set(_as_list(self.model.generation_config.eos_token_id))
+        room = None if limit is None else limit - new_tokens
+        pad = pad_token_id(self.tokenizer)
         was_training = self.model.training
         self.model.eval()
         completions = []
         try:
-            for prompt in prompts:
-                inputs = self.tokenizer(prompt, return_tensors="pt")
-                room = None if limit is None else limit - new_tokens
-                if room is not None and inputs["input_ids"].shape[1] > room:
-                    rank_zero_warn(
-                        f"a prompt of {inputs['input_ids'].shape[1]} tokens leaves no room for {new_tokens} new ones in the model's "
-                        f"{limit} positions: its first {inputs['input_ids'].shape[1] - room} tokens are dropped"
-                    )
-                    inputs = {name: tensor[:, -room:] for name, tensor in inputs.items()}
-                inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
+            for first in range(0, len(prompt_ids), batch_size):
+                rows = []
+                for ids in prompt_ids[first : first + batch_size]:
+                    if room is not None and len(ids) > room:
+                        rank_zero_warn(
+                            f"a prompt of {len(ids)} tokens leaves no room for {new_tokens} new ones in the model's "
+                            f"{limit} positions: its first {len(ids) - room} tokens are dropped"
+                        )
+                        ids = ids[-room:]
+                    rows.append(ids)
+                longest = max(len(ids) for ids in rows)
+                input_ids = torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)  # (b, T)
+                attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in rows], device=self.device)
                 output = self.model.generate(
-                    **inputs, pad_token_id=pad_token_id(self.tokenizer), use_cache=True, **generation
-                )  # (1, prompt + new tokens)
-                completions.append(self.tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+                    input_ids=input_ids, attention_mask=attention_mask, pad_token_id=pad, use_cache=True, **generation
+                )  # (b, T + new tokens)
+                for new in output[:, longest:].tolist():
+                    end = next((i for i, token in enumerate(new) if token in stops), len(new))
+                    completions.append(new[:end])
         finally:
             self.model.train(was_training)
         return completions
 
+    def generate_text(self, prompts: list[str], chat: bool | None = None, batch_size: int = 1, **generation: object) -> list[str]:
+        """Complete each prompt; return only the new text, up to the end token (:meth:`complete`).
+        ``chat=None``: as trained (:attr:`chat`)."""
+        chat = self.chat if chat is None else chat
+        if chat and self.inputs is None:
+            raise ConfigError("chat=true needs a model trained on chat data (its checkpoint names the end-of-turn token)")
+        completions = self.complete(self.prompt_ids(prompts, chat), batch_size=batch_size, **generation)
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
+
     # ----------------------------------------------------------------------- checkpoints
-    def state_dict(self, *args, **kwargs) -> dict:
-        """The full state, or for LoRA/QLoRA only the trained adapter weights (the frozen base
-        is re-read from ``model.name_or_path``): a 135M-parameter model's LoRA checkpoint is
-        about 20 MB instead of 540 MB, and a 4-bit base never has to round-trip a checkpoint."""
-        state = super().state_dict(*args, **kwargs)
-        if not uses_peft(self.hparams.peft) or self.model is None:
-            return state
-        prefix = kwargs.get("prefix", "")
-        trained = {prefix + name for name, param in self.named_parameters() if param.requires_grad}
-        return {key: value for key, value in state.items() if key in trained}
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
-        """Load a full state, or (LoRA/QLoRA) an adapter-only state onto the rebuilt base.
-
-        Raises:
-            RuntimeError: ``strict`` and the keys differ from what :meth:`state_dict` produces.
-        """
-        if not uses_peft(self.hparams.peft):
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        expected = set(self.state_dict())
-        if strict and set(state_dict) != expected:
-            missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-            raise RuntimeError(f"adapter checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        result = super().load_state_dict(state_dict, strict=False, assign=assign)
-        return type(result)([], result.unexpected_keys)
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the tokenizer's files
         checkpoint["tokens_seen"] = self.tokens_seen
@@ -422,6 +422,20 @@ class CausalLMModule(HFModule):
         model = self.model.merge_and_unload() if uses_peft(self.hparams.peft) else self.model
         model.config.use_cache = True
         return model
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def model_arguments(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bool]:
+    """The model's keyword arguments for a batch: ``input_ids`` with the padding
+    ``attention_mask``, or for packed rows (:mod:`..data.chat`, ``mode=pack_rows``) with the
+    per-row ``position_ids`` and no attention mask, from which transformers builds the
+    block-diagonal causal mask (it does so only with no mask and no KV cache: ``use_cache=False``)."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
 
 
 def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:

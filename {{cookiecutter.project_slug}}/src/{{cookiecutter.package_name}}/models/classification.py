@@ -6,10 +6,18 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
-from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig
 
+from .adapters import check_adapter_spec, quantized_loading, target_modules, wrap_with_lora
 from .base import HFModule
-from .builder import build_sequence_classifier, check_max_length, config_to_dict, sequence_classifier_from_dict, spec_config
+from .builder import (
+    build_sequence_classifier,
+    check_max_length,
+    config_to_dict,
+    linear_layer_names,
+    sequence_classifier_from_dict,
+    spec_config,
+)
 from .inputs import model_inputs
 from .precision import weights_dtype
 
@@ -40,12 +48,22 @@ class SequenceClassificationModule(HFModule):
         optimizer: the ``optimizer`` config group as a plain dict (``_target_``, ``lr``, ...).
         attention, checkpointing, compile: those config groups as plain dicts (see
             :class:`.base.HFModule`).
+        peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...);
+            ``None`` = none.  With LoRA/QLoRA the pretrained model is frozen, adapters train on
+            its linear layers and the new head trains in full; checkpoints hold those weights
+            only, and eval/predict re-read the frozen base from ``model.name_or_path``.
         hf_config: filled in on the first fit and stored in checkpoints, from which
             eval/predict rebuild the model without the pretrained files (the labels are in
             :attr:`inputs`, ``checkpoint["model_inputs"]``).
 
     Batches are dicts of ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)`` and
-    ``labels`` ``(B,)``; ``forward`` returns logits ``(B, num_labels)``.
+    ``labels`` ``(B,)``; ``forward`` returns logits ``(B, num_labels)``.  A decoder (GPT-2,
+    Llama) classifies from the hidden state of each row's last token: ``config.pad_token_id``
+    follows the tokenizer (its EOS when it has no pad token) and rows are padded on the right.
+
+    Raises (from ``prepare_data``, before the data is tokenised and any weights load):
+        ConfigError: ``data.max_length`` above the model's positions, LoRA/QLoRA without
+            pretrained weights, a LoRA target that matches no layer, QLoRA with bf16-true.
     """
 
     def __init__(
@@ -55,6 +73,7 @@ class SequenceClassificationModule(HFModule):
         attention: dict | None = None,
         checkpointing: dict | None = None,
         compile: dict | None = None,
+        peft: dict | None = None,
         hf_config: dict | None = None,
     ) -> None:
         super().__init__()
@@ -71,13 +90,26 @@ class SequenceClassificationModule(HFModule):
         return {"tokenizer": self.tokenizer, "label2id": self.label2id}
 
     def prepare_data(self) -> None:
-        """Install the model files, then refuse a ``data.max_length`` beyond the model's positions,
-        before the data is tokenised and before any weights load (Lightning calls this first)."""
+        """Install the model files, then check the spec against the architecture (positions,
+        LoRA targets), before the data is tokenised and before any weights load (Lightning calls
+        this first)."""
         super().prepare_data()
         trainer = self.attached_trainer()
         inputs = model_inputs(trainer) if trainer is not None else None
         if inputs is not None:
-            check_max_length(self.architecture(), inputs.max_length)
+            config = self.architecture()
+            check_max_length(config, inputs.max_length)
+            check_adapter_spec(self.hparams.peft, self.hparams.model, inputs.precision)
+            if self.peft_method != "none":
+                self.lora_targets(config)
+
+    def lora_targets(self, config: PretrainedConfig) -> list[str]:
+        """The LoRA target modules of this architecture (see :func:`.adapters.target_modules`).
+
+        Raises:
+            ConfigError: no target list for the model family, or a name matching no linear layer.
+        """
+        return target_modules(self.hparams.peft, config, linear_layer_names(config, AutoModelForSequenceClassification))
 
     def architecture(self) -> PretrainedConfig:
         """The HF config of the model (the checkpoint's, or the spec's), read without weights."""
@@ -105,22 +137,40 @@ class SequenceClassificationModule(HFModule):
         self.val_acc_best = MaxMetric()
         self.val_acc_best.persistent(True)  # in the checkpoint's state_dict: a resumed run keeps the best so far
 
-    def build_model(self, precision: str, max_length: int | None = None, config: PretrainedConfig | None = None) -> PreTrainedModel:
+    def build_model(self, precision: str, max_length: int | None = None, config: PretrainedConfig | None = None) -> torch.nn.Module:
         """The one builder of this task's model (``train``, ``plan``, eval/predict all call it), in
-        the dtype of :func:`.precision.weights_dtype`: the architecture a checkpoint stored
-        (``hf_config``, random weights the checkpoint then fills), else the spec with a fresh head
-        of the data's labels (:attr:`inputs`), else ``config`` (the planner's: random weights).
-        ``max_length`` is not used (the signature is the causal LM's).
+        the dtype of :func:`.precision.weights_dtype`: ``config`` (the planner's: random weights),
+        else the architecture a checkpoint stored (``hf_config``: random weights the checkpoint
+        then fills; with LoRA/QLoRA the pretrained base, as the checkpoint holds only the trained
+        weights), else the spec with a fresh head of the data's labels (:attr:`inputs`); then the
+        LoRA adapters (``peft``).  ``max_length`` is not used (the signature is the causal LM's).
 
         Raises:
             ValueError: the spec gives neither ``name_or_path`` nor ``config``.
+            ConfigError: see the class docstring.
         """
-        attention, dtype = self.attn_implementation, weights_dtype(precision)
+        attention, method = self.attn_implementation, self.peft_method
+        dtype = weights_dtype(precision, method)
+        trainer = self.attached_trainer()
+        device = trainer.strategy.root_device if trainer is not None else None
+        loading = quantized_loading(self.hparams.peft, precision, device) if method == "qlora" and config is None else {}
         if config is not None:
-            return AutoModelForSequenceClassification.from_config(config, attn_implementation=attention, dtype=dtype)
-        if self.hparams.hf_config is not None:
-            return sequence_classifier_from_dict(self.hparams.hf_config, attention, dtype=dtype)
-        return build_sequence_classifier(self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype)
+            model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attention, dtype=dtype)
+        elif self.hparams.hf_config is not None and method == "none":
+            model = sequence_classifier_from_dict(self.hparams.hf_config, attention, dtype=dtype)
+        elif self.hparams.hf_config is not None:  # an adapter checkpoint: the frozen base is re-read
+            super().prepare_data()  # (model.fetch)
+            stored = {key: self.hparams.hf_config[key] for key in ("id2label", "label2id", "pad_token_id")}
+            model = AutoModelForSequenceClassification.from_pretrained(
+                self.hparams.model["name_or_path"], attn_implementation=attention, dtype=dtype, **loading, **stored
+            )
+        else:
+            model = build_sequence_classifier(
+                self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype, **loading
+            )
+        if method != "none":
+            model = wrap_with_lora(model, self.hparams.peft, self.lora_targets(config or self.architecture()), task_type="SEQ_CLS")
+        return model
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}

@@ -30,6 +30,9 @@ class ModelInputs:
             micro-batch the ``batch`` group derives; DDP: the global batch's share of one device).
         precision: Lightning's precision flag the model is trained under (``bf16-mixed``, ...).
         id2label: class index -> label name (classification); ``None`` for a causal LM.
+        end_of_turn: chat data (:mod:`..data.chat`): the token closing assistant turns, where
+            generation stops; ``None`` for raw text (and classification).
+        system_prompt: chat data: the system turn set on every row (``data.system_prompt``).
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -37,6 +40,8 @@ class ModelInputs:
     micro_batch_size: int
     precision: str = "32-true"
     id2label: dict[int, str] | None = None
+    end_of_turn: str | None = None
+    system_prompt: str | None = None
     _files: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -59,6 +64,8 @@ class ModelInputs:
             "micro_batch_size": self.micro_batch_size,
             "precision": self.precision,
             "id2label": None if self.id2label is None else {int(k): v for k, v in self.id2label.items()},
+            "end_of_turn": self.end_of_turn,
+            "system_prompt": self.system_prompt,
         }
 
     @classmethod
@@ -71,6 +78,8 @@ class ModelInputs:
             micro_batch_size=int(state.get("micro_batch_size") or 1),
             precision=str(state.get("precision", "32-true")),
             id2label=None if id2label is None else {int(k): v for k, v in id2label.items()},
+            end_of_turn=state.get("end_of_turn"),
+            system_prompt=state.get("system_prompt"),
             _files=state["tokenizer_files"],
         )
 
@@ -88,4 +97,12 @@ def model_inputs(trainer: L.Trainer) -> ModelInputs | None:
         micro_batch_size=datamodule.batch_size,
         precision=str(trainer.precision),
         id2label=getattr(datamodule, "id2label", None),
+        end_of_turn=chat_end_of_turn(datamodule),
+        system_prompt=getattr(datamodule, "system_prompt", None),
     )
+
+
+def chat_end_of_turn(datamodule: L.LightningDataModule) -> str | None:
+    """The end-of-turn token of a chat data module (set up), ``None`` for any other data."""
+    eot_id = getattr(datamodule, "eot_id", None)
+    return None if eot_id is None else datamodule.tokenizer.convert_ids_to_tokens(eot_id)

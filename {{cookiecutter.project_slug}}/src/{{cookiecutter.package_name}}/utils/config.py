@@ -25,6 +25,10 @@ REQUIRED_EXAMPLES = {"ckpt_path": "RUN/checkpoints/last.ckpt", "input": "path/to
 # Values of the causal-LM groups (checked here, before anything imports the task's code).
 TEXT_MODES = ("pack", "pad")
 SAMPLE_BY = ("document", "paragraph")
+CHAT_MODES = ("pad", "pack_rows")  # data=chat (data/chat.py)
+TRAIN_ON = ("assistant", "last_assistant", "completion", "all")
+TRUNCATION = ("right", "left")
+# The peft group (both tasks).
 PEFT_METHODS = ("none", "lora", "qlora")
 # The memory levers (configs/attention, checkpointing, compile).
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
@@ -207,7 +211,7 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         if "data" in cfg:
             problems += _data_problems(cfg.data)
         if cfg.get("peft") is not None:
-            problems += _peft_problems(cfg.peft, task=cfg.task.name if "task" in cfg else None)
+            problems += _peft_problems(cfg.peft)
 
         for group in ("callbacks", "logger"):
             entries = cfg.get(group) or {}
@@ -410,23 +414,21 @@ def config_warnings(cfg: DictConfig) -> list[str]:
 
 def _task_problems(cfg: DictConfig) -> list[str]:
     """The data config must be one the task reads (e.g. no classification CSVs for a causal LM)."""
-    expected, target = cfg.task.get("datamodule"), cfg.data.get("_target_")
-    if expected and target != expected:
+    expected, target = cfg.task.get("datamodules"), cfg.data.get("_target_")
+    if expected and target not in expected:
         return [
-            f"data._target_={target!r} is not the data module of task={cfg.task.name} ({expected}); "
+            f"data._target_={target!r} is not a data module of task={cfg.task.name} ({', '.join(expected)}); "
             f"fix: a data config of that task (see configs/data/), or an experiment= that sets both"
         ]
     return []
 
 
-def _peft_problems(peft: DictConfig, task: str | None) -> list[str]:
+def _peft_problems(peft: DictConfig) -> list[str]:
     method = peft.get("method")
     if method not in PEFT_METHODS:
         return [f"peft.method={method!r} is not one of {PEFT_METHODS}; fix: peft=lora (or none, qlora)"]
     if method == "none":
         return []
-    if task != "causal_lm":
-        return [f"peft={method} applies to task=causal_lm only (task={task}); fix: peft=none"]
     problems = []
     r, alpha, dropout = peft.get("r"), peft.get("alpha"), peft.get("dropout")
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
@@ -443,11 +445,15 @@ def _peft_problems(peft: DictConfig, task: str | None) -> list[str]:
 
 def _data_problems(data: DictConfig) -> list[str]:
     problems = []
-    text_lm = "mode" in data  # the causal-LM text data module; otherwise classification
-    for field in ("text_column",) if text_lm else ("text_column", "label_column"):
+    chat = "train_on" in data  # chat rows for a causal LM (their columns are fixed: messages, or prompt/completion)
+    text_lm = "mode" in data and not chat  # the causal-LM text data module; otherwise classification
+    for field in () if chat else ("text_column",) if text_lm else ("text_column", "label_column"):
         value = data.get(field)
         if not isinstance(value, str) or not value:
             problems.append(f"data.{field}={value!r} must name a column of your data, e.g. data.{field}=text")
+    for field, allowed in (("mode", CHAT_MODES), ("train_on", TRAIN_ON), ("truncation", TRUNCATION)) if chat else ():
+        if data.get(field) not in allowed:
+            problems.append(f"data.{field}={data.get(field)!r} is not one of {allowed}; fix: data.{field}={allowed[0]}")
     if text_lm:
         if data.mode not in TEXT_MODES:
             problems.append(f"data.mode={data.mode!r} is not one of {TEXT_MODES}; fix: data.mode=pack (pretraining) or pad")

@@ -68,7 +68,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
         }
     ),
     "task": frozenset(
-        {"name", "module", "module_args", "datamodule", "monitor", "monitor_mode", "objectives", "validate_before_fit", "requires"}
+        {"name", "module", "module_args", "datamodules", "monitor", "monitor_mode", "objectives", "validate_before_fit", "requires"}
     ),
     "model": frozenset({"name_or_path", "tokenizer", "config", "fetch", "architecture"}),
     "peft": frozenset({"method", "r", "alpha", "dropout", "target_modules", "target_modules_by_family", "quant_type", "double_quant"}),
@@ -82,6 +82,8 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
 }
 # Top-level keys that only one entry config reads (by task_name; train and eval read none extra).
 ENTRY_KEYS: dict[str, frozenset[str]] = {
+    "eval": frozenset({"model_dir"}),
+    "inspect_data": frozenset({"split", "rows", "first_row", "color"}),
     "predict": frozenset({"input", "output"}),
     "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation"}),
     "export": frozenset({"output_dir", "dtype"}),

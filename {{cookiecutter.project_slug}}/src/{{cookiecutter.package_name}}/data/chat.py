@@ -1,0 +1,534 @@
+"""Instruction / chat data for causal LMs: render with the chat template, train on the answers.
+
+Rows are a ``messages`` list of ``{role, content}`` turns (system / user / assistant, several
+turns) or ``prompt`` / ``completion`` columns (one turn, turned into a user and an assistant
+message).  Each row is rendered with the tokenizer's own chat template (``apply_chat_template``),
+or with the one ``chat_template`` names, and tokenised once (cached by ``datasets``, keyed by the
+template, the system prompt, ``train_on``, ``truncation`` and ``max_length``).
+
+**What is trained** (``train_on``; labels are -100 everywhere else):
+
+- ``assistant``: each assistant turn's content and the end-of-turn token that closes it, so the
+  model learns to stop.  Template text after the end-of-turn token (ChatML's newline) and every
+  system/user token are masked.
+- ``last_assistant``: the last assistant turn only; ``completion``: the completion of
+  prompt/completion rows (the same spans; other rows are refused); ``all``: every token.
+
+**Where the spans come from: the rendering itself.**  A template with ``{% generation %}``
+markers says which tokens the assistant wrote (transformers' ``return_assistant_tokens_mask``).
+Otherwise each assistant turn ``i`` is found by rendering the conversation prefix by prefix: the
+prompt ``messages[:i]`` with the generation prompt, then ``messages[:i+1]``; each must render as
+an exact prefix of the whole conversation, or the template is refused with the turn that broke
+it (a template that rewrites earlier turns, e.g. one that drops old reasoning, cannot be
+masked this way).  The tokens starting inside the turn's characters are the answer; the run is
+cut after its last end-of-turn token.
+
+**Truncation** (``truncation``): ``right`` keeps a row's first ``max_length`` tokens, ``left``
+its last ones (the prompt is cut from the left, the answer kept).  A row left with no trained
+token is dropped, counted and named in a warning (and ``inspect_data`` exits non-zero on it);
+it never reaches the loss as a row that trains nothing.
+
+**Packing** (``mode``): ``pad`` gives one row per sequence, padded per micro-batch;
+``pack_rows`` packs whole rows into blocks of at most ``max_length`` tokens (best fit, longest
+rows first) with ``position_ids`` restarting at 0 in each row and no attention mask.
+transformers then builds a block-diagonal causal mask from the position ids (SDPA and eager: a
+dense ``(B, 1, T, T)`` mask; ``flash_attention_2``: its variable-length kernel), so no row
+attends to another; the first token of each row is never a target of the row before it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..utils.config import CHAT_MODES, TRAIN_ON, TRUNCATION, ConfigError
+from .batching import TokenizedDataModule
+from .loading import DataError, load_split
+from .text import IGNORE_INDEX, pad_token_id
+from .tokenization import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+# Named templates shipped with the project (data.chat_template=<name>), for tokenizers without one.
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
+GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class TemplateError(DataError):
+    """The chat template cannot be used to find the answer spans (the message says why)."""
+
+
+def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
+    """The Jinja template to render with: the tokenizer's own (``chat_template=None``), a shipped
+    one by name (``assets/chat_templates/<name>.jinja``) or a ``.jinja`` file.
+
+    Raises:
+        ConfigError: no template at all, or an unknown name / missing file.
+    """
+    if chat_template is None:
+        if not isinstance(tokenizer.chat_template, str) or not tokenizer.chat_template:
+            shipped = sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
+            raise ConfigError(
+                f"model.tokenizer ({tokenizer.name_or_path!r}) has no chat template, so data=chat cannot render its rows; "
+                f"fix: data.chat_template=<name> (shipped: {', '.join(shipped)}) or data.chat_template=path/to/template.jinja"
+            )
+        return tokenizer.chat_template
+    shipped = TEMPLATES_DIR / f"{chat_template}.jinja"
+    if shipped.is_file():
+        return shipped.read_text(encoding="utf-8")
+    if chat_template.endswith(".jinja") and os.path.isfile(chat_template):
+        return Path(chat_template).read_text(encoding="utf-8")
+    names = sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
+    raise ConfigError(
+        f"data.chat_template={chat_template!r} is neither a shipped template ({', '.join(names)}) nor a .jinja file; "
+        "fix: one of those names, a path to a .jinja file, or null (the tokenizer's own)"
+    )
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, end_of_turn: str | None) -> int:
+    """The id of the token that closes an assistant turn: ``end_of_turn``, or the tokenizer's EOS
+    (``<|im_end|>`` for SmolLM2/Qwen, ``<|eot_id|>`` for Llama 3 Instruct).
+
+    Raises:
+        ConfigError: the token is not a single token of the vocabulary.
+    """
+    token = end_of_turn if end_of_turn is not None else tokenizer.eos_token
+    token_id = tokenizer.convert_tokens_to_ids(token) if token is not None else None
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ConfigError(
+            f"data.end_of_turn={token!r} is not one token of model.tokenizer ({tokenizer.name_or_path!r}); "
+            "fix: the special token the chat template closes assistant turns with (e.g. <|im_end|>, <|eot_id|>)"
+        )
+    return token_id
+
+
+def conversation(row: dict, system_prompt: str | None, where: str) -> tuple[list[dict], bool]:
+    """The row as chat messages (and whether it was a prompt/completion row), with the system
+    turn set or replaced by ``system_prompt`` when that is not ``None``.
+
+    Raises:
+        DataError: the row has neither ``messages`` nor ``prompt``/``completion``, or a turn
+            without a known role or with non-text content (named by ``where``).
+    """
+    if row.get("messages") is not None:
+        messages, completion_row = row["messages"], False
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}; got {messages!r:.80}")
+        for turn in messages:
+            if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
+                raise DataError(
+                    f"{where}: each turn needs a role in {ROLES} and text content; got {turn!r:.80}; fix: the row's messages"
+                )
+        messages = [{"role": turn["role"], "content": turn["content"]} for turn in messages]
+    elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        messages, completion_row = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}], True
+    else:
+        raise DataError(
+            f"{where} has neither a messages list nor prompt and completion text (columns: {sorted(row)}); "
+            "fix: rows like {\"messages\": [{\"role\": \"user\", \"content\": ...}, ...]} or {\"prompt\": ..., \"completion\": ...}"
+        )
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
+    return messages, completion_row
+
+
+def render(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The conversation as the template writes it (text, special tokens as text)."""
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_token_mask(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and, per token, the assistant turn it belongs to
+    (its index in ``messages``) or -1.  Only the turns in ``turns`` are marked.
+
+    Raises:
+        TemplateError: a prefix of the conversation does not render as a prefix of the whole.
+    """
+    whole = render(tokenizer, template, messages)
+    encoding = tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+    spans = []
+    for turn in turns:
+        prompt = render(tokenizer, template, messages[:turn], generation_prompt=True) if turn else ""
+        with_answer = render(tokenizer, template, messages[: turn + 1])
+        if not (whole.startswith(with_answer) and with_answer.startswith(prompt)):
+            raise TemplateError(
+                f"the chat template does not render the conversation up to turn {turn} as a prefix of the whole "
+                "conversation, so the answer's tokens cannot be told from the rendering; fix: a template with "
+                "{% generation %} markers around assistant content (data.chat_template=...), or data.train_on=all"
+            )
+        spans.append((len(prompt), len(with_answer), turn))
+    owner = [-1] * len(encoding["input_ids"])
+    for index, (start, _end) in enumerate(encoding["offset_mapping"]):
+        for first, last, turn in spans:
+            if first <= start < last:
+                owner[index] = turn
+    return encoding["input_ids"], owner
+
+
+def generation_token_mask(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]) -> tuple[list[int], list[int]]:
+    """As :func:`assistant_token_mask`, from the template's ``{% generation %}`` markers.  The
+    markers do not say which turn a token is in, so runs of marked tokens are numbered in order."""
+    encoded = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assistant_turns = [index for index, turn in enumerate(messages) if turn["role"] == "assistant"]
+    owner, run, previous = [], -1, 0
+    for marked in encoded["assistant_masks"]:
+        if marked and not previous:
+            run += 1
+        turn = assistant_turns[run] if marked and run < len(assistant_turns) else -1
+        owner.append(turn if turn in turns else -1)
+        previous = marked
+    return list(encoded["input_ids"]), owner
+
+
+def answer_labels(ids: list[int], owner: list[int], eot_id: int) -> list[int]:
+    """Labels from the per-token turn owners: each marked run, extended by an end-of-turn token
+    that directly follows it and cut after its last end-of-turn token, keeps its ids; all else -100.
+
+    Raises:
+        TemplateError: a marked run has no end-of-turn token (the model would never learn to stop).
+    """
+    labels = [IGNORE_INDEX] * len(ids)
+    index = 0
+    while index < len(ids):
+        if owner[index] < 0:
+            index += 1
+            continue
+        end = index
+        while end < len(ids) and owner[end] == owner[index]:
+            end += 1
+        if end < len(ids) and ids[end] == eot_id and eot_id not in ids[index:end]:
+            end += 1  # the template closes the turn right after the marked content
+        closing = [position for position in range(index, end) if ids[position] == eot_id]
+        if not closing:
+            raise TemplateError(
+                f"an assistant turn is not closed by the end-of-turn token (id {eot_id}), so the model would not learn to "
+                "stop; fix: data.end_of_turn=<the token the template ends assistant turns with>"
+            )
+        labels[index : closing[-1] + 1] = ids[index : closing[-1] + 1]
+        index = end
+    return labels
+
+
+def tokenize_conversations(
+    batch: dict[str, list],
+    indices: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    system_prompt: str | None,
+    train_on: str,
+    eot_id: int,
+    max_length: int,
+    truncation: str,
+    split: str,
+) -> dict[str, list]:
+    """Render, tokenise and label a batch of rows (a ``datasets`` map function).
+
+    Returns per row: ``input_ids``, ``labels`` (-100 where not trained), ``length`` (tokens after
+    truncation), ``n_trained`` (labels that are not -100; 0 = the row would be dropped),
+    ``truncated`` (tokens cut) and ``row`` (the row's index in the split, for messages).
+
+    Raises:
+        DataError: a malformed row (named), ``train_on=completion`` on a messages row, a row
+            with no assistant turn to train on.  TemplateError: see :func:`answer_labels`.
+    """
+    columns = list(batch)
+    out = {"input_ids": [], "labels": [], "length": [], "n_trained": [], "truncated": [], "row": []}
+    use_markers = bool(GENERATION_MARKER.search(template))
+    for offset, index in enumerate(indices):
+        where = f"data.splits.{split} row {index}"
+        messages, completion_row = conversation({c: batch[c][offset] for c in columns}, system_prompt, where)
+        if train_on == "completion" and not completion_row:
+            raise DataError(f"{where} is a messages row, but data.train_on=completion needs prompt/completion rows; fix: data.train_on=assistant")
+        if train_on == "all":
+            ids = tokenizer(render(tokenizer, template, messages), add_special_tokens=False)["input_ids"]
+            labels = list(ids)
+        else:
+            turns = [i for i, turn in enumerate(messages) if turn["role"] == "assistant"]
+            if not turns:
+                raise DataError(f"{where} has no assistant turn, so nothing to train on; fix: add the answer, or data.train_on=all")
+            if train_on == "last_assistant":
+                turns = turns[-1:]
+            find = generation_token_mask if use_markers else assistant_token_mask
+            ids, owner = find(tokenizer, template, messages, turns)
+            labels = answer_labels(ids, owner, eot_id)
+        cut = max(0, len(ids) - max_length)
+        if cut:
+            ids, labels = (ids[cut:], labels[cut:]) if truncation == "left" else (ids[:max_length], labels[:max_length])
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["length"].append(len(ids))
+        out["n_trained"].append(sum(label != IGNORE_INDEX for label in labels[1:]))  # position 0 is never a target
+        out["truncated"].append(cut)
+        out["row"].append(index)
+    return out
+
+
+def pack_rows(lengths: list[int], block_size: int) -> list[list[int]]:
+    """Group rows into blocks of at most ``block_size`` tokens: best fit, longest rows first
+    (each row goes to the fullest block it still fits in).  Every row is in exactly one block,
+    whole; blocks are returned in the order of their first row.
+
+    Args:
+        lengths: tokens per row, each ``<= block_size``.
+    """
+    room: list[tuple[int, int]] = []  # (free tokens, block index), sorted
+    blocks: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        place = bisect.bisect_left(room, (lengths[row], -1))
+        if place < len(room):
+            free, block = room.pop(place)
+        else:
+            free, block = block_size, len(blocks)
+            blocks.append([])
+        blocks[block].append(row)
+        bisect.insort(room, (free - lengths[row], block))
+    return [sorted(block) for block in sorted(blocks, key=min)]
+
+
+def packed_block(batch: dict[str, list], rows: list[int]) -> dict[str, list[int]]:
+    """Concatenate ``rows`` (indices into ``batch``): ids, labels (each row's first label -100, so
+    no row predicts the next one's first token) and position ids restarting at 0 per row."""
+    ids, labels, positions = [], [], []
+    for row in rows:
+        ids += batch["input_ids"][row]
+        labels += [IGNORE_INDEX] + batch["labels"][row][1:]
+        positions += list(range(len(batch["input_ids"][row])))
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "length": len(ids)}
+
+
+class ChatCollator:
+    """Pad chat rows (or packed blocks) into a batch, on the right.
+
+    Returns ``input_ids`` (pad id), ``labels`` (-100 on padding) and ``token_mask`` (1 = a real
+    token, for counting), each ``(B, T)`` int64 with ``T`` the longest row rounded up to
+    ``pad_to_multiple_of``; plus ``attention_mask`` for padded rows, or for packed blocks
+    ``position_ids`` (each row from 0; the padding as one more run from 0) and no attention mask,
+    from which transformers builds the block-diagonal causal mask.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None, packed: bool) -> None:
+        self.pad_token_id, self.pad_to_multiple_of, self.packed = pad_token_id, pad_to_multiple_of, packed
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(row["input_ids"]) for row in rows)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        shape = (len(rows), longest)
+        batch = {
+            "input_ids": torch.full(shape, self.pad_token_id, dtype=torch.long),
+            "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+            "token_mask": torch.zeros(shape, dtype=torch.long),
+        }
+        if self.packed:
+            batch["position_ids"] = torch.zeros(shape, dtype=torch.long)
+        for index, row in enumerate(rows):
+            n = len(row["input_ids"])
+            batch["input_ids"][index, :n] = torch.as_tensor(row["input_ids"])
+            batch["labels"][index, :n] = torch.as_tensor(row["labels"])
+            batch["token_mask"][index, :n] = 1
+            if self.packed:
+                batch["position_ids"][index, :n] = torch.as_tensor(row["position_ids"])
+                batch["position_ids"][index, n:] = torch.arange(longest - n)
+        if not self.packed:
+            batch["attention_mask"] = batch["token_mask"].clone()
+        return batch
+
+
+class ChatDataModule(TokenizedDataModule):
+    """Causal-LM batches of chat rows, loss on the answers (see the module docstring).
+
+    Each batch: ``input_ids``, ``labels``, ``token_mask`` and ``attention_mask`` (``pad``) or
+    ``position_ids`` (``pack_rows``), each ``(micro_batch, T)``, ``T <= max_length`` rounded up
+    to ``pad_to_multiple_of``.  Every row has at least one trained token.
+
+    Args:
+        splits: split -> a jsonl/json/parquet file, or the hub's split name when ``hub_name`` is
+            set.  ``validation`` may be null (cut from train with ``val_split_seed``); ``test``
+            may be null.
+        chat_template: ``None`` (the tokenizer's), a shipped name or a ``.jinja`` path; set on
+            the tokenizer, so checkpoints and exports carry it.
+        system_prompt: ``None`` keeps the rows' system turns (and the template's default);
+            a string sets or replaces each row's system turn.
+        end_of_turn: the token closing assistant turns; ``None`` = the tokenizer's EOS.
+        train_on, truncation, mode: see the module docstring.
+        answer_rows: rows of the test split whose answers ``eval``/``train`` generate for
+            ``test/exact_match`` (the first ones, a fixed subset); ``None`` = all.
+        answer_max_new_tokens: the longest generated answer, in tokens.
+
+    Raises (from ``setup``, before any model weights load):
+        ConfigError: unknown ``mode``/``train_on``/``truncation``, no chat template, an
+            end-of-turn token not in the vocabulary.
+        DataError / TemplateError: a malformed row, a template whose spans cannot be found.
+    """
+
+    def __init__(
+        self,
+        *,
+        splits: dict[str, str | None],
+        hub_name: str | None,
+        hub_config: str | None,
+        tokenizer: str | PreTrainedTokenizerBase,
+        chat_template: str | None,
+        system_prompt: str | None,
+        end_of_turn: str | None,
+        train_on: str,
+        truncation: str,
+        mode: str,
+        max_length: int,
+        batch_size: int,
+        val_fraction: float,
+        val_split_seed: int,
+        num_workers: int,
+        pad_to_multiple_of: int | None,
+        group_by_length: bool,
+        answer_rows: int | None,
+        answer_max_new_tokens: int,
+        cache_dir: str | None,
+        fetch: Callable[[], object] | None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        for field, value, allowed in (("mode", mode, CHAT_MODES), ("train_on", train_on, TRAIN_ON), ("truncation", truncation, TRUNCATION)):
+            if value not in allowed:
+                raise ConfigError(f"data.{field}={value!r} is not one of {allowed}; fix: data.{field}={allowed[0]}")
+        self.splits = {split: source for split, source in splits.items() if source}
+        self.hub_name, self.hub_config = hub_name, hub_config
+        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
+        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
+        self.chat_template, self.system_prompt, self.end_of_turn = chat_template, system_prompt, end_of_turn
+        self.train_on, self.truncation, self.mode = train_on, truncation, mode
+        self.max_length, self.batch_size = max_length, batch_size
+        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
+        self.num_workers, self.pad_to_multiple_of, self.group_by_length = num_workers, pad_to_multiple_of, group_by_length
+        self.answer_rows, self.answer_max_new_tokens = answer_rows, answer_max_new_tokens
+        self.cache_dir, self.fetch, self.seed = cache_dir, fetch, seed
+        self.template: str | None = None
+        self.eot_id: int | None = None
+        self.raw: dict[str, datasets.Dataset] = {}
+        self.datasets: dict[str, datasets.Dataset] = {}
+        self.split_sizes: dict[str, int] = {}  # rows per split, before any are dropped
+        self.token_counts: dict[str, int] = {}  # real (non-pad) tokens per split
+        self.dropped: dict[str, list[int]] = {}  # rows with no trained token, per split
+
+    # ------------------------------------------------------------------------------ set-up
+    def prepare_tokenizer(self) -> None:
+        """Load the tokenizer, resolve the template (set on the tokenizer) and the end-of-turn id."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+        if self.template is None:
+            self.template = resolve_chat_template(self.tokenizer, self.chat_template)
+            self.tokenizer.chat_template = self.template  # saved with the tokenizer: generate/export render alike
+            self.eot_id = end_of_turn_id(self.tokenizer, self.end_of_turn)
+            pad_token_id(self.tokenizer)
+
+    def setup(self, stage: str) -> None:
+        """Load, render, tokenise and label what ``stage`` needs (cached on disk by ``datasets``)."""
+        self.prepare_tokenizer()
+        if stage in ("fit", "validate") and "train" not in self.datasets:
+            train = self.load("train")
+            if "validation" in self.splits:
+                validation = self.load("validation")
+            else:
+                if len(train) < 2:
+                    raise DataError(f"data.splits.train has {len(train)} row(s), too few to cut a validation split from; fix: more rows or data.splits.validation")
+                parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
+                train, validation = parts["train"], parts["test"]
+                self.raw["validation"] = validation
+            self.datasets["train"] = self._prepare("train", train)
+            self.datasets["validation"] = self._prepare("validation", validation)
+        if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
+            self.datasets["test"] = self._prepare("test", self.load("test"))
+        if stage == "test" and "test" not in self.datasets:
+            raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.jsonl")
+        if stage in ("fit", "validate"):
+            self.check_validation_interval()
+
+    def load(self, split: str) -> datasets.Dataset:
+        """The split's raw rows (kept for ``inspect_data`` and the exact-match answers)."""
+        if split not in self.raw:
+            self.raw[split] = load_split(split, self.splits[split], self.hub_name, self.hub_config, self.cache_dir)
+        return self.raw[split]
+
+    def tokenized(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
+        """Every row rendered, tokenised, labelled and truncated (none dropped yet)."""
+        kwargs = {
+            "tokenizer": self.tokenizer,
+            "template": self.template,
+            "system_prompt": self.system_prompt,
+            "train_on": self.train_on,
+            "eot_id": self.eot_id,
+            "max_length": self.max_length,
+            "truncation": self.truncation,
+            "split": split,
+        }
+        return dataset.map(
+            tokenize_conversations, batched=True, with_indices=True, fn_kwargs=kwargs, remove_columns=dataset.column_names, desc=f"Rendering {split}"
+        )
+
+    def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
+        """Tokenise, drop (and count) rows with no trained token, pack when ``mode=pack_rows``."""
+        self.split_sizes[split] = len(dataset)
+        tokenized = self.tokenized(split, dataset)
+        trained = tokenized["n_trained"]
+        self.dropped[split] = [row for row, n in zip(tokenized["row"], trained) if n == 0]
+        if self.dropped[split]:
+            log.warning(
+                "data.splits.%s: dropped %d of %d rows with no trained token left after truncation to data.max_length=%d "
+                "(rows %s); fix: a larger data.max_length or data.truncation=left (see inspect_data)",
+                split,
+                len(self.dropped[split]),
+                len(dataset),
+                self.max_length,
+                self.dropped[split][:10],
+            )
+        kept = tokenized.filter(lambda n: n > 0, input_columns="n_trained", desc=f"Dropping untrained rows of {split}")
+        if len(kept) == 0:
+            raise DataError(f"data.splits.{split}: no row has a trained token within data.max_length={self.max_length}; fix: a larger data.max_length")
+        truncated = sum(1 for n in kept["truncated"] if n)
+        if truncated:
+            log.warning("data.splits.%s: %d rows longer than data.max_length=%d were truncated (%s)", split, truncated, self.max_length, self.truncation)
+        kept = kept.select_columns(["input_ids", "labels", "length"])
+        if self.mode == "pack_rows":
+            blocks = pack_rows(kept["length"], self.max_length)
+            columns = {"input_ids": kept["input_ids"], "labels": kept["labels"]}
+            kept = datasets.Dataset.from_list([packed_block(columns, rows) for rows in blocks])
+        self.token_counts[split] = sum(kept["length"])
+        log.info("%s: %d rows -> %d sequences, %d tokens", split, len(dataset), len(kept), self.token_counts[split])
+        return kept
+
+    @property
+    def groups_by_length(self) -> bool:
+        return self.mode == "pad" and self.group_by_length
+
+    def sequence_lengths(self, split: str) -> list[int]:
+        return self.datasets[split]["length"]
+
+    def collator(self) -> ChatCollator:
+        return ChatCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of, packed=self.mode == "pack_rows")
+
+    # ------------------------------------------------------------------------ answers
+    def answer_prompts(self, split: str = "test") -> list[dict]:
+        """The rows whose last turn is an assistant answer, as ``{"row", "prompt_ids", "reference"}``:
+        the conversation before that answer rendered with the generation prompt (token ids),
+        and the answer's text.  The first ``answer_rows`` of them (all when ``None``)."""
+        self.prepare_tokenizer()
+        rows = []
+        for index, row in enumerate(self.load(split)):
+            messages, _ = conversation(row, self.system_prompt, f"data.splits.{split} row {index}")
+            if messages[-1]["role"] != "assistant":
+                continue
+            prompt = render(self.tokenizer, self.template, messages[:-1], generation_prompt=True)
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            rows.append({"row": index, "prompt_ids": prompt_ids, "reference": messages[-1]["content"]})
+            if self.answer_rows is not None and len(rows) >= self.answer_rows:
+                break
+        return rows

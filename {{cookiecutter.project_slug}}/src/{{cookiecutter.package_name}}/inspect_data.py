@@ -1,0 +1,107 @@
+"""See what a chat run trains on: rows rendered with the chat template, trained tokens marked.
+
+    python -m <package>.inspect_data experiment=demo_sft_sentiment rows=3
+    python -m <package>.inspect_data data=chat data.splits.train=data/train.jsonl split=train first_row=40
+
+Prints ``rows`` rows of ``split`` (from ``first_row``) exactly as ``train`` tokenises them: the
+trained tokens (labels kept; the answers and their end-of-turn token) in green on a terminal, or
+between ``[[`` and ``]]`` otherwise (``color=always|never`` to choose), the masked ones plain; each
+row's token, trained-token and truncated-token counts.  Then it checks every row of the split
+and names those that ``train`` would drop (no trained token left after truncation).
+
+Named ``inspect_data`` so that it does not shadow Python's own ``inspect`` module.
+
+Exit codes: 0 every row has a trained token; 2 some rows would be dropped (named in the
+output); 1 bad config or data (the message says which field and the fix).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.text import Text
+
+from .data.text import IGNORE_INDEX
+from .utils.config import ConfigError, validate_config
+from .utils.run import exit_on_bad_input
+
+EXIT_ROWS_DROPPED = 2
+OPEN, CLOSE = "[[", "]]"  # around trained tokens when there is no colour
+
+
+def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> Text:
+    """The row's text, decoded run by run: trained runs (label kept) in green, or between
+    :data:`OPEN` and :data:`CLOSE`; masked runs plain.  Position 0 is never a target."""
+    text = Text()
+    trained = [index > 0 and label != IGNORE_INDEX for index, label in enumerate(labels)]
+    start = 0
+    while start < len(input_ids):
+        end = start
+        while end < len(input_ids) and trained[end] == trained[start]:
+            end += 1
+        piece = tokenizer.decode(input_ids[start:end])
+        if trained[start]:
+            text.append(piece, style="bold green") if color else text.append(f"{OPEN}{piece}{CLOSE}")
+        else:
+            text.append(piece, style="dim" if color else "")
+        start = end
+    return text
+
+
+def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
+    """Print the rows (see the module docstring); return the rows of the split with no trained token.
+
+    Raises:
+        ConfigError: a data config that is not chat data, or an unknown ``split``/``color``.
+        DataError: the data module's errors (a malformed row, a template whose spans cannot be found).
+    """
+    validate_config(cfg)
+    if cfg.color not in ("auto", "always", "never"):
+        raise ConfigError(f"color={cfg.color!r} is not one of auto, always, never; fix: color=auto")
+    datamodule = hydra.utils.instantiate(cfg.data)
+    if not hasattr(datamodule, "tokenized"):
+        raise ConfigError(
+            f"data._target_={cfg.data._target_!r} is not chat data; inspect_data shows chat rows (fix: data=chat, or an experiment that uses it)"
+        )
+    if cfg.split not in datamodule.splits:
+        raise ConfigError(f"split={cfg.split!r} is not one of this data's splits ({', '.join(datamodule.splits)}); fix: split=train")
+    datamodule.prepare_data()
+    datamodule.prepare_tokenizer()
+    rows = datamodule.tokenized(cfg.split, datamodule.load(cfg.split))
+    console = console or Console(force_terminal={"always": True, "never": False}.get(cfg.color), highlight=False, soft_wrap=True)
+    color = console.is_terminal if cfg.color == "auto" else cfg.color == "always"
+    legend = "trained tokens in green, masked ones dim" if color else f"trained tokens between {OPEN} and {CLOSE}, masked ones plain"
+    console.print(f"{cfg.split}: {len(rows)} rows, train_on={datamodule.train_on}, max_length={datamodule.max_length}; {legend}\n")
+    for index in range(cfg.first_row, min(cfg.first_row + cfg.rows, len(rows))):
+        row = rows[index]
+        console.print(
+            f"--- row {row['row']}: {row['length']} tokens, {row['n_trained']} trained, {row['truncated']} truncated",
+            style="bold" if color else "",
+        )
+        console.print(marked_text(datamodule.tokenizer, row["input_ids"], row["labels"], color))
+    dropped = [row for row, trained in zip(rows["row"], rows["n_trained"]) if trained == 0]
+    if dropped:
+        console.print(
+            f"\n{len(dropped)} of {len(rows)} rows have no trained token within data.max_length={datamodule.max_length} "
+            f"and would be dropped by train: rows {dropped[:50]}{' ...' if len(dropped) > 50 else ''}; fix: a larger "
+            "data.max_length, or data.truncation=left"
+        )
+    else:
+        console.print(f"\nevery one of the {len(rows)} rows has a trained token")
+    return dropped
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="inspect_data")
+def main(cfg: DictConfig) -> None:
+    """Console script / ``python -m`` entry: exit codes as in the module docstring."""
+    with exit_on_bad_input():
+        dropped = inspect_data(cfg)
+    if dropped:
+        sys.exit(EXIT_ROWS_DROPPED)
+
+
+if __name__ == "__main__":
+    main()

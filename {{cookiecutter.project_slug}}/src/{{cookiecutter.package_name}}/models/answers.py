@@ -1,0 +1,80 @@
+"""Evaluate the skill, not only the loss: greedy answers to the test prompts of chat data.
+
+``test/exact_match`` is the fraction of the test rows (the first ``data.answer_rows``, or all)
+whose greedy answer, up to the end-of-turn token, equals the reference answer after
+:func:`normalize_answer` (whitespace stripped, lower-cased, trailing punctuation removed): the
+whole answer, never a prefix or a substring, so "positive, mostly" does not count as "positive".
+Each answer is written to ``predictions.jsonl`` with its reference and verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+
+from ..utils.run import atomic_write_path
+
+TRAILING = string.punctuation + string.whitespace
+
+
+def normalize_answer(text: str) -> str:
+    """``text`` stripped of surrounding whitespace and trailing punctuation, lower-cased."""
+    return text.strip().lower().rstrip(TRAILING)
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """The whole normalised prediction equals the normalised reference."""
+    return normalize_answer(prediction) == normalize_answer(reference)
+
+
+def evaluate_answers(module, datamodule, output: Path, split: str = "test", prefix: str = "test", batch_size: int = 16) -> dict[str, float]:
+    """Greedy answers of ``module`` (a :class:`.causal_lm.CausalLMModule`) to the prompts of
+    ``datamodule.answer_prompts(split)``; writes ``output`` (jsonl: ``row``, ``prompt``,
+    ``reference``, ``prediction``, ``exact_match``) atomically.
+
+    Runs on the GPU when there is one (the module is moved there), else the CPU; greedy
+    decoding, ``datamodule.answer_max_new_tokens`` new tokens at most, ``batch_size`` prompts a
+    batch (left-padded).
+
+    Returns:
+        ``{f"{prefix}/exact_match": fraction, f"{prefix}/answers": count}``.
+    """
+    rows = datamodule.answer_prompts(split)
+    if torch.cuda.is_available():
+        module.to("cuda")
+    answers = module.complete(
+        [row["prompt_ids"] for row in rows], batch_size=batch_size, max_new_tokens=datamodule.answer_max_new_tokens, do_sample=False
+    )
+    tokenizer = module.tokenizer
+    records = []
+    for row, ids in zip(rows, answers):
+        prediction = tokenizer.decode(ids, skip_special_tokens=True)
+        records.append(
+            {
+                "row": row["row"],
+                "prompt": tokenizer.decode(row["prompt_ids"]),
+                "reference": row["reference"],
+                "prediction": prediction,
+                "exact_match": exact_match(prediction, row["reference"]),
+            }
+        )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write_path(output) as partial:
+        partial.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), encoding="utf-8")
+    matched = sum(record["exact_match"] for record in records)
+    return {f"{prefix}/exact_match": matched / len(records) if records else float("nan"), f"{prefix}/answers": float(len(records))}
+
+
+def answer_metrics(module, datamodule, output: Path, trainer, split: str = "test", name: str | None = None) -> dict[str, float]:
+    """:func:`evaluate_answers`, as ``{name: exact match}`` (default name ``<split>/exact_match``),
+    also sent to the trainer's loggers at the current step and printed."""
+    found = evaluate_answers(module, datamodule, output, split=split)
+    name = name or f"{split}/exact_match"
+    metrics = {name: found[f"{split}/exact_match"]}
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+    print(f"{name}={metrics[name]:.4f} over {int(found[f'{split}/answers'])} answers: {output}")
+    return metrics

@@ -1,0 +1,427 @@
+"""Chat data: answer-only labels from the rendering, truncation, packing without cross-talk,
+inspect_data, and the chat path through train / eval / export / generate."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from {{ cookiecutter.package_name }}.data.chat import (
+    ChatCollator,
+    ChatDataModule,
+    TemplateError,
+    answer_labels,
+    assistant_token_mask,
+    pack_rows,
+    packed_block,
+    tokenize_conversations,
+)
+from {{ cookiecutter.package_name }}.data.text import IGNORE_INDEX
+from {{ cookiecutter.package_name }}.models.answers import exact_match, normalize_answer
+from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
+from {{ cookiecutter.package_name }}.utils.config import ConfigError
+
+from .conftest import EOS, compose_config, lm_documents
+
+START, END = "<|im_start|>", "<|im_end|>"
+{% raw %}
+# A ChatML-style template written for these tests (no default system turn).
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# The same rendering with {% generation %} markers around each assistant answer and its end token.
+CHATML_MARKED = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Renders the turn count first: no prefix of a conversation renders as a prefix of the whole.
+COUNTING = "{{ messages | length }}\\n" + CHATML
+
+{% endraw %}
+MULTI_TURN = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "the king speaks"},
+        {"role": "assistant", "content": "to a fool"},
+        {"role": "user", "content": "and the queen"},
+        {"role": "assistant", "content": "love night"},
+    ]
+}
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer with ChatML special tokens (EOS = ``<|im_end|>``, no pad token)
+    and the :data:`CHATML` template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS, START, END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(lm_documents(200, seed=0) + ["user assistant system"] * 20, trainer)
+    folder = tmp_path_factory.mktemp("chat_tokenizer")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END, bos_token=START)
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer(chat_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+
+
+def trained_text(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
+    """The decoded runs of trained tokens."""
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def label_row(
+    tokenizer, row: dict, template: str = CHATML, train_on: str = "assistant", max_length: int = 512, truncation: str = "right"
+) -> dict:
+    batch = {key: [value] for key, value in row.items()}
+    eot = tokenizer.convert_tokens_to_ids(END)
+    out = tokenize_conversations(batch, [0], tokenizer, template, None, train_on, eot, max_length, truncation, "train")
+    return {key: values[0] for key, values in out.items()}
+
+
+def test_every_assistant_turn_and_its_end_token_are_trained_and_nothing_else(tokenizer):
+    row = label_row(tokenizer, MULTI_TURN)
+    assert trained_text(tokenizer, row["input_ids"], row["labels"]) == [f"to a fool{END}", f"love night{END}"]
+    # the newline the template writes after the end-of-turn token is masked
+    last_trained = max(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+    assert tokenizer.decode(row["input_ids"][last_trained + 1 :]) == "\n"
+    assert row["n_trained"] == sum(label != IGNORE_INDEX for label in row["labels"])
+
+
+def test_last_assistant_and_all(tokenizer):
+    last = label_row(tokenizer, MULTI_TURN, train_on="last_assistant")
+    assert trained_text(tokenizer, last["input_ids"], last["labels"]) == [f"love night{END}"]
+    everything = label_row(tokenizer, MULTI_TURN, train_on="all")
+    assert everything["labels"] == everything["input_ids"]
+
+
+def test_generation_markers_give_the_same_labels_as_prefix_rendering(tokenizer):
+    assert label_row(tokenizer, MULTI_TURN, template=CHATML_MARKED)["labels"] == label_row(tokenizer, MULTI_TURN)["labels"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_reason(tokenizer):
+    with pytest.raises(TemplateError, match="prefix of the whole conversation.*generation"):
+        assistant_token_mask(tokenizer, COUNTING, MULTI_TURN["messages"], [2, 4])
+
+
+def test_an_answer_without_its_end_of_turn_token_is_refused():
+    with pytest.raises(TemplateError, match="end-of-turn"):
+        answer_labels([5, 6, 7, 8], [-1, 2, 2, -1], eot_id=9)
+
+
+def test_completion_rows_train_on_the_completion_and_messages_rows_are_refused_for_it(tokenizer):
+    row = label_row(tokenizer, {"prompt": "the king", "completion": "speaks"}, train_on="completion")
+    assert trained_text(tokenizer, row["input_ids"], row["labels"]) == [f"speaks{END}"]
+    with pytest.raises(ValueError, match="train_on=completion needs prompt/completion rows"):
+        label_row(tokenizer, MULTI_TURN, train_on="completion")
+
+
+def test_a_malformed_row_is_named(tokenizer):
+    with pytest.raises(ValueError, match="row 0 has neither a messages list nor prompt and completion"):
+        label_row(tokenizer, {"text": "hello"})
+    with pytest.raises(ValueError, match="role in"):
+        label_row(tokenizer, {"messages": [{"role": "bot", "content": "hi"}]})
+
+
+def test_truncation_right_leaves_no_trained_token_and_left_keeps_the_answer(tokenizer):
+    long_prompt = {"prompt": " ".join(["the king speaks"] * 20), "completion": "fool"}
+    right = label_row(tokenizer, long_prompt, train_on="completion", max_length=16)
+    assert right["length"] == 16 and right["n_trained"] == 0 and right["truncated"] > 0
+    left = label_row(tokenizer, long_prompt, train_on="completion", max_length=16, truncation="left")
+    assert left["length"] == 16 and trained_text(tokenizer, left["input_ids"], left["labels"]) == [f"fool{END}"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def chat_rows(n: int, seed: int) -> list[dict]:
+    """Prompt/completion rows of toy words: the answer is the prompt's last word."""
+    docs = lm_documents(n, seed)
+    return [{"prompt": doc.split("\n")[0], "completion": doc.split("\n")[0].rstrip(".").split()[-1]} for doc in docs]
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("chat_data")
+    return {
+        "train": write_jsonl(folder / "train.jsonl", chat_rows(48, seed=3) + [MULTI_TURN] * 4),
+        "validation": write_jsonl(folder / "validation.jsonl", chat_rows(8, seed=4)),
+        "test": write_jsonl(folder / "test.jsonl", chat_rows(6, seed=5)),
+    }
+
+
+def make_datamodule(tokenizer, chat_data, **overrides) -> ChatDataModule:
+    options = {
+        "splits": {split: str(path) for split, path in chat_data.items()},
+        "hub_name": None,
+        "hub_config": None,
+        "tokenizer": tokenizer,
+        "chat_template": None,
+        "system_prompt": None,
+        "end_of_turn": None,
+        "train_on": "assistant",
+        "truncation": "right",
+        "mode": "pad",
+        "max_length": 64,
+        "batch_size": 4,
+        "val_fraction": 0.1,
+        "val_split_seed": 0,
+        "num_workers": 0,
+        "pad_to_multiple_of": None,
+        "group_by_length": False,
+        "answer_rows": None,
+        "answer_max_new_tokens": 4,
+        "cache_dir": None,
+        "fetch": None,
+        "seed": 0,
+    }
+    return ChatDataModule(**{**options, **overrides})
+
+
+def test_rows_left_without_a_trained_token_are_dropped_and_counted(tokenizer, chat_data, tmp_path):
+    long_row = {"prompt": " ".join(["the king speaks"] * 30), "completion": "fool"}
+    data = {**chat_data, "train": write_jsonl(tmp_path / "train.jsonl", chat_rows(8, seed=6) + [long_row])}
+    datamodule = make_datamodule(tokenizer, data, max_length=32)
+    datamodule.setup("fit")
+    assert datamodule.dropped["train"] == [8]
+    assert datamodule.split_sizes["train"] == 9 and len(datamodule.datasets["train"]) == 8
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_unless_one_is_named(lm_tokenizer_dir, chat_data):
+    plain = AutoTokenizer.from_pretrained(lm_tokenizer_dir)  # GPT-2 style: no template, EOS <|endoftext|>
+    with pytest.raises(ConfigError, match="no chat template.*data.chat_template=<name>"):
+        make_datamodule(plain, chat_data).setup("fit")
+    datamodule = make_datamodule(AutoTokenizer.from_pretrained(lm_tokenizer_dir), chat_data, chat_template="plain")
+    datamodule.setup("fit")
+    row = datamodule.datasets["train"][0]
+    assert trained_text(datamodule.tokenizer, row["input_ids"], row["labels"])[-1].endswith(EOS)
+
+
+def test_an_end_of_turn_token_outside_the_vocabulary_is_refused(tokenizer, chat_data):
+    with pytest.raises(ConfigError, match="data.end_of_turn='<eot>' is not one token"):
+        make_datamodule(tokenizer, chat_data, end_of_turn="<eot>").setup("fit")
+
+
+def test_best_fit_packing_keeps_every_row_whole_and_once():
+    lengths = [7, 3, 5, 2, 8, 1, 4, 6]
+    blocks = pack_rows(lengths, 10)
+    assert sorted(row for block in blocks for row in block) == list(range(len(lengths)))
+    assert all(sum(lengths[row] for row in block) <= 10 for block in blocks)
+    assert len(blocks) == math.ceil(sum(lengths) / 10)  # 36 tokens: 4 blocks, the fewest possible here
+
+
+def tiny_llama(tokenizer, attention: str) -> torch.nn.Module:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+
+
+def per_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) next-token losses, 0 where the shifted label is -100."""
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_packed_rows_have_the_loss_of_the_same_rows_unpacked(tokenizer, chat_data, attention, checkpointing):
+    from {{ cookiecutter.package_name }}.models.causal_lm import model_arguments
+
+    rows = [label_row(tokenizer, row, train_on="all") for row in chat_rows(5, seed=7)]
+    model = tiny_llama(tokenizer, attention).train()  # train mode: activation checkpointing is active
+    if checkpointing == "full":
+        enable_activation_checkpointing(model)
+    columns = {"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]}
+    block = packed_block(columns, list(range(len(rows))))
+    batch = ChatCollator(0, 8, packed=True)([block])
+    assert "attention_mask" not in batch and batch["position_ids"][0, : len(rows[0]["input_ids"])].tolist() == list(
+        range(len(rows[0]["input_ids"]))
+    )
+    packed = per_token_loss(model(**model_arguments(batch)).logits, batch["labels"])[0]  # (T,)
+    start = 0
+    for row in rows:
+        n = len(row["input_ids"])
+        alone = ChatCollator(0, None, packed=False)([row])
+        expected = per_token_loss(model(**model_arguments(alone)).logits, alone["labels"])[0]  # (n,)
+        # the row's own targets: positions 0..n-2 (its last position would predict the next row's first token, masked)
+        torch.testing.assert_close(packed[start : start + n - 1], expected[: n - 1], atol=1e-5, rtol=1e-5)
+        assert packed[start + n - 1] == 0  # never trained across the row boundary
+        start += n
+
+
+def test_validation_uses_the_answer_only_mask(tokenizer, chat_data):
+    datamodule = make_datamodule(tokenizer, chat_data)
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.val_dataloader()))
+    for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist()):
+        kept = [token for token, label in zip(ids, labels) if label != IGNORE_INDEX]
+        assert kept and kept[-1] == tokenizer.convert_tokens_to_ids(END)
+        assert tokenizer.convert_tokens_to_ids(START) not in kept
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "same"),
+    [
+        (" Positive.\n", "positive", True),
+        ("positive, mostly", "positive", False),
+        ("pos", "positive", False),
+        ("NEGATIVE!", "negative", True),
+    ],
+)
+def test_exact_match_is_whole_answer_after_normalising(prediction, reference, same):
+    assert exact_match(prediction, reference) is same
+    assert normalize_answer("  Yes!! ") == "yes"
+
+
+def chat_overrides(tokenizer_dir: Path, data: dict[str, Path], pretrained: Path, run_dir: Path) -> list[str]:
+    from .conftest import common_overrides
+
+    return [
+        "task=causal_lm",
+        "model=tiny_llama",
+        f"model.name_or_path={pretrained}",
+        "model.config=null",
+        f"model.tokenizer={tokenizer_dir}",
+        "model.fetch=null",
+        "data=chat",
+        *(f"data.splits.{split}={path}" for split, path in data.items()),
+        "data.max_length=64",
+        "data.answer_max_new_tokens=4",
+        "batch.global_batch_size=8",
+        "batch.micro_batch_size=8",
+        "peft=lora",
+        "peft.r=4",
+        "optimizer.lr=1e-2",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "callbacks.sample_generation.every_n_steps=2",
+        "callbacks.sample_generation.max_new_tokens=4",
+        *common_overrides(run_dir),
+    ]
+
+
+@pytest.fixture(scope="module")
+def chat_pretrained(chat_tokenizer_dir, tmp_path_factory) -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    folder = tmp_path_factory.mktemp("chat_pretrained")
+    tiny_llama(tokenizer, "sdpa").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_run(chat_tokenizer_dir, chat_data, chat_pretrained, tmp_path_factory):
+    """A short LoRA run on chat rows, packed; returns (run_dir, metrics, overrides)."""
+    from {{ cookiecutter.package_name }}.train import train
+
+    run_dir = tmp_path_factory.mktemp("chat") / "run"
+    overrides = chat_overrides(chat_tokenizer_dir, chat_data, chat_pretrained, run_dir) + ["data.mode=pack_rows"]
+    return run_dir, train(compose_config("train", overrides)), overrides
+
+
+def test_chat_run_reports_exact_match_before_and_after_with_predictions(chat_run):
+    run_dir, metrics, _ = chat_run
+    assert 0.0 <= metrics["test/exact_match_start"] <= 1.0 and 0.0 <= metrics["test/exact_match"] <= 1.0
+    assert math.isfinite(metrics["val/ppl"]) and math.isfinite(metrics["test/ppl"])
+    predictions = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 6 and {"row", "prompt", "reference", "prediction", "exact_match"} <= set(predictions[0])
+    assert predictions[0]["prompt"].startswith(f"{START}user\n") and predictions[0]["prompt"].endswith(f"{START}assistant\n")
+    assert metrics["test/exact_match"] == sum(p["exact_match"] for p in predictions) / len(predictions)
+    assert (run_dir / "predictions_start.jsonl").is_file()
+
+
+def test_exact_match_on_the_exported_folder_equals_the_checkpoints(chat_run, chat_tokenizer_dir, tmp_path):
+    from {{ cookiecutter.package_name }}.eval import evaluate
+    from {{ cookiecutter.package_name }}.export import export
+
+    run_dir, _, overrides = chat_run
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    from_checkpoint = evaluate(
+        compose_config("eval", overrides + [f"ckpt_path={checkpoint}", f"paths.output_dir={tmp_path / 'eval_ckpt'}"])
+    )
+    folder = tmp_path / "exported"
+    export(compose_config("export", overrides + [f"ckpt_path={checkpoint}", f"output_dir={folder}"]))
+    exported_tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert exported_tokenizer.eos_token == END and exported_tokenizer.chat_template == CHATML
+    assert json.loads((folder / "chat.json").read_text())["end_of_turn"] == END
+    from_folder = evaluate(compose_config("eval", overrides + [f"model_dir={folder}", f"paths.output_dir={tmp_path / 'eval_dir'}"]))
+    assert from_folder["test/exact_match"] == from_checkpoint["test/exact_match"]
+    answers = [json.loads(line)["prediction"] for line in (tmp_path / "eval_dir" / "predictions.jsonl").read_text().splitlines()]
+    assert answers == [json.loads(line)["prediction"] for line in (tmp_path / "eval_ckpt" / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_generate_renders_a_chat_prompt_and_stops_at_the_end_of_turn(chat_run):
+    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+
+    run_dir, _, _ = chat_run
+    module = CausalLMModule.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu")
+    assert module.chat
+    ids = module.prompt_ids(["the king"], chat=True)[0]
+    assert module.tokenizer.decode(ids) == f"{START}user\nthe king{END}\n{START}assistant\n"
+    new = module.complete([ids], max_new_tokens=6)[0]
+    assert module.tokenizer.convert_tokens_to_ids(END) not in new  # cut at the end-of-turn token
+    samples = (run_dir / "samples.jsonl").read_text() if (run_dir / "samples.jsonl").exists() else ""
+    assert samples == "" or START not in samples
+
+
+def run_inspect_data(overrides: list[str]) -> tuple[list[int], str]:
+    """``inspect_data`` in-process (no Hydra logging set-up), printing to a string."""
+    import io
+
+    from rich.console import Console
+
+    from {{ cookiecutter.package_name }}.inspect_data import inspect_data
+
+    out = io.StringIO()
+    dropped = inspect_data(compose_config("inspect_data", overrides), Console(file=out, width=200))
+    return dropped, out.getvalue()
+
+
+def test_inspect_data_marks_exactly_the_assistant_turns(chat_tokenizer_dir, chat_data, chat_pretrained, tmp_path):
+    overrides = chat_overrides(chat_tokenizer_dir, chat_data, chat_pretrained, tmp_path / "inspect")
+    dropped, out = run_inspect_data([*overrides, "data.max_length=128", "rows=1", "first_row=48", "color=never"])
+    assert dropped == []
+    assert f"[[to a fool{END}]]\n{START}user\nand the queen{END}\n{START}assistant\n[[love night{END}]]\n" in out
+    assert "every one of the 52 rows has a trained token" in out
+
+
+def test_inspect_data_names_a_row_truncated_away(chat_tokenizer_dir, chat_data, chat_pretrained, tmp_path):
+    long_row = {"prompt": " ".join(["the king speaks"] * 30), "completion": "fool"}
+    data = {**chat_data, "train": write_jsonl(tmp_path / "train.jsonl", chat_rows(3, seed=8) + [long_row])}
+    overrides = chat_overrides(chat_tokenizer_dir, data, chat_pretrained, tmp_path / "inspect")
+    dropped, out = run_inspect_data([*overrides, "rows=1", "color=never"])
+    assert dropped == [3]
+    assert "1 of 4 rows have no trained token" in out and "rows [3]" in out
