@@ -227,6 +227,16 @@ def test_an_end_of_turn_token_outside_the_vocabulary_is_refused(tokenizer, chat_
         make_datamodule(tokenizer, chat_data, end_of_turn="<eot>").setup("fit")
 
 
+def test_the_tokenised_cache_is_keyed_by_the_masking_choice(tokenizer, chat_data, tmp_path):
+    labels = {}
+    for train_on in ("assistant", "all", "assistant"):
+        datamodule = make_datamodule(tokenizer, chat_data, train_on=train_on, cache_dir=str(tmp_path / "cache"))
+        datamodule.setup("fit")
+        labels.setdefault(train_on, []).append(datamodule.datasets["train"].sort("length")["labels"])
+    assert labels["assistant"][0] == labels["assistant"][1]  # the same choice, the same rows (cached)
+    assert labels["all"][0] != labels["assistant"][0]  # another choice is not served from that cache
+
+
 def test_best_fit_packing_keeps_every_row_whole_and_once():
     lengths = [7, 3, 5, 2, 8, 1, 4, 6]
     blocks = pack_rows(lengths, 10)
@@ -393,8 +403,8 @@ def test_generate_renders_a_chat_prompt_and_stops_at_the_end_of_turn(chat_run):
     assert module.tokenizer.decode(ids) == f"{START}user\nthe king{END}\n{START}assistant\n"
     new = module.complete([ids], max_new_tokens=6)[0]
     assert module.tokenizer.convert_tokens_to_ids(END) not in new  # cut at the end-of-turn token
-    samples = (run_dir / "samples.jsonl").read_text() if (run_dir / "samples.jsonl").exists() else ""
-    assert samples == "" or START not in samples
+    samples = (run_dir / "samples.txt").read_text()
+    assert "=== step 4 |" in samples and "\n--- answer:\n" in samples  # the sample callback answers as chat
 
 
 def run_inspect_data(overrides: list[str]) -> tuple[list[int], str]:

@@ -82,17 +82,19 @@ class SampleGeneration(L.Callback):
                 f"callbacks.sample_generation failed at step {trainer.global_step} and is skipped: {type(error).__name__}: {error}"
             )
             return []
-        self._write(trainer, completions)
+        self._write(trainer, completions, chat=bool(getattr(pl_module, "chat", False)))
         return completions
 
     @rank_zero_only
-    def _write(self, trainer: L.Trainer, completions: list[str]) -> None:
+    def _write(self, trainer: L.Trainer, completions: list[str], chat: bool) -> None:
         step = trainer.global_step
         path = Path(self.output_file or Path(trainer.default_root_dir) / "samples.txt")
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as file:
             for prompt, completion in zip(self.prompts, completions):
-                file.write(f"=== step {step} | prompt: {prompt!r}\n{prompt}{completion}\n\n")
+                # A chat model answers the prompt (a user turn); a text model continues it.
+                text = f"{prompt}\n--- answer:\n{completion}" if chat else f"{prompt}{completion}"
+                file.write(f"=== step {step} | prompt: {prompt!r}\n{text}\n\n")
         log.info("Samples at step %d written to %s", step, path)
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):

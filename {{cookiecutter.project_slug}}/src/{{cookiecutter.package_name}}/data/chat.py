@@ -125,16 +125,14 @@ def conversation(row: dict, system_prompt: str | None, where: str) -> tuple[list
             raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}; got {messages!r:.80}")
         for turn in messages:
             if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-                raise DataError(
-                    f"{where}: each turn needs a role in {ROLES} and text content; got {turn!r:.80}; fix: the row's messages"
-                )
+                raise DataError(f"{where}: each turn needs a role in {ROLES} and text content; got {turn!r:.80}; fix: the row's messages")
         messages = [{"role": turn["role"], "content": turn["content"]} for turn in messages]
     elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
         messages, completion_row = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}], True
     else:
         raise DataError(
             f"{where} has neither a messages list nor prompt and completion text (columns: {sorted(row)}); "
-            "fix: rows like {\"messages\": [{\"role\": \"user\", \"content\": ...}, ...]} or {\"prompt\": ..., \"completion\": ...}"
+            'fix: rows like {"messages": [{"role": "user", "content": ...}, ...]} or {"prompt": ..., "completion": ...}'
         )
     if system_prompt is not None:
         messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
@@ -146,7 +144,9 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dic
     return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def assistant_token_mask(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]) -> tuple[list[int], list[int]]:
+def assistant_token_mask(
+    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]
+) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and, per token, the assistant turn it belongs to
     (its index in ``messages``) or -1.  Only the turns in ``turns`` are marked.
 
@@ -174,10 +174,14 @@ def assistant_token_mask(tokenizer: PreTrainedTokenizerBase, template: str, mess
     return encoding["input_ids"], owner
 
 
-def generation_token_mask(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]) -> tuple[list[int], list[int]]:
+def generation_token_mask(
+    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]
+) -> tuple[list[int], list[int]]:
     """As :func:`assistant_token_mask`, from the template's ``{% generation %}`` markers.  The
     markers do not say which turn a token is in, so runs of marked tokens are numbered in order."""
-    encoded = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    encoded = tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     assistant_turns = [index for index, turn in enumerate(messages) if turn["role"] == "assistant"]
     owner, run, previous = [], -1, 0
     for marked in encoded["assistant_masks"]:
@@ -247,7 +251,9 @@ def tokenize_conversations(
         where = f"data.splits.{split} row {index}"
         messages, completion_row = conversation({c: batch[c][offset] for c in columns}, system_prompt, where)
         if train_on == "completion" and not completion_row:
-            raise DataError(f"{where} is a messages row, but data.train_on=completion needs prompt/completion rows; fix: data.train_on=assistant")
+            raise DataError(
+                f"{where} is a messages row, but data.train_on=completion needs prompt/completion rows; fix: data.train_on=assistant"
+            )
         if train_on == "all":
             ids = tokenizer(render(tokenizer, template, messages), add_special_tokens=False)["input_ids"]
             labels = list(ids)
@@ -439,7 +445,9 @@ class ChatDataModule(TokenizedDataModule):
                 validation = self.load("validation")
             else:
                 if len(train) < 2:
-                    raise DataError(f"data.splits.train has {len(train)} row(s), too few to cut a validation split from; fix: more rows or data.splits.validation")
+                    raise DataError(
+                        f"data.splits.train has {len(train)} row(s), too few to cut a validation split from; fix: more rows or data.splits.validation"
+                    )
                 parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
                 train, validation = parts["train"], parts["test"]
                 self.raw["validation"] = validation
@@ -471,7 +479,12 @@ class ChatDataModule(TokenizedDataModule):
             "split": split,
         }
         return dataset.map(
-            tokenize_conversations, batched=True, with_indices=True, fn_kwargs=kwargs, remove_columns=dataset.column_names, desc=f"Rendering {split}"
+            tokenize_conversations,
+            batched=True,
+            with_indices=True,
+            fn_kwargs=kwargs,
+            remove_columns=dataset.column_names,
+            desc=f"Rendering {split}",
         )
 
     def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
@@ -492,10 +505,18 @@ class ChatDataModule(TokenizedDataModule):
             )
         kept = tokenized.filter(lambda n: n > 0, input_columns="n_trained", desc=f"Dropping untrained rows of {split}")
         if len(kept) == 0:
-            raise DataError(f"data.splits.{split}: no row has a trained token within data.max_length={self.max_length}; fix: a larger data.max_length")
+            raise DataError(
+                f"data.splits.{split}: no row has a trained token within data.max_length={self.max_length}; fix: a larger data.max_length"
+            )
         truncated = sum(1 for n in kept["truncated"] if n)
         if truncated:
-            log.warning("data.splits.%s: %d rows longer than data.max_length=%d were truncated (%s)", split, truncated, self.max_length, self.truncation)
+            log.warning(
+                "data.splits.%s: %d rows longer than data.max_length=%d were truncated (%s)",
+                split,
+                truncated,
+                self.max_length,
+                self.truncation,
+            )
         kept = kept.select_columns(["input_ids", "labels", "length"])
         if self.mode == "pack_rows":
             blocks = pack_rows(kept["length"], self.max_length)
