@@ -82,6 +82,8 @@ ONLY_FOR = {
         f"{CONFIGS}/data/chat.yaml",
         f"{CONFIGS}/data/vader_sft.yaml",
         f"{CONFIGS}/experiment/demo_sft_sentiment.yaml",
+        f"{CONFIGS}/experiment/lm_llama31_8b_qlora_chat.yaml",
+        f"{CONFIGS}/experiment/lm_llama31_8b_qlora_chat_long.yaml",
         "tests/test_chat_data.py",
         "tests/real_data/test_demo_sft.py",
     ],

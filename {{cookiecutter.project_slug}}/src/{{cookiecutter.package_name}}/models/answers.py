@@ -31,7 +31,7 @@ def exact_match(prediction: str, reference: str) -> bool:
 
 
 def evaluate_answers(module, datamodule, output: Path, split: str = "test", prefix: str = "test", batch_size: int = 16) -> dict[str, float]:
-    """Greedy answers of ``module`` (a :class:`.causal_lm.CausalLMModule`) to the prompts of
+    """Greedy answers of ``module`` (a language-model task module: ``complete`` and ``tokenizer``) to the prompts of
     ``datamodule.answer_prompts(split)``; writes ``output`` (jsonl: ``row``, ``prompt``,
     ``reference``, ``prediction``, ``exact_match``) atomically.
 
