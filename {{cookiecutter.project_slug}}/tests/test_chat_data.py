@@ -139,11 +139,26 @@ def test_completion_rows_train_on_the_completion_and_messages_rows_are_refused_f
         label_row(tokenizer, MULTI_TURN, train_on="completion")
 
 
+def test_a_template_that_raises_on_a_row_is_a_message_naming_the_row(tokenizer):
+    strict = "{% raw %}{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must start with user') }}{% endif %}{% endraw %}" + CHATML
+    with pytest.raises(TemplateError, match=r"row 0: the chat template failed on this row: .*roles must start with user; fix:"):
+        label_row(tokenizer, MULTI_TURN, template=strict)
+
+
+def test_a_bad_test_row_stops_the_validation_set_up_before_any_weights_load(tokenizer, chat_data, tmp_path):
+    unanswered = {"messages": [{"role": "user", "content": "hi"}]}
+    data = {**chat_data, "test": write_jsonl(tmp_path / "test.jsonl", chat_rows(2, seed=9) + [unanswered])}
+    with pytest.raises(ValueError, match="data.splits.test row 2 has no assistant turn"):
+        make_datamodule(tokenizer, data).setup("validate")  # train validates (and scores answers) before fitting
+
+
 def test_a_malformed_row_is_named(tokenizer):
     with pytest.raises(ValueError, match="row 0 has neither a messages list nor prompt and completion"):
         label_row(tokenizer, {"text": "hello"})
     with pytest.raises(ValueError, match="role in"):
         label_row(tokenizer, {"messages": [{"role": "bot", "content": "hi"}]})
+    with pytest.raises(ValueError, match=r"messages is text .* \(a csv cell holds text only\)"):
+        label_row(tokenizer, {"messages": "[{'role': 'user', 'content': 'hi'}]"})
 
 
 def test_truncation_right_leaves_no_trained_token_and_left_keeps_the_answer(tokenizer):

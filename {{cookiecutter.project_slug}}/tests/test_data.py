@@ -110,6 +110,20 @@ def test_a_csv_saved_with_its_index_and_a_repeated_column_name_loads(tmp_path):
     assert loaded.column_names == ["Unnamed: 0", "text", "text.1"] and loaded["text.1"] == ["b", "d"]
 
 
+@pytest.mark.parametrize(("suffix", "sep"), [(".csv", ","), (".tsv", "\t")])
+def test_a_row_with_more_cells_than_the_header_is_refused_naming_its_line(tmp_path, suffix, sep):
+    for header, row, cells in (
+        ("text", f"A gorgeous{sep} witty{sep} seductive movie.", 1),
+        (f"text{sep}label", f"bad{sep} awful{sep}negative", 2),
+    ):
+        path = tmp_path / f"unquoted{cells}{suffix}"
+        path.write_text(
+            f"{header}\n{row.replace(sep, '') if cells == 1 else 'good' + sep + 'positive'}\n{row}\n"
+        )  # pandas: an index, or a parse error
+        with pytest.raises(DataError, match=rf"data.splits.predict=.*: line 3 has 3 cells but the header has {cells} .*fix: quote cells"):
+            load_split("predict", str(path), None, None, str(tmp_path / "cache"))
+
+
 @pytest.mark.parametrize("rows, ranks", [(5, 2), (41, 2), (7, 3), (2, 4), (8, 2)])
 def test_each_rank_evaluates_its_own_rows_and_every_row_once(rows, ranks):
     from {{ cookiecutter.package_name }}.data.sampling import EvaluationShardSampler
@@ -286,7 +300,6 @@ def test_a_train_file_too_small_to_hold_out_validation_is_refused(make_datamodul
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
-        ("ragged.csv", "text,label\ngood,positive\nbad, awful,negative\n", "Expected 2 fields in line 3, saw 3"),
         ("broken.jsonl", '{"text": "good", "label": "positive"}\n{"text": "bad", label: "negative"}\n', "JSON parse error"),
     ],
 )

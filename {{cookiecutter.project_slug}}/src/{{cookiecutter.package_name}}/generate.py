@@ -81,8 +81,9 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
         generation.pop("temperature", None), generation.pop("top_p", None)
     completions = module.generate_text(prompts, **generation)
     rows = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
+    separator = "\n--- answer:\n" if getattr(module, "chat", False) else ""  # a chat model answers; a text model continues
     for row in rows:
-        print(f"--- {row['prompt']!r}\n{row['prompt']}{row['completion']}\n")
+        print(f"--- {row['prompt']!r}\n{row['prompt']}{separator}{row['completion']}\n")
     output = Path(cfg.output)
     with atomic_write_path(output) as partial:
         partial.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")

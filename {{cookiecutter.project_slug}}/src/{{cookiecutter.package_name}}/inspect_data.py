@@ -61,13 +61,18 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
     validate_config(cfg)
     if cfg.color not in ("auto", "always", "never"):
         raise ConfigError(f"color={cfg.color!r} is not one of auto, always, never; fix: color=auto")
+    if not isinstance(cfg.rows, int) or cfg.rows < 0 or not isinstance(cfg.first_row, int) or cfg.first_row < 0:
+        raise ConfigError(f"rows={cfg.rows!r} and first_row={cfg.first_row!r} must be integers >= 0; fix: rows=5 first_row=0")
     datamodule = hydra.utils.instantiate(cfg.data)
     if not hasattr(datamodule, "tokenized"):
         raise ConfigError(
             f"data._target_={cfg.data._target_!r} is not chat data; inspect_data shows chat rows (fix: data=chat, or an experiment that uses it)"
         )
     if cfg.split not in datamodule.splits:
-        raise ConfigError(f"split={cfg.split!r} is not one of this data's splits ({', '.join(datamodule.splits)}); fix: split=train")
+        raise ConfigError(
+            f"split={cfg.split!r} is not one of this data's splits ({', '.join(datamodule.splits)}); fix: split=train "
+            "(with data.splits.validation null, train holds out data.val_fraction of train's rows: they are train rows here)"
+        )
     datamodule.prepare_data()
     datamodule.prepare_tokenizer()
     rows = datamodule.tokenized(cfg.split, datamodule.load(cfg.split))
@@ -75,6 +80,8 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
     color = console.is_terminal if cfg.color == "auto" else cfg.color == "always"
     legend = "trained tokens in green, masked ones dim" if color else f"trained tokens between {OPEN} and {CLOSE}, masked ones plain"
     console.print(f"{cfg.split}: {len(rows)} rows, train_on={datamodule.train_on}, max_length={datamodule.max_length}; {legend}\n")
+    if cfg.first_row >= len(rows):
+        console.print(f"first_row={cfg.first_row} is past the last row ({len(rows) - 1}): no row printed")
     for index in range(cfg.first_row, min(cfg.first_row + cfg.rows, len(rows))):
         row = rows[index]
         console.print(

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import datasets
+import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -85,7 +86,9 @@ def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str
     shipped = TEMPLATES_DIR / f"{chat_template}.jinja"
     if shipped.is_file():
         return shipped.read_text(encoding="utf-8")
-    if chat_template.endswith(".jinja") and os.path.isfile(chat_template):
+    if chat_template.endswith(".jinja"):
+        if not os.path.isfile(chat_template):
+            raise ConfigError(f"data.chat_template={chat_template!r} does not exist; fix: the path of a .jinja file, or a shipped name")
         return Path(chat_template).read_text(encoding="utf-8")
     names = sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
     raise ConfigError(
@@ -121,8 +124,15 @@ def conversation(row: dict, system_prompt: str | None, where: str) -> tuple[list
     """
     if row.get("messages") is not None:
         messages, completion_row = row["messages"], False
+        if isinstance(messages, str):
+            raise DataError(
+                f"{where}: messages is text ({messages!r:.60}), not a list of {{role, content}} turns (a csv cell holds text only); "
+                "fix: jsonl or parquet rows, or prompt/completion columns"
+            )
         if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}; got {messages!r:.80}")
+            raise DataError(
+                f"{where}: messages must be a non-empty list of {{role, content}}; got {messages!r:.80}; fix: the row's messages"
+            )
         for turn in messages:
             if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
                 raise DataError(f"{where}: each turn needs a role in {ROLES} and text content; got {turn!r:.80}; fix: the row's messages")
@@ -193,7 +203,7 @@ def generation_token_mask(
     return list(encoded["input_ids"]), owner
 
 
-def answer_labels(ids: list[int], owner: list[int], eot_id: int) -> list[int]:
+def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str = "") -> list[int]:
     """Labels from the per-token turn owners: each marked run, extended by an end-of-turn token
     that directly follows it and cut after its last end-of-turn token, keeps its ids; all else -100.
 
@@ -214,8 +224,8 @@ def answer_labels(ids: list[int], owner: list[int], eot_id: int) -> list[int]:
         closing = [position for position in range(index, end) if ids[position] == eot_id]
         if not closing:
             raise TemplateError(
-                f"an assistant turn is not closed by the end-of-turn token (id {eot_id}), so the model would not learn to "
-                "stop; fix: data.end_of_turn=<the token the template ends assistant turns with>"
+                f"an assistant turn is not closed by the end-of-turn token {eot!r} (id {eot_id}), so the model would not learn "
+                "to stop; fix: data.end_of_turn=<the token the template ends assistant turns with>"
             )
         labels[index : closing[-1] + 1] = ids[index : closing[-1] + 1]
         index = end
@@ -254,18 +264,15 @@ def tokenize_conversations(
             raise DataError(
                 f"{where} is a messages row, but data.train_on=completion needs prompt/completion rows; fix: data.train_on=assistant"
             )
-        if train_on == "all":
-            ids = tokenizer(render(tokenizer, template, messages), add_special_tokens=False)["input_ids"]
-            labels = list(ids)
-        else:
-            turns = [i for i, turn in enumerate(messages) if turn["role"] == "assistant"]
-            if not turns:
-                raise DataError(f"{where} has no assistant turn, so nothing to train on; fix: add the answer, or data.train_on=all")
-            if train_on == "last_assistant":
-                turns = turns[-1:]
-            find = generation_token_mask if use_markers else assistant_token_mask
-            ids, owner = find(tokenizer, template, messages, turns)
-            labels = answer_labels(ids, owner, eot_id)
+        try:
+            ids, labels = label_conversation(tokenizer, template, messages, train_on, eot_id, use_markers, where)
+        except jinja2.TemplateError as error:  # the template itself raised (e.g. roles out of the order it accepts)
+            raise TemplateError(
+                f"{where}: the chat template failed on this row: {type(error).__name__}: {error}; fix: the row (e.g. the "
+                "roles in the order the template accepts), or another data.chat_template"
+            ) from error
+        except TemplateError as error:
+            raise TemplateError(f"{where}: {error}") from error
         cut = max(0, len(ids) - max_length)
         if cut:
             ids, labels = (ids[cut:], labels[cut:]) if truncation == "left" else (ids[:max_length], labels[:max_length])
@@ -276,6 +283,28 @@ def tokenize_conversations(
         out["truncated"].append(cut)
         out["row"].append(index)
     return out
+
+
+def label_conversation(
+    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], train_on: str, eot_id: int, use_markers: bool, where: str
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one conversation (see :func:`tokenize_conversations`).
+
+    Raises:
+        DataError: no assistant turn to train on.  TemplateError: see :func:`answer_labels`;
+        jinja2.TemplateError: the template raised.
+    """
+    if train_on == "all":
+        ids = tokenizer(render(tokenizer, template, messages), add_special_tokens=False)["input_ids"]
+        return ids, list(ids)
+    turns = [i for i, turn in enumerate(messages) if turn["role"] == "assistant"]
+    if not turns:
+        raise DataError(f"{where} has no assistant turn, so nothing to train on or to score; fix: add the answer, or data.train_on=all")
+    if train_on == "last_assistant":
+        turns = turns[-1:]
+    find = generation_token_mask if use_markers else assistant_token_mask
+    ids, owner = find(tokenizer, template, messages, turns)
+    return ids, answer_labels(ids, owner, eot_id, tokenizer.convert_ids_to_tokens(eot_id))
 
 
 def pack_rows(lengths: list[int], block_size: int) -> list[list[int]]:
@@ -405,7 +434,7 @@ class ChatDataModule(TokenizedDataModule):
         super().__init__()
         for field, value, allowed in (("mode", mode, CHAT_MODES), ("train_on", train_on, TRAIN_ON), ("truncation", truncation, TRUNCATION)):
             if value not in allowed:
-                raise ConfigError(f"data.{field}={value!r} is not one of {allowed}; fix: data.{field}={allowed[0]}")
+                raise ConfigError(f"data.{field}={value!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
         self.splits = {split: source for split, source in splits.items() if source}
         self.hub_name, self.hub_config = hub_name, hub_config
         self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
@@ -453,7 +482,9 @@ class ChatDataModule(TokenizedDataModule):
                 self.raw["validation"] = validation
             self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)
-        if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
+        # The test split is checked with the others (train validates before fitting, and scores the
+        # untuned model's answers to it), so a bad test row stops the run before any weights load.
+        if stage in ("fit", "validate", "test") and self.has_test and "test" not in self.datasets:
             self.datasets["test"] = self._prepare("test", self.load("test"))
         if stage == "test" and "test" not in self.datasets:
             raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.jsonl")
@@ -542,14 +573,17 @@ class ChatDataModule(TokenizedDataModule):
         the conversation before that answer rendered with the generation prompt (token ids),
         and the answer's text.  The first ``answer_rows`` of them (all when ``None``)."""
         self.prepare_tokenizer()
-        rows = []
+        rows, unanswered = [], 0
         for index, row in enumerate(self.load(split)):
             messages, _ = conversation(row, self.system_prompt, f"data.splits.{split} row {index}")
             if messages[-1]["role"] != "assistant":
+                unanswered += 1
                 continue
             prompt = render(self.tokenizer, self.template, messages[:-1], generation_prompt=True)
             prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             rows.append({"row": index, "prompt_ids": prompt_ids, "reference": messages[-1]["content"]})
             if self.answer_rows is not None and len(rows) >= self.answer_rows:
                 break
+        if unanswered:
+            log.warning("data.splits.%s: %d rows do not end with an assistant answer and are not scored for exact match", split, unanswered)
         return rows

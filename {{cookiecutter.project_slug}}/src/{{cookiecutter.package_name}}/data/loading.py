@@ -69,8 +69,10 @@ def load_split(
         raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
     try:
         if builder == "csv":
-            kwargs = {**kwargs, "features": csv_as_written(path, kwargs["sep"])}
+            kwargs = {**kwargs, "features": csv_as_written(path, kwargs["sep"], field)}
         dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **kwargs)
+    except DataError:
+        raise
     except Exception as error:  # datasets wraps the reader's error (decoding, parsing) in DatasetGenerationError
         bad = first_non_utf8([str(path)]) if builder != "parquet" else None
         if bad is not None:
@@ -88,15 +90,26 @@ def load_split(
     return dataset
 
 
-def csv_as_written(path: Path, sep: str) -> datasets.Features:
+def csv_as_written(path: Path, sep: str, field: str = "data file") -> datasets.Features:
     """Every column of a csv/tsv file's header as a string column: cells keep their text
     ("007", "1.50", "NA" stay as written) and an output file can carry them back unchanged.
 
     Raises:
-        UnicodeDecodeError, csv.Error: the header cannot be read (reported as a DataError).
+        DataError: a row has more cells than the header (named by ``field`` and its line).
+        UnicodeDecodeError, csv.Error: the file cannot be read (reported as a DataError).
     """
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # a long document is one cell (the default stops at 128 KiB)
     with path.open(newline="", encoding="utf-8") as file:
-        header = next(csv.reader(file, delimiter=sep), [])
+        reader = csv.reader(file, delimiter=sep)
+        header = next(reader, [])
+        # pandas would take the extra leading cells of a longer row as an index and shift the rest
+        # (an unquoted "a, b" in a one-column file): the row's text would reach the model cut.
+        for fields in reader:
+            if len(fields) > len(header):
+                raise DataError(
+                    f"{field}={str(path)!r}: line {reader.line_num} has {len(fields)} cells but the header has {len(header)} "
+                    f'(an unquoted {sep!r} inside a cell?); fix: quote cells that contain the separator, e.g. "a, b"'
+                )
     names: list[str] = []
     for index, name in enumerate(header):  # the names pandas gives: "Unnamed: 0" (a saved index), "a.1" (a repeat)
         name = name or f"Unnamed: {index}"

@@ -453,7 +453,7 @@ def _data_problems(data: DictConfig) -> list[str]:
             problems.append(f"data.{field}={value!r} must name a column of your data, e.g. data.{field}=text")
     for field, allowed in (("mode", CHAT_MODES), ("train_on", TRAIN_ON), ("truncation", TRUNCATION)) if chat else ():
         if data.get(field) not in allowed:
-            problems.append(f"data.{field}={data.get(field)!r} is not one of {allowed}; fix: data.{field}={allowed[0]}")
+            problems.append(f"data.{field}={data.get(field)!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
     if text_lm:
         if data.mode not in TEXT_MODES:
             problems.append(f"data.mode={data.mode!r} is not one of {TEXT_MODES}; fix: data.mode=pack (pretraining) or pad")
@@ -461,7 +461,7 @@ def _data_problems(data: DictConfig) -> list[str]:
             problems.append(f"data.sample_by={data.get('sample_by')!r} is not one of {SAMPLE_BY}")
     max_length = data.get("max_length")
     if not isinstance(max_length, int) or max_length < 8:
-        problems.append(f"data.max_length={max_length!r} must be an integer >= 8 (tokens per sequence)")
+        problems.append(f"data.max_length={max_length!r} must be an integer >= 8 (tokens per sequence); fix: e.g. data.max_length=512")
     fraction = data.get("val_fraction")
     if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         problems.append(f"data.val_fraction={fraction!r} must be in (0, 1)")
