@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
+import datasets
 import lightning as L
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
@@ -13,8 +15,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from ..utils.config import ConfigError
+from .loading import DataError
 from .sampling import EvaluationShardSampler, ResumableDataLoader, ResumableSampler
 from .tokenization import disable_tokenizer_parallelism
+
+log = logging.getLogger(__name__)
 
 
 class TokenizedDataModule(L.LightningDataModule):
@@ -86,6 +91,21 @@ class TokenizedDataModule(L.LightningDataModule):
                 f"accumulate_grad_batches={accumulate} micro-batches: a checkpoint saved there cannot be resumed exactly; "
                 f"fix: trainer.val_check_interval={fix} (a multiple of {accumulate}), or 1.0 (at the end of each epoch)"
             )
+
+    def hold_out_validation(self, train: datasets.Dataset, unit: str, fix: str) -> tuple[datasets.Dataset, datasets.Dataset]:
+        """``(train, validation)``: ``data.val_fraction`` of ``train``'s rows, drawn with
+        ``data.val_split_seed``, held out for validation (when ``data.splits.validation`` is null).
+
+        Raises:
+            DataError: fewer than two rows (``unit``: what a row is, for the message; ``fix``: the fix).
+        """
+        if len(train) < 2:
+            raise DataError(
+                f"data.splits.train={self.splits['train']!r} has {len(train)} {unit}(s), too few to cut a validation split from; fix: {fix}"
+            )
+        parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
+        log.info("No validation split given: took %d %ss of train (seed %d)", len(parts["test"]), unit, self.val_split_seed)
+        return parts["train"], parts["test"]
 
     def prepare_data(self) -> None:
         """Download/convert the data once (Lightning calls this on one process per node)."""

@@ -473,12 +473,7 @@ class ChatDataModule(TokenizedDataModule):
             if "validation" in self.splits:
                 validation = self.load("validation")
             else:
-                if len(train) < 2:
-                    raise DataError(
-                        f"data.splits.train has {len(train)} row(s), too few to cut a validation split from; fix: more rows or data.splits.validation"
-                    )
-                parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
-                train, validation = parts["train"], parts["test"]
+                train, validation = self.hold_out_validation(train, "row", "data.splits.validation=path/to/val.jsonl, or more rows")
                 self.raw["validation"] = validation
             self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)

@@ -220,15 +220,8 @@ class TextDataModule(TokenizedDataModule):
             if "validation" in self.splits:
                 validation = self._load("validation")
             else:
-                if len(train) < 2:
-                    raise DataError(
-                        f"data.splits.train={self.splits['train']!r} has {len(train)} document(s), too few to cut a "
-                        "validation split from; fix: data.splits.validation=path/to/val.txt, or more documents "
-                        "(or data.sample_by=paragraph to count blank-line blocks as documents)"
-                    )
-                parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
-                train, validation = parts["train"], parts["test"]
-                log.info("No validation split given: took %d documents of train (seed %d)", len(validation), self.val_split_seed)
+                fix = "data.splits.validation=path/to/val.txt, or more documents (or data.sample_by=paragraph to count blank-line blocks as documents)"
+                train, validation = self.hold_out_validation(train, "document", fix)
             self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)
         if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
