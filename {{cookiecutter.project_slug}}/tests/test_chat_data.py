@@ -227,6 +227,13 @@ def test_rows_left_without_a_trained_token_are_dropped_and_counted(tokenizer, ch
     assert datamodule.split_sizes["train"] == 9 and len(datamodule.datasets["train"]) == 8
 
 
+def test_an_empty_jsonl_split_is_named_with_the_fix(tokenizer, chat_data, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl' is empty; fix: give it at least one row \(one JSON object a line"):
+        make_datamodule(tokenizer, {**chat_data, "validation": empty}).setup("fit")
+
+
 def test_a_tokenizer_without_a_chat_template_is_refused_unless_one_is_named(lm_tokenizer_dir, chat_data):
     plain = AutoTokenizer.from_pretrained(lm_tokenizer_dir)  # GPT-2 style: no template, EOS <|endoftext|>
     with pytest.raises(ConfigError, match="no chat template.*data.chat_template=<name>"):

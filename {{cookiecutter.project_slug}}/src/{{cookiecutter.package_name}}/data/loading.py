@@ -57,13 +57,14 @@ def load_split(
         return datasets.load_dataset(hub_name, hub_config, split=source, cache_dir=cache_dir)
     path = Path(source)
     if path.suffix.lower() not in BUILDERS:
-        raise DataError(f"{field}={source!r}: unknown file type {path.suffix!r}; use one of {sorted(BUILDERS)}")
+        raise DataError(f"{field}={source!r}: unknown file type {path.suffix!r}; fix: a file ending in one of {sorted(BUILDERS)}")
     if not path.is_file():
         raise DataError(f"{field}={source!r} does not exist; fix: point {field} at an existing file")
     builder, kwargs = BUILDERS[path.suffix.lower()]
     head = path.read_bytes()[:65536]
     if not head.strip():
-        raise DataError(f"{field}={source!r} is empty; fix: give it a header line and at least one row")
+        wanted = "a header line and at least one row" if builder == "csv" else "at least one row (one JSON object a line for jsonl)"
+        raise DataError(f"{field}={source!r} is empty; fix: give it {wanted}")
     whole_file_read = path.stat().st_size <= len(head)
     if builder == "csv" and whole_file_read and len([line for line in head.splitlines() if line.strip()]) < 2:
         raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
