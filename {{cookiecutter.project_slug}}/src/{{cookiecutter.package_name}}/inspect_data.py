@@ -43,10 +43,12 @@ def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool)
         while end < len(input_ids) and trained[end] == trained[start]:
             end += 1
         piece = tokenizer.decode(input_ids[start:end])
-        if trained[start]:
-            text.append(piece, style="bold green") if color else text.append(f"{OPEN}{piece}{CLOSE}")
-        else:
+        if not trained[start]:
             text.append(piece, style="dim" if color else "")
+        elif color:
+            text.append(piece, style="bold green")
+        else:
+            text.append(f"{OPEN}{piece}{CLOSE}")
         start = end
     return text
 
