@@ -80,6 +80,36 @@ def common_overrides(run_dir: Path) -> list[str]:
         f"paths.log_dir={run_dir}/logs",
         f"paths.cache_dir={run_dir.parent}/cache",
     ]
+
+
+def byte_level_bpe(texts: list[str], special_tokens: list[str], **roles: str):
+    """A byte-level BPE tokenizer (GPT-2 style, 300 tokens) trained on ``texts``, with
+    ``special_tokens`` and the ``roles`` given (``eos_token=...``, ``padding_side=...``): no pad
+    token unless a role names one.  Decoder tokenizers on the Hub cannot be reached from tests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **roles)
+
+
+def tiny_llama_config(vocab_size: int, **changes):
+    """A 2-layer Llama config (hidden 64, 4 heads, 2 KV heads, 128 positions), ``changes`` applied."""
+    from transformers import LlamaConfig
+
+    sizes = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    }
+    return LlamaConfig(vocab_size=vocab_size, **{**sizes, **changes})
 {%- if cookiecutter.tasks != "causal_lm" %}
 
 
@@ -177,16 +207,8 @@ def lm_documents(n: int, seed: int) -> list[str]:
 @pytest.fixture(scope="session")
 def lm_tokenizer_dir(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer (GPT-2 style: EOS ``<|endoftext|>``, no pad token), 300 tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(lm_documents(200, seed=0), trainer)
     folder = tmp_path_factory.mktemp("lm_tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS).save_pretrained(folder)
+    byte_level_bpe(lm_documents(200, seed=0), [EOS], eos_token=EOS, bos_token=EOS).save_pretrained(folder)
     return folder
 
 
@@ -237,20 +259,10 @@ def pretrained_lm_dir(lm_tokenizer_dir, tmp_path_factory) -> Path:
     """A "pretrained" tiny Llama folder (random weights, saved with save_pretrained) for
     fine-tuning, LoRA and QLoRA tests."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = tiny_llama_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("pretrained_lm")
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

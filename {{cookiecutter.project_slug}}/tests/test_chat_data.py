@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from {{ cookiecutter.package_name }}.data.chat import (
     ChatCollator,
@@ -26,7 +26,7 @@ from {{ cookiecutter.package_name }}.models.answers import exact_match, normaliz
 from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
 from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
-from .conftest import EOS, compose_config, lm_documents
+from .conftest import EOS, byte_level_bpe, compose_config, lm_documents, tiny_llama_config
 
 START, END = "<|im_start|>", "<|im_end|>"
 {% raw %}
@@ -61,18 +61,11 @@ MULTI_TURN = {
 def chat_tokenizer_dir(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer with ChatML special tokens (EOS = ``<|im_end|>``, no pad token)
     and the :data:`CHATML` template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS, START, END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(lm_documents(200, seed=0) + ["user assistant system"] * 20, trainer)
     folder = tmp_path_factory.mktemp("chat_tokenizer")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END, bos_token=START)
-    fast.chat_template = CHATML
-    fast.save_pretrained(folder)
+    texts = lm_documents(200, seed=0) + ["user assistant system"] * 20
+    tokenizer = byte_level_bpe(texts, [EOS, START, END], eos_token=END, bos_token=START)
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
     return folder
 
 
@@ -128,8 +121,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_reason(token
 
 
 def test_an_answer_without_its_end_of_turn_token_is_refused():
-    with pytest.raises(TemplateError, match="end-of-turn"):
-        answer_labels([5, 6, 7, 8], [-1, 2, 2, -1], eot_id=9)
+    with pytest.raises(TemplateError, match="not closed by the end-of-turn token '<eot>' \\(id 9\\)"):
+        answer_labels([5, 6, 7, 8], [-1, 2, 2, -1], eot_id=9, eot="<eot>")
 
 
 def test_completion_rows_train_on_the_completion_and_messages_rows_are_refused_for_it(tokenizer):
@@ -268,15 +261,7 @@ def test_best_fit_packing_keeps_every_row_whole_and_once():
 
 
 def tiny_llama(tokenizer, attention: str) -> torch.nn.Module:
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    config = tiny_llama_config(len(tokenizer), hidden_size=32, intermediate_size=64)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
 
@@ -421,7 +406,7 @@ def test_generate_renders_a_chat_prompt_and_stops_at_the_end_of_turn(chat_run):
     run_dir, _, _ = chat_run
     module = CausalLMModule.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu")
     assert module.chat
-    ids = module.prompt_ids(["the king"], chat=True)[0]
+    ids = module.prompt_ids(["the king"])[0]
     assert module.tokenizer.decode(ids) == f"{START}user\nthe king{END}\n{START}assistant\n"
     new = module.complete([ids], max_new_tokens=6)[0]
     assert module.tokenizer.convert_tokens_to_ids(END) not in new  # cut at the end-of-turn token

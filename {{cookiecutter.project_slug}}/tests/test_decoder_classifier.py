@@ -21,7 +21,7 @@ from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.train import train
 from {{ cookiecutter.package_name }}.utils.config import ConfigError, to_plain
 
-from .conftest import NEGATIVE, NEUTRAL, POSITIVE, compose_config, tiny_overrides, write_csv
+from .conftest import NEGATIVE, NEUTRAL, POSITIVE, byte_level_bpe, compose_config, tiny_llama_config, tiny_overrides, write_csv
 
 EOS = "<|endoftext|>"
 GPT2 = "{model_type: gpt2, n_layer: 2, n_embd: 32, n_head: 2, n_positions: 64}"
@@ -45,18 +45,9 @@ def varied_rows(n: int, seed: int) -> list[dict[str, str]]:
 
 def bpe_tokenizer(special_tokens: dict[str, str]):
     """A byte-level BPE tokenizer trained on the toy rows, with only ``special_tokens`` (no pad)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=list(special_tokens.values()), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator([row["text"] for row in varied_rows(200, seed=9)], trainer)
+    texts = [row["text"] for row in varied_rows(200, seed=9)]
     # padding_side="left", as some Hub decoder tokenizers ship: the data module pads on the right anyway.
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **special_tokens)
+    return byte_level_bpe(texts, list(special_tokens.values()), padding_side="left", **special_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -97,19 +88,11 @@ def gpt2_run(decoder_tokenizer_dir, varied_data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pretrained_llama_dir(decoder_tokenizer_dir, tmp_path_factory) -> Path:
     """A "pretrained" tiny Llama causal LM (random weights, save_pretrained) with its tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(decoder_tokenizer_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,  # (bitsandbytes' CPU 4-bit kernels need 64 or more)
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    # (hidden 64: bitsandbytes' CPU 4-bit kernels need 64 or more)
+    config = tiny_llama_config(len(tokenizer), max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("pretrained_llama")
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -203,9 +203,10 @@ def generation_token_mask(
     return list(encoded["input_ids"]), owner
 
 
-def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str = "") -> list[int]:
+def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str) -> list[int]:
     """Labels from the per-token turn owners: each marked run, extended by an end-of-turn token
     that directly follows it and cut after its last end-of-turn token, keeps its ids; all else -100.
+    ``eot`` is the end-of-turn token's text (``eot_id``'s), for the message.
 
     Raises:
         TemplateError: a marked run has no end-of-turn token (the model would never learn to stop).
@@ -453,6 +454,7 @@ class ChatDataModule(TokenizedDataModule):
         self.split_sizes: dict[str, int] = {}  # rows per split, before any are dropped
         self.token_counts: dict[str, int] = {}  # real (non-pad) tokens per split
         self.dropped: dict[str, list[int]] = {}  # rows with no trained token, per split
+        self.answers: dict[str, list[dict]] = {}  # answer_prompts, per split
 
     # ------------------------------------------------------------------------------ set-up
     def prepare_tokenizer(self) -> None:
@@ -474,7 +476,6 @@ class ChatDataModule(TokenizedDataModule):
                 validation = self.load("validation")
             else:
                 train, validation = self.hold_out_validation(train, "row", "data.splits.validation=path/to/val.jsonl, or more rows")
-                self.raw["validation"] = validation
             self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)
         # The test split is checked with the others (train validates before fitting, and scores the
@@ -566,7 +567,10 @@ class ChatDataModule(TokenizedDataModule):
     def answer_prompts(self, split: str = "test") -> list[dict]:
         """The rows whose last turn is an assistant answer, as ``{"row", "prompt_ids", "reference"}``:
         the conversation before that answer rendered with the generation prompt (token ids),
-        and the answer's text.  The first ``answer_rows`` of them (all when ``None``)."""
+        and the answer's text.  The first ``answer_rows`` of them (all when ``None``).  Rendered
+        once per split (``train`` scores the untuned and the tuned model on the same prompts)."""
+        if split in self.answers:
+            return self.answers[split]
         self.prepare_tokenizer()
         rows, unanswered = [], 0
         for index, row in enumerate(self.load(split)):
@@ -581,4 +585,5 @@ class ChatDataModule(TokenizedDataModule):
                 break
         if unanswered:
             log.warning("data.splits.%s: %d rows do not end with an assistant answer and are not scored for exact match", split, unanswered)
+        self.answers[split] = rows
         return rows

@@ -19,7 +19,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    BitsAndBytesConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -36,8 +35,7 @@ def build_sequence_classifier(
     tokenizer: PreTrainedTokenizerBase,
     attn_implementation: str = "sdpa",
     dtype: torch.dtype = torch.float32,
-    quantization_config: BitsAndBytesConfig | None = None,
-    device_map: dict | None = None,
+    loading: dict | None = None,
 ) -> PreTrainedModel:
     """An ``AutoModelForSequenceClassification`` with a fresh head of ``len(id2label)`` outputs.
 
@@ -52,8 +50,8 @@ def build_sequence_classifier(
             their one source).
         attn_implementation: HF's ``sdpa`` | ``flash_attention_2`` | ``eager`` (``attention`` group).
         dtype: of the weights (see :func:`.precision.weights_dtype`).
-        quantization_config, device_map: passed to ``from_pretrained`` (QLoRA's 4-bit base, see
-            :func:`.adapters.quantized_loading`); pretrained weights only.
+        loading: more ``from_pretrained`` options: QLoRA's 4-bit base (:func:`.adapters.quantized_loading`);
+            pretrained weights only.
 
     Raises:
         ValueError: the spec gives neither ``name_or_path`` nor ``config``.
@@ -72,13 +70,8 @@ def build_sequence_classifier(
         config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **fields, **labels)
         return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     if spec.get("name_or_path"):
-        loading = {"quantization_config": quantization_config, "device_map": device_map}
         return AutoModelForSequenceClassification.from_pretrained(
-            spec["name_or_path"],
-            attn_implementation=attn_implementation,
-            dtype=dtype,
-            **{name: value for name, value in loading.items() if value is not None},
-            **labels,
+            spec["name_or_path"], attn_implementation=attn_implementation, dtype=dtype, **(loading or {}), **labels
         )
     raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 

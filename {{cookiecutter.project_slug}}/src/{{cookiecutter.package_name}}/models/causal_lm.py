@@ -334,10 +334,10 @@ class CausalLMModule(HFModule):
         and generation stops at the end-of-turn token."""
         return self.inputs is not None and self.inputs.end_of_turn is not None
 
-    def prompt_ids(self, prompts: list[str], chat: bool) -> list[list[int]]:
-        """Token ids of each prompt: as text, or (``chat``) as one user turn (after the run's system
-        prompt, if it set one) rendered with the chat template and its generation prompt."""
-        if not chat:
+    def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids of each prompt: as text, or for a :attr:`chat` model as one user turn (after
+        the run's system prompt, if it set one) rendered with the chat template and its generation prompt."""
+        if not self.chat:
             return [self.tokenizer(prompt)["input_ids"] for prompt in prompts]
         system = [{"role": "system", "content": self.inputs.system_prompt}] if self.inputs.system_prompt is not None else []
         texts = [
@@ -397,13 +397,10 @@ class CausalLMModule(HFModule):
             self.model.train(was_training)
         return completions
 
-    def generate_text(self, prompts: list[str], chat: bool | None = None, batch_size: int = 1, **generation: object) -> list[str]:
-        """Complete each prompt; return only the new text, up to the end token (:meth:`complete`).
-        ``chat=None``: as trained (:attr:`chat`)."""
-        chat = self.chat if chat is None else chat
-        if chat and self.inputs is None:
-            raise ConfigError("chat=true needs a model trained on chat data (its checkpoint names the end-of-turn token)")
-        completions = self.complete(self.prompt_ids(prompts, chat), batch_size=batch_size, **generation)
+    def generate_text(self, prompts: list[str], **generation: object) -> list[str]:
+        """Complete each prompt (:meth:`prompt_ids`, one at a time); return only the new text, up
+        to the end token (:meth:`complete`)."""
+        completions = self.complete(self.prompt_ids(prompts), **generation)
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
 
     # ----------------------------------------------------------------------- checkpoints

@@ -166,7 +166,7 @@ class SequenceClassificationModule(HFModule):
             )
         else:
             model = build_sequence_classifier(
-                self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype, **loading
+                self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype, loading=loading
             )
         if method != "none":
             model = wrap_with_lora(model, self.hparams.peft, self.lora_targets(config or self.architecture()), task_type="SEQ_CLS")
