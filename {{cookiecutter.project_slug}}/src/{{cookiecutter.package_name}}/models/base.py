@@ -93,6 +93,16 @@ class HFModule(L.LightningModule):
         """The ``attention`` group's choice (``sdpa`` when the module was built without it)."""
         return self.hparams.attention["implementation"] if self.hparams.get("attention") else "sdpa"
 
+    def prepare_qat(self, model: torch.nn.Module) -> None:
+        """Quantization-aware training (the ``qat`` group): fake-quantise ``model``'s Linear layers
+        in place (:func:`..compress.qat.prepare_qat`); nothing for ``qat=none`` or a module built
+        without the group."""
+        qat = self.hparams.get("qat")
+        if qat and qat["scheme"] != "none":
+            from ..compress.qat import prepare_qat
+
+            prepare_qat(model, qat)
+
     def apply_levers(self, compile_target: torch.nn.Module | None = None) -> None:
         """Activation checkpointing and compile, from the config groups (see :mod:`.levers`)."""
         apply_levers(self.model, self.hparams.get("checkpointing"), self.hparams.get("compile"), compile_target)

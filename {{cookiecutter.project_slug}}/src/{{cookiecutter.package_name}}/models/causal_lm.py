@@ -138,6 +138,7 @@ class CausalLMModule(HFModule):
         checkpointing: dict | None = None,
         compile: dict | None = None,
         loss: dict | None = None,
+        qat: dict | None = None,
         hf_config: dict | None = None,
     ) -> None:
         super().__init__()
@@ -257,6 +258,7 @@ class CausalLMModule(HFModule):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation, dtype=dtype)
         if method != "none":
             model = wrap_with_lora(model, peft_cfg, modules)
+        self.prepare_qat(model)
         return model
 
     # ------------------------------------------------------------------------------ steps

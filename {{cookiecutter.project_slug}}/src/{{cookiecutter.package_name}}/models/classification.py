@@ -74,6 +74,7 @@ class SequenceClassificationModule(HFModule):
         checkpointing: dict | None = None,
         compile: dict | None = None,
         peft: dict | None = None,
+        qat: dict | None = None,
         hf_config: dict | None = None,
     ) -> None:
         super().__init__()
@@ -170,6 +171,7 @@ class SequenceClassificationModule(HFModule):
             )
         if method != "none":
             model = wrap_with_lora(model, self.hparams.peft, self.lora_targets(config or self.architecture()), task_type="SEQ_CLS")
+        self.prepare_qat(model)
         return model
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

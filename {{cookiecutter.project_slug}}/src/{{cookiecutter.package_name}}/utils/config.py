@@ -212,6 +212,10 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
             problems += _data_problems(cfg.data)
         if cfg.get("peft") is not None:
             problems += _peft_problems(cfg.peft)
+        if cfg.get("qat") is not None:
+            from ..compress.qat import qat_problems
+
+            problems += qat_problems(cfg.qat, cfg.get("optimizer"), cfg.get("peft"))
 
         for group in ("callbacks", "logger"):
             entries = cfg.get(group) or {}

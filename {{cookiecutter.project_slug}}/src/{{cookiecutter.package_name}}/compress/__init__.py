@@ -1,0 +1,1 @@
+"""Compression: pruning during training, quantization-aware training, post-training quantization (docs/compression.md)."""

@@ -1,0 +1,119 @@
+"""Quantization-aware training (the ``qat`` group) on torchao's QAT flow.
+
+``qat=int8a_int4w`` fine-tunes with *fake-quantised* ``nn.Linear`` layers: in every forward the
+activations are rounded as int8 (asymmetric, per token, range taken dynamically) and the weights
+as int4 (symmetric, per group of ``group_size`` input weights), then computed in floating point,
+so the model learns weights that survive the rounding; the gradient passes the rounding as if it
+were the identity (the straight-through estimator).  After training, ``convert`` replaces the
+fake quantisation by integer weights with the same arithmetic: the converted model's outputs equal
+the fake-quantised ones.  The scheme is torchao's ``Int8DynamicActivationIntxWeightConfig`` (int4
+weights), the one its QAT flow converts for the CPU (torchao README, "Quantization-Aware Training").
+
+Fake quantisation keeps the parameter names (``FakeQuantizedLinear`` is an ``nn.Linear``), so a
+QAT checkpoint loads into a plain model and the other way round; ``eval`` of a QAT checkpoint
+scores the fake-quantised model, which is what ``quantize`` converts (variant ``qat``).
+
+Linear layers whose ``in_features`` is not a multiple of ``group_size`` keep full precision (a
+group cannot straddle a row), and so does a causal LM's head tied to its input embedding;
+:func:`quantizable` says which.  torchao is imported only here,
+and only when a scheme is chosen (the ``compress`` extra).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+SCHEMES = ("none", "int8a_int4w")
+
+
+def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = None) -> list[str]:
+    """What is wrong with a ``qat`` group (and its conflicts), one line each with the fix; ``[]`` if nothing.
+
+    ``optimizer.step_in_backward`` is refused: the optimizer then steps inside backward, and the
+    fake-quantised weights would have to be re-derived from parameters already stepped; LoRA/QLoRA
+    is refused: QAT here trains the full weights it rounds.
+    """
+    scheme = qat.get("scheme")
+    if scheme not in SCHEMES:
+        return [f"qat.scheme={scheme!r} is not one of {SCHEMES}; fix: qat=int8a_int4w or qat=none"]
+    if scheme == "none":
+        return []
+    problems = []
+    group = qat.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group & (group - 1):
+        problems.append(f"qat.group_size={group!r} must be a power of two (input weights per int4 scale), e.g. qat.group_size=32")
+    if optimizer and optimizer.get("step_in_backward"):
+        problems.append(
+            "qat=int8a_int4w with optimizer.step_in_backward=true: the fake-quantised weights are derived from the parameters "
+            "that step during backward; fix: optimizer.step_in_backward=false"
+        )
+    if peft and peft.get("method", "none") != "none":
+        problems.append(f"qat=int8a_int4w with peft={peft.get('method')}: QAT trains the full weights it rounds; fix: peft=none")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        problems.append('qat=int8a_int4w needs torchao; fix: pip install -e ".[compress]"')
+    return problems
+
+
+def quantizable(model: nn.Module, group_size: int) -> Callable[[nn.Module, str], bool]:
+    """The ``filter_fn`` of torchao's ``quantize_`` for ``model``: an ``nn.Linear`` whose
+    ``in_features`` is a multiple of ``group_size``, except an output embedding tied to the input
+    one (a causal LM's ``lm_head`` sharing ``embed_tokens``' weight: swapping the layer would untie
+    them and train two matrices).  Signature ``(module, fully qualified name) -> bool``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head is not None and inputs is not None and head.weight is inputs.weight
+    return lambda module, fqn: isinstance(module, nn.Linear) and module.in_features % group_size == 0 and not (tied and module is head)
+
+
+def base_config(qat: dict):
+    """torchao's post-training config of the scheme (what ``convert`` applies, and what the
+    ``int8a_int4w`` variant of ``quantize`` applies to weights trained without QAT)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+    from torchao.quantization.granularity import PerGroup
+
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(qat["group_size"]))
+
+
+def prepare_qat(model: nn.Module, qat: dict) -> int:
+    """Swap the quantizable Linear layers of ``model`` for fake-quantised ones, in place; returns
+    how many were swapped.
+
+    Raises:
+        ConfigError: none of the model's Linear layers can take the scheme (``qat.group_size``
+            divides no ``in_features``).
+    """
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+
+    from ..utils.config import ConfigError
+
+    keep = quantizable(model, qat["group_size"])
+    count = sum(keep(module, name) for name, module in model.named_modules())
+    if count == 0:
+        raise ConfigError(
+            f"qat.group_size={qat['group_size']} divides the in_features of none of the model's Linear layers; fix: a smaller qat.group_size"
+        )
+    quantize_(model, QATConfig(base_config(qat), step="prepare"), filter_fn=keep)
+    return count
+
+
+def convert_qat(model: nn.Module, qat: dict) -> nn.Module:
+    """Replace the fake-quantised Linear layers by integer ones (int8 dynamic activations, int4
+    weights stored by torchao), in place; returns ``model``.  A plain model (a QAT checkpoint's
+    weights loaded without :func:`prepare_qat`) gets the scheme's post-training quantization,
+    which is the same conversion: the weights are the same and the rounding is the same.
+    """
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
+
+    keep = quantizable(model, qat["group_size"])
+    if any(isinstance(module, FakeQuantizedLinear) for module in model.modules()):
+        quantize_(model, QATConfig(base_config(qat), step="convert"), filter_fn=keep)
+    else:
+        quantize_(model, base_config(qat), filter_fn=keep)
+    return model
