@@ -183,6 +183,16 @@ def test_advice_lists_only_levers_that_lower_the_plan():
     assert any("step_in_backward" in advice for advice in levers) == (in_backward < plain)
 
 
+def test_advice_leaves_out_levers_the_config_refuses():
+    # Weights dominate (hidden 512, 16 tokens): stepping in backward saves the gradients, but qat
+    # cannot step in backward, so with qat it is not advised.
+    base = (*TINY_LM, "model.config.hidden_size=512", "model.config.intermediate_size=1024", "hardware.budget_gib=0.001")
+    plain = plan_memory(plan_cfg(*base, "batch.micro_batch_size=1", "batch.global_batch_size=1"))
+    assert any("step_in_backward" in advice for advice in plain.advice), plain.advice
+    quantization_aware = plan_memory(plan_cfg(*base, "batch.micro_batch_size=1", "batch.global_batch_size=1", "qat=int8a_int4w"))
+    assert quantization_aware.advice and not any("step_in_backward" in advice for advice in quantization_aware.advice)
+
+
 def test_train_refuses_a_gpu_run_that_will_not_fit(tmp_path, monkeypatch):
     cfg = plan_cfg(*TINY_LM, "hardware.budget_gib=0.01")
     monkeypatch.setattr(planner, "uses_cuda", lambda cfg: True)

@@ -44,7 +44,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ..models.levers import enable_activation_checkpointing
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
-from ..utils.config import ConfigError, precision_is_auto, to_plain, uses_cuda, world_size
+from ..utils.config import ConfigError, precision_is_auto, to_plain, uses_cuda, validate_config, world_size
 from . import tracer
 
 GIB = 2**30
@@ -513,18 +513,29 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
     if not cfg.optimizer.step_in_backward:
         candidates[
             "optimizer.step_in_backward=true (with batch.global_batch_size=batch.micro_batch_size, trainer.gradient_clip_val=null)"
-        ] = {"optimizer.step_in_backward": True}
+        ] = {"optimizer.step_in_backward": True, "batch.global_batch_size": cfg.batch.micro_batch_size, "trainer.gradient_clip_val": None}
     savings = []
     for advice, changes in candidates.items():
         trial = copy.deepcopy(cfg)
         for key, value in changes.items():
             OmegaConf.update(trial, key, value, merge=False)
+        try:  # a lever the config's other choices refuse (qat with step_in_backward, ...) is no advice
+            validate_config(trial, runs_here=False)
+        except ConfigError:
+            continue
         saved = one.total - _plan_at(trial, config, 1, budget).total
         if saved > 0:
             savings.append((saved, f"{advice} (-{saved / GIB:.2f} GiB)"))
     advice = [text for _, text in sorted(savings, reverse=True)]
     weights = one.params + one.grads + one.optimizer
-    if cfg.task.name == "causal_lm" and cfg.peft.method != "qlora" and weights > one.activations + one.temporaries:
+    adapters = copy.deepcopy(cfg)
+    OmegaConf.update(adapters, "peft.method", "lora", merge=False)
+    try:
+        validate_config(adapters, runs_here=False)
+        takes_adapters = True
+    except ConfigError:  # (qat, pruning: they train the full weights)
+        takes_adapters = False
+    if cfg.task.name == "causal_lm" and cfg.peft.method != "qlora" and takes_adapters and weights > one.activations + one.temporaries:
         advice.append("peft=lora or peft=qlora (the weights, not the activations, dominate; plan it to see)")
     advice.append(f"a shorter data.max_length (now {cfg.data.max_length})")
     return advice
