@@ -204,6 +204,30 @@ def test_train_refuses_a_gpu_run_that_will_not_fit(tmp_path, monkeypatch):
     assert not (tmp_path / "skipped").exists()
 
 
+def test_pruning_counts_its_masks_and_recomputed_weights_and_a_run_that_no_longer_fits_is_refused(tmp_path, monkeypatch):
+    from torch.nn.utils import prune
+
+    base = (*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
+    plain = plan_memory(plan_cfg(*base), search=False)
+    pruned = plan_memory(plan_cfg(*base, "pruning=magnitude"), search=False)
+    # What torch's pruning really adds on a real model: the mask buffers and the recomputed weights.
+    model = _real_model(plan_cfg(*base))
+    linears = [(m, "weight") for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    prune.global_unstructured(linears, pruning_method=prune.L1Unstructured, amount=10)
+    masks = sum(m.weight_mask.numel() * m.weight_mask.element_size() for m, _ in linears)
+    recomputed = sum(m.weight.numel() * m.weight.element_size() for m, _ in linears)
+    numel = sum(m.weight.numel() for m, _ in linears)
+    assert pruned.counts["pruning_bytes"] == masks + recomputed + numel  # + the 1-byte mask custom_from_mask keeps
+    assert pruned.buffers - plain.buffers == masks + numel and pruned.total > plain.total + masks + recomputed - 1
+    assert any(note.startswith("pruning=magnitude: +") for note in pruned.corrections)
+    monkeypatch.setattr(planner, "uses_cuda", lambda cfg: True)
+    budget = f"hardware.budget_gib={(plain.total + pruned.total) / 2 / GIB}"
+    planner.check_memory_plan(plan_cfg(*base, budget), tmp_path / "plain")  # fits without pruning ...
+    with pytest.raises(ConfigError, match="will not fit"):  # ... not with it
+        planner.check_memory_plan(plan_cfg(*base, budget, "pruning=magnitude"), tmp_path / "pruned")
+    assert any(advice.startswith("pruning=none (-") for advice in json.loads((tmp_path / "pruned" / "plan.json").read_text())["advice"])
+
+
 def test_an_encoder_is_refused_for_the_causal_lm_task():
     with pytest.raises(ConfigError, match="needs a decoder"):
         plan_memory(plan_cfg(*TINY_LM, "model.config.model_type=bert"), search=False)

@@ -104,6 +104,23 @@ def test_classifier_killed_right_after_a_validation_checkpoint_in_an_accumulatin
         return [(int(row["step"]), float(row["val/acc_best"])) for row in read_metrics(run / "csv") if row.get("val/acc_best")]
 
     assert len(best_so_far(run_dir)) >= 5 and best_so_far(run_dir) == best_so_far(tmp_path / "reference")  # it survived the kill
+
+
+def test_classifier_pruned_during_training_killed_mid_ramp_resumes_bit_identically(cls_base, tmp_path):
+    # Global magnitude pruning from step 2 to 12: the masks (callback state) and plain weights in
+    # last.ckpt must give the resumed run the same masks, losses and sparsity as the uninterrupted one.
+    base = cls_base + ["pruning=magnitude", "pruning.begin_step=2", "pruning.end_step=12", "pruning.frequency=2"]
+    reference_dir = tmp_path / "reference"
+    reference = uninterrupted_losses(base, reference_dir)
+    step = random.Random().randrange(EVERY + 1, 12)  # after the first step checkpoint, on the ramp
+    fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={step}", "+callbacks.fault.micro_batch=1"]
+    run_dir, _ = kill_and_resume(base, tmp_path, fault, expect_code=-signal.SIGKILL)
+    assert_same_losses(reference, step_losses(run_dir), f"pruning on, SIGKILL before micro-batch 2 of step {step}")
+
+    def sparsity(run: Path) -> dict[int, float]:
+        return {int(row["step"]): float(row["train/sparsity"]) for row in read_metrics(run / "csv") if row.get("train/sparsity")}
+
+    assert sparsity(run_dir) == sparsity(reference_dir) and sparsity(run_dir)[CLS_STEPS - 1] == 0.5
 {%- endif %}
 {%- if cookiecutter.tasks != "classification" %}
 

@@ -19,6 +19,10 @@ the memory tracker (:mod:`.tracer`), then add what the trace cannot see:
   tensors).  Autocast: the CPU list keeps layer_norm/softmax in bf16 where CUDA computes them in
   fp32; the tracer emulates CUDA's float32 list (:class:`.tracer.CudaAutocastEmulation`).
   Logits: bf16 from the lm_head under autocast on both, and fp32 in our loss on both.
+- **Pruning** (``pruning`` group): torch's masks are not traced; each masked tensor adds a mask
+  buffer of its dtype and the recomputed weight for the whole fit, and each pruning event its
+  temporaries on top of every gradient and the optimizer state
+  (:class:`..compress.pruning.PruningMemory`): that event is the peak when it is the larger.
 - **CUDA context + allocator reserve**: one fixed margin, ``hardware.context_gib`` (its source
   is in ``configs/hardware/rtx4090_24gb.yaml``; 0 for ``hardware=cpu``).
 - ``compile`` is not traced (eager): Inductor's fusions usually lower activation memory, so the
@@ -41,6 +45,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import AutoConfig, PretrainedConfig
 
+from ..compress.pruning import PruningMemory, pruning_memory
 from ..models.levers import enable_activation_checkpointing
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
@@ -202,6 +207,7 @@ class _Traced:
     trainable: list[tuple[int, int]]  # (numel, bytes per value) of each trainable tensor
     param_bytes: int
     quantized_numels: list[int]
+    pruning: PruningMemory | None = None  # pruning != none: what its masks add
 
 
 def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Traced:
@@ -220,8 +226,10 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Trace
         parameters = list(setup.loss.model.parameters())  # unique: tied weights once
         trainable = [(p.numel(), p.element_size()) for p in parameters if p.requires_grad]
         param_bytes = sum(p.numel() * p.element_size() for p in parameters)
+        method = cfg.pruning.method if cfg.get("pruning") else "none"
+        pruning = pruning_memory(setup.loss.model, method) if method != "none" else None
         return _Traced(
-            peak, sum(p.numel() for p in parameters), sum(n for n, _ in trainable), trainable, param_bytes, setup.quantized_numels
+            peak, sum(p.numel() for p in parameters), sum(n for n, _ in trainable), trainable, param_bytes, setup.quantized_numels, pruning
         )
 
 
@@ -468,6 +476,8 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         notes.append("loss=liger traced as the chunked loss with Liger's chunk count, ceil(vocab / hidden): Triton does not run on the CPU")
     if cfg.compile.mode != "off":
         notes.append("traced without torch.compile: compiled steps usually need less activation memory")
+    if traced.pruning:
+        peak = _with_pruning(cfg, peak, traced, notes)
     allocated = sum(peak[k] for k in ("params", "buffers", "grads", "optimizer", "activations", "temporaries"))
     overhead = int(cfg.hardware.context_gib * GIB)
     counts = {  # the full sizes, by arithmetic (the table is what is alive at the peak)
@@ -476,6 +486,7 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         "param_bytes": param_bytes,
         "grad_bytes": sum(numel * size for numel, size in traced.trainable),
         "optimizer_bytes": state,
+        "pruning_bytes": traced.pruning.masks + traced.pruning.recomputed if traced.pruning else 0,
     }
     return MemoryPlan(
         micro_batch=micro_batch,
@@ -499,6 +510,25 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
     )
 
 
+def _with_pruning(cfg: DictConfig, peak: dict[str, int], traced: _Traced, notes: list[str]) -> dict[str, int]:
+    """The peak with pruning on (see :class:`..compress.pruning.PruningMemory`): the masks (buffers)
+    and recomputed weights (parameters) are alive throughout; a pruning event, after an optimizer
+    step, holds every gradient (unless they were stepped in backward), the optimizer state and its
+    own temporaries, and is the peak when that sum is above the traced step's."""
+    cost = traced.pruning
+    peak = {**peak, "buffers": peak["buffers"] + cost.masks, "params": peak["params"] + cost.recomputed}
+    grads = 0 if cfg.optimizer.step_in_backward else sum(numel * size for numel, size in traced.trainable)
+    event = {**peak, "grads": grads, "activations": 0, "temporaries": cost.transient}
+    notes.append(
+        f"pruning={cfg.pruning.method}: +{(cost.masks + cost.recomputed) / GIB:.2f} GiB of masks and recomputed weights "
+        f"for the whole fit, and {cost.transient / GIB:.2f} GiB of temporaries at each pruning step"
+    )
+    if sum(event.values()) > sum(peak.values()):
+        notes.append("the peak is a pruning step (gradients, optimizer state and the pruning temporaries), not the traced step")
+        return event
+    return peak
+
+
 def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryPlan) -> list[str]:
     """When not even micro-batch 1 fits: the levers not pulled yet, each planned at micro-batch 1
     and kept only if it lowers the total (with the saving), largest saving first; then the
@@ -510,6 +540,8 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
         candidates["checkpointing=full"] = {"checkpointing.mode": "full"}
     if not str(cfg.optimizer._target_).startswith("bitsandbytes."):
         candidates["optimizer=adamw_8bit"] = {"optimizer._target_": "bitsandbytes.optim.AdamW8bit"}
+    if cfg.get("pruning") and cfg.pruning.method != "none":
+        candidates["pruning=none"] = {"pruning.method": "none"}
     if not cfg.optimizer.step_in_backward:
         candidates[
             "optimizer.step_in_backward=true (with batch.global_batch_size=batch.micro_batch_size, trainer.gradient_clip_val=null)"

@@ -216,6 +216,10 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
             from ..compress.qat import qat_problems
 
             problems += qat_problems(cfg.qat, cfg.get("optimizer"), cfg.get("peft"))
+        if cfg.get("pruning") is not None:
+            from ..compress.pruning import pruning_problems
+
+            problems += pruning_problems(cfg.pruning, cfg.get("peft"), cfg.get("qat"), cfg.get("trainer"), cfg.get("model"))
 
         for group in ("callbacks", "logger"):
             entries = cfg.get(group) or {}

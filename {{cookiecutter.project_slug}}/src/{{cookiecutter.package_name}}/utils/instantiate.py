@@ -25,8 +25,15 @@ def instantiate_group(group: DictConfig | None) -> list:
 
 
 def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
-    """The LR schedule first (it sets the LR before other callbacks read it), then ``callbacks``."""
-    return [hydra.utils.instantiate(cfg.scheduler), *instantiate_group(cfg.get("callbacks"))]
+    """The LR schedule first (it sets the LR before other callbacks read it), then pruning unless
+    ``pruning.method`` is none (its masks are updated, and its sparsity logged, before a guard or
+    the step log writes a step's checkpoint or row), then ``callbacks``."""
+    pruning = []
+    if (cfg.get("pruning") or {}).get("method", "none") != "none":
+        from ..callbacks.pruning import Pruning
+
+        pruning.append(Pruning(**to_plain(cfg.pruning)))
+    return [hydra.utils.instantiate(cfg.scheduler), *pruning, *instantiate_group(cfg.get("callbacks"))]
 
 
 def instantiate_loggers(cfg: DictConfig, resumes_wandb_run: str | None = None) -> list[Logger]:
