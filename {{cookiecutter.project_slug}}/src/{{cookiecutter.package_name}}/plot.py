@@ -14,6 +14,11 @@ A sweep folder gives ``objective.png``: the objective of each trial and the best
 ``importances.png``: each parameter's fANOVA importance (Optuna's ``plot_param_importances``).
 A grid multirun (no study) gives ``objective.png`` from each job's ``metrics.json``.
 
+    python -m <package>.plot logs/quantize/runs/<run>/compressed   # or its compress_report.json
+
+A ``quantize`` report gives ``compression.png``: the task metric (accuracy, or perplexity) of
+each variant against its size (MB) and against its latency (p50 ms, one marker per runtime).
+
 A plain command line, not a Hydra app: it reads files and has nothing to compose.
 Exit code 1 with a message when the folder holds nothing to plot.
 """
@@ -45,6 +50,45 @@ RUN_PANELS = {
 
 class NothingToPlot(ValueError):
     """The folder is neither a run (``csv/version_<n>/metrics.csv``) nor a sweep (``optuna.db`` or job folders)."""
+
+
+COMPRESS_REPORT = "compress_report.json"  # written by quantize (compress/report.py)
+RUNTIME_MARKERS = {"pytorch": "o", "onnxruntime": "s"}
+
+
+def plot_compression(report_path: Path, out_dir: Path) -> list[Path]:
+    """``compression.png``: two panels, the first metric of a ``quantize`` report (accuracy, or
+    perplexity) against each variant's size in MB and against its p50 latency in ms (a
+    marker per runtime: latencies of different runtimes are not the same clock's work).
+
+    Raises:
+        NothingToPlot: the report lists no variant.
+    """
+    report = json.loads(report_path.read_text())
+    variants = report.get("variants") or []
+    if not variants:
+        raise NothingToPlot(f"{report_path} lists no variant")
+    metric = report["metric_names"][0]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    latency = report["latency"]
+    panels = (
+        ("size_mb", "weight files (MB)"),
+        ("p50", f"latency p50 (ms per batch of {latency['batch_size']} x {latency['sequence_length']})"),
+    )
+    for ax, (key, xlabel) in zip(axes, panels):
+        for v in variants:
+            x = v["size_mb"] if key == "size_mb" else v["latency_ms"]["p50"]
+            y = v["metrics"].get(metric)
+            if x is None or y is None:
+                continue
+            marker = RUNTIME_MARKERS.get(v["runtime"].split("-")[0], "^")
+            ax.scatter([x], [y], marker=marker, s=50)
+            ax.annotate(v["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set(xlabel=xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set(ylabel=f"{metric} ({report['split']} split)")
+    fig.suptitle(f"{metric} against size and latency (o: PyTorch, s: onnxruntime)\n{report['source']}", fontsize=10)
+    return [save(fig, out_dir / "compression.png")]
 
 
 def read_curves(csv_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -214,14 +258,21 @@ def save(fig, path: Path) -> Path:
 
 
 def plot(path: Path, out_dir: Path | None = None) -> list[Path]:
-    """Plot a run folder or a sweep folder (see the module docstring) into ``out_dir``
-    (default ``path/plots``); return the PNG files written.
+    """Plot a run folder, a sweep folder or a ``quantize`` report (its folder or its
+    ``compress_report.json``; see the module docstring) into ``out_dir`` (default ``path/plots``,
+    next to the report for a report file); return the PNG files written.
 
     Raises:
-        NothingToPlot: ``path`` is not a folder, or holds nothing to plot.
+        NothingToPlot: ``path`` is not a folder or a report, or holds nothing to plot.
     """
+    if path.is_file() and path.name == COMPRESS_REPORT:
+        return plot_compression(path, out_dir or path.parent / "plots")
+    if path.is_dir() and (path / COMPRESS_REPORT).is_file():
+        return plot_compression(path / COMPRESS_REPORT, out_dir or path / "plots")
     if not path.is_dir():
-        raise NothingToPlot(f"{path} is not a folder; fix: pass a run folder (logs/<task>/runs/<run>) or a sweep folder")
+        raise NothingToPlot(
+            f"{path} is not a folder; fix: pass a run folder (logs/<task>/runs/<run>), a sweep folder or a quantize output folder"
+        )
     out_dir = out_dir or path / "plots"
     is_run = bool(launch_files(path / "csv"))
     return plot_run(path, out_dir) if is_run else plot_sweep(path, out_dir)
@@ -229,8 +280,8 @@ def plot(path: Path, out_dir: Path | None = None) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     """Console script / ``python -m`` entry (see the module docstring)."""
-    parser = argparse.ArgumentParser(description="Plot a run or a sweep folder from its local logs into PNG files.")
-    parser.add_argument("path", type=Path, help="a run folder (logs/<task>/runs/<run>) or a sweep folder")
+    parser = argparse.ArgumentParser(description="Plot a run, a sweep or a quantize report from its local files into PNG files.")
+    parser.add_argument("path", type=Path, help="a run folder (logs/<task>/runs/<run>), a sweep folder, or a quantize output folder")
     parser.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: <path>/plots)")
     args = parser.parse_args(argv)
     try:

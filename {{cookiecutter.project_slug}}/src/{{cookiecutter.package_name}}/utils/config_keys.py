@@ -83,6 +83,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "compile": frozenset({"mode"}),
     "loss": frozenset({"implementation", "chunk_size"}),
     "paths": frozenset({"root_dir", "data_dir", "log_dir", "output_dir", "cache_dir"}),
+    "latency": frozenset({"device", "batch_size", "batch_size_by_task", "sequence_length", "warmup", "repeats"}),  # quantize
 }
 # Top-level keys that only one entry config reads (by task_name; train and eval read none extra).
 ENTRY_KEYS: dict[str, frozenset[str]] = {
@@ -91,6 +92,7 @@ ENTRY_KEYS: dict[str, frozenset[str]] = {
     "predict": frozenset({"input", "output"}),
     "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation"}),
     "export": frozenset({"output_dir", "dtype"}),
+    "quantize": frozenset({"model_dir", "output_dir", "variants", "variants_by_task", "unavailable", "group_size", "latency"}),
 }
 # Arguments of a _target_ that this project passes itself: never from the config.
 SET_BY_PROJECT: dict[str, frozenset[str]] = {

@@ -1,0 +1,197 @@
+"""The compression report: each variant's size, task metric and latency against the fp32 baseline.
+
+:func:`build_report` does the arithmetic (sizes in MB and as a ratio of fp32, metric deltas,
+latency percentiles and ratios against the fp32 of the *same* runtime: an onnxruntime variant
+against ``onnx_fp32``, a PyTorch one against ``fp32``, so a runtime's own speed is not credited to
+the quantization); :func:`write_report` writes it as ``compress_report.json`` and
+``compress_report.md`` (one Markdown table, then how each variant is stored, then the refusals).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPORT_JSON, REPORT_MD = "compress_report.json", "compress_report.md"
+BYTES_PER_MB = 1_000_000  # MB as in file sizes (10^6 bytes), not MiB
+# The suffixes of weight files: what a variant's size counts (its config and tokenizer files are not weights).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".onnx", ".onnx.data", ".data", ".pt")
+
+
+@dataclass
+class Measurement:
+    """What was measured of one variant (the inputs of :func:`build_report`).
+
+    Attributes:
+        name: the variant (``fp32``, ``int8_dynamic``, ``onnx_int8``...).
+        runtime: where it was timed (``pytorch-eager-cpu``, ``onnxruntime-cpu``, ``pytorch-eager-cuda``).
+        latency_baseline: the variant its latency is compared with: the fp32 of the same runtime.
+        size_bytes: bytes of its weight files (:func:`weight_bytes`).
+        metrics: the task metrics on the evaluation split (``accuracy``, ``f1_macro``, or ``perplexity``).
+        latency_ms: one forward of the timed batch per sample, in milliseconds (after the warm-up).
+        load: the Python line that loads the saved folder.
+        storage: how its weights are stored, in words.
+        path: the variant's folder.
+    """
+
+    name: str
+    runtime: str
+    latency_baseline: str
+    size_bytes: int
+    metrics: dict[str, float]
+    latency_ms: list[float]
+    load: str
+    storage: str
+    path: str = ""
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the weight files in ``folder`` (recursively): safetensors, bin, onnx and ONNX
+    external data; embeddings included, config and tokenizer files not."""
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES))
+
+
+def latency_summary(samples_ms: list[float]) -> dict[str, float]:
+    """``p50``, ``p90`` and ``mean`` of ``samples_ms`` (milliseconds) and their count ``n``.
+
+    Percentiles by linear interpolation between the closest ranks (``numpy.percentile``'s
+    default, the "type 7" estimator of Hyndman & Fan 1996, as in R and Excel).
+
+    Raises:
+        ValueError: no samples.
+    """
+    if not samples_ms:
+        raise ValueError("no latency samples to summarise")
+    samples = np.asarray(samples_ms, dtype=np.float64)
+    return {
+        "p50": float(np.percentile(samples, 50)),
+        "p90": float(np.percentile(samples, 90)),
+        "mean": float(samples.mean()),
+        "n": len(samples),
+    }
+
+
+def ratio(value: float | None, baseline: float | None) -> float | None:
+    """``value / baseline``, or ``None`` when either is missing, not finite, or the baseline is 0."""
+    if value is None or baseline is None or not math.isfinite(value) or not math.isfinite(baseline) or baseline == 0:
+        return None
+    return value / baseline
+
+
+def build_report(measurements: list[Measurement], refusals: list[dict], context: dict, baseline: str = "fp32") -> dict:
+    """The report as a JSON-able dict: ``context`` (source, task, metric split, latency setting),
+    one entry per variant, and the ``refusals`` (``{"variant", "reason", "fix"}`` each).
+
+    Per variant: ``size_mb`` (:data:`BYTES_PER_MB`) and ``size_ratio`` (of ``baseline``'s bytes);
+    each metric and its ``delta`` (variant minus baseline, same units); ``latency_ms`` (p50, p90,
+    mean, n) and ``latency_ratio`` (p50 and p90 over those of ``latency_baseline``, the fp32 of the
+    same runtime; ``None`` when that variant was not measured).
+
+    Raises:
+        ValueError: ``baseline`` is not among the measurements.
+    """
+    by_name = {m.name: m for m in measurements}
+    if baseline not in by_name:
+        raise ValueError(f"the baseline {baseline!r} was not measured (measured: {sorted(by_name)})")
+    base = by_name[baseline]
+    summaries = {m.name: latency_summary(m.latency_ms) for m in measurements}
+    variants = []
+    for m in measurements:
+        latency = summaries[m.name]
+        reference = summaries.get(m.latency_baseline)
+        variants.append(
+            {
+                "name": m.name,
+                "runtime": m.runtime,
+                "path": m.path,
+                "load": m.load,
+                "storage": m.storage,
+                "size_bytes": m.size_bytes,
+                "size_mb": m.size_bytes / BYTES_PER_MB,
+                "size_ratio": ratio(m.size_bytes, base.size_bytes),
+                "metrics": dict(m.metrics),
+                "delta": {key: (value - base.metrics[key]) if key in base.metrics else None for key, value in m.metrics.items()},
+                "latency_ms": latency,
+                "latency_baseline": m.latency_baseline,
+                "latency_ratio": {q: ratio(latency[q], reference[q] if reference else None) for q in ("p50", "p90")},
+            }
+        )
+    return {**context, "baseline": baseline, "variants": variants, "refusals": list(refusals)}
+
+
+def _number(value: float | None, digits: int = 2, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def markdown_table(report: dict) -> str:
+    """The variants as one Markdown table: size, metrics with their delta, latency with its ratio."""
+    metric_names = list(report["variants"][0]["metrics"])
+    header = ["variant", "runtime", "size MB", "× fp32"]
+    for name in metric_names:
+        header += [name, "Δ"]
+    header += ["p50 ms", "p90 ms", "p50 × fp32 (same runtime)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for v in report["variants"]:
+        row = [f"`{v['name']}`", v["runtime"], _number(v["size_mb"]), _number(v["size_ratio"], 3)]
+        for name in metric_names:
+            row += [_number(v["metrics"].get(name), 4), _number(v["delta"].get(name), 4, signed=True)]
+        baseline = "" if v["latency_baseline"] == v["name"] else f" (vs `{v['latency_baseline']}`)"
+        row += [_number(v["latency_ms"]["p50"], 1), _number(v["latency_ms"]["p90"], 1), _number(v["latency_ratio"]["p50"]) + baseline]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(report: dict) -> str:
+    """The whole ``compress_report.md``: what was measured and how, the table, how each variant
+    is stored and loads, and the refusals with their reasons and fixes."""
+    latency = report["latency"]
+    lines = [
+        "# Compression report",
+        "",
+        f"- source: `{report['source']}` (task {report['task']})",
+        f"- metric: {', '.join(report['metric_names'])} on the **{report['split']}** split ({report['rows']} rows); "
+        f"Δ = variant − `{report['baseline']}`",
+        f"- latency: one forward of a batch of {latency['batch_size']} × {latency['sequence_length']} tokens, "
+        f"{latency['warmup']} warm-up runs, then p50/p90 of {latency['repeats']} on {latency['device']} "
+        f"({latency['threads']} CPU threads, load average {latency['load_average']:.1f} when it started: above the thread count, "
+        "other processes shared the cores and every timing is inflated); the ratio is against the fp32 variant of the same runtime",
+        f"- size: bytes of the weight files (safetensors/onnx, embeddings included), MB = 10^6 bytes; × fp32 against `{report['baseline']}`",
+        "",
+        markdown_table(report),
+        "",
+        "## How each variant is stored and loaded",
+        "",
+    ]
+    for v in report["variants"]:
+        lines.append(f"- `{v['name']}`: {v['storage']}  \n  `{v['load']}`")
+    lines += ["", "## Refusals", ""]
+    if report["refusals"]:
+        lines += [f"- `{r['variant']}`: {r['reason']}; fix: {r['fix']}" for r in report["refusals"]]
+    else:
+        lines.append("None: every requested variant was made.")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(folder: Path, report: dict) -> tuple[Path, Path]:
+    """Write ``compress_report.json`` (NaN/inf as null) and ``compress_report.md`` into ``folder``."""
+    json_path, md_path = folder / REPORT_JSON, folder / REPORT_MD
+    json_path.write_text(json.dumps(_finite(report), indent=2) + "\n", encoding="utf-8")
+    md_path.write_text(markdown_report(report), encoding="utf-8")
+    return json_path, md_path
+
+
+def _finite(value: object) -> object:
+    """``value`` with every non-finite float replaced by ``None`` (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value

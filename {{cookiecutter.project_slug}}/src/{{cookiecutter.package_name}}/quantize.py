@@ -1,0 +1,381 @@
+"""Post-training quantization: a trained model -> one folder per variant, each re-measured.
+
+    python -m <package>.quantize experiment=demo_classification ckpt_path=RUN/checkpoints/last.ckpt
+    python -m <package>.quantize experiment=demo_sft_sentiment model_dir=models/sft variants=[fp32,int8_dynamic,nf4]
+
+Reads a checkpoint of either task (as ``eval`` does: the architecture, labels and tokenizer from
+it, the data from the config) or a causal-LM folder written by ``export``.  Writes ``output_dir``
+(it must not exist; built under a temporary name and renamed, so it is complete or absent): one
+subfolder per variant (``fp32``, torchao int8/int4, ``nf4``, ONNX fp32/int8; see
+:mod:`.compress.quantization` and docs/compression.md), each loading with one line of Python,
+and ``compress_report.json`` / ``compress_report.md``: per variant the weight files' size, the
+task metric on the test split (a causal LM without one: the validation split, named in the report)
+and the forward latency (p50/p90 over ``latency.repeats`` batches after ``latency.warmup``), each
+against fp32 (latency against the fp32 of the same runtime).  Every variant is measured from its
+saved folder, loaded with that line, so the numbers are those of the artefact.
+
+Trade-offs: measuring runs each variant over the whole evaluation split on this machine (minutes
+for MiniLM on two CPU cores); on a CPU the torchao int8 variants are usually *slower* than fp32
+(their gain is size; onnxruntime's int8 kernels are the fast path there), and the report says so
+rather than hiding it.  A variant this machine or checkpoint cannot make is skipped and listed
+with its reason and fix (``unavailable=error`` stops instead), before anything is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from .compress.quantization import (
+    CAUSAL_LM,
+    ONNX_FILE,
+    ONNXRUNTIME,
+    VARIANTS,
+    export_onnx,
+    load_forward,
+    load_line,
+    quantize_onnx,
+    quantize_torchao,
+    save_nf4,
+    save_torchao,
+    unavailable,
+    variant_problems,
+)
+from .compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
+from .eval import load_module
+from .utils.config import ConfigError, validate_config
+from .utils.run import exit_on_bad_input, print_config_tree
+
+UNAVAILABLE = ("skip", "error")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def quantize(cfg: DictConfig) -> dict:
+    """Make, save and measure every variant of ``cfg.variants``; write the report; return it.
+
+    Raises:
+        ConfigError: invalid config (both or neither of ``ckpt_path``/``model_dir``, an existing
+            ``output_dir``, an unknown variant or one of the other task, bad latency settings, a
+            variant that cannot run here with ``unavailable=error``), before any weights load.
+        DataError: bad evaluation data.
+    """
+    validate_config(cfg)
+    task = cfg.task.name
+    hparams, architecture = read_source(cfg)
+    qat = hparams.get("qat") or {"scheme": "none"}  # (checkpoints written before the qat group have none)
+    device = run_device(cfg.latency.device)
+    names, refusals = plan_variants(cfg, task, device, qat["scheme"], architecture)
+    output = Path(cfg.output_dir)
+    print_config_tree(cfg, save_to=Path(cfg.paths.output_dir) / "config_tree.log")
+    for refusal in refusals:
+        print(f"Skipped {refusal['variant']}: {refusal['reason']}; fix: {refusal['fix']}")
+
+    model, tokenizer, datamodule_kwargs = load_source(cfg, hparams)
+    auto_class = auto_class_of(task)
+    datamodule = hydra.utils.instantiate(cfg.data, **datamodule_kwargs)
+    datamodule.prepare_data()
+    split = "test" if datamodule.has_test else "validation"  # (a classifier without a test split was refused above)
+    datamodule.setup("test" if split == "test" else "validate")
+    loader = datamodule.test_dataloader() if split == "test" else datamodule.val_dataloader()
+    sample = next(iter(loader))
+    timing = timing_inputs(task, sample, model.config.vocab_size, cfg.latency.batch_size, cfg.latency.sequence_length)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    measurements = []
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as tmp:
+        staging = Path(tmp) / output.name
+        fp32_dir = staging / "fp32"
+        for name in names:
+            folder = staging / name
+            print(f"[{name}] making ...")
+            make_variant(name, model, tokenizer, folder, fp32_dir, auto_class, cfg.group_size, qat, device, timing)
+            forward = load_forward(name, folder, auto_class, device)
+            runtime = "onnxruntime-cpu" if VARIANTS[name].runtime == ONNXRUNTIME else f"pytorch-eager-{device}"
+            print(f"[{name}] scoring on the {split} split, timing on {runtime} ...")
+            metrics = score(task, forward, loader, device)
+            samples = time_forward(forward, to_device(timing, device if runtime.startswith("pytorch") else "cpu"), cfg.latency)
+            measurements.append(
+                Measurement(
+                    name=name,
+                    runtime=runtime,
+                    latency_baseline="onnx_fp32" if VARIANTS[name].runtime == ONNXRUNTIME else "fp32",
+                    size_bytes=weight_bytes(folder),
+                    metrics=metrics,
+                    latency_ms=samples,
+                    load=load_line(name, output / name, auto_class),
+                    storage=VARIANTS[name].storage.replace("group_size", f"{cfg.group_size}"),
+                    path=str(output / name),
+                )
+            )
+            del forward
+        context = {
+            "source": str(cfg.ckpt_path or cfg.model_dir),
+            "task": task,
+            "split": split,
+            "rows": len(datamodule.datasets[split]),
+            "metric_names": list(measurements[0].metrics),
+            "latency": {
+                "batch_size": cfg.latency.batch_size,
+                "sequence_length": cfg.latency.sequence_length,
+                "warmup": cfg.latency.warmup,
+                "repeats": cfg.latency.repeats,
+                "threads": torch.get_num_threads(),
+                "device": device,
+                # Other processes on the same cores slow every variant (PyTorch's threads wait on each other): a
+                # load above the thread count means the timings are not this model's alone.
+                "load_average": os.getloadavg()[0],
+            },
+            "group_size": cfg.group_size,
+        }
+        report = build_report(measurements, refusals, context)
+        write_report(staging, report)
+        shutil.move(str(staging), output)
+    print(markdown_table(report))
+    print(f"Compressed: {output} (report: {output / 'compress_report.md'})")
+    return report
+
+
+# ------------------------------------------------------------------ checks (nothing loaded)
+def read_source(cfg: DictConfig) -> tuple[dict, object]:
+    """The checkpoint's hyperparameters (``{}`` for an exported folder) and the model's
+    transformers config, read without the weights.
+
+    Raises:
+        ConfigError: neither or both of ``ckpt_path``/``model_dir``; ``model_dir`` without a
+            ``config.json`` or for a classifier; a checkpoint with no stored architecture.
+    """
+    from transformers import AutoConfig
+
+    if (cfg.ckpt_path is None) == (cfg.model_dir is None):
+        raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<folder written by export>")
+    if cfg.model_dir is not None:
+        if cfg.task.name != CAUSAL_LM or not Path(cfg.model_dir, "config.json").is_file():
+            raise ConfigError(
+                f"model_dir={cfg.model_dir!r} is not a causal LM folder written by export; fix: ckpt_path=RUN/checkpoints/last.ckpt"
+            )
+        return {}, AutoConfig.from_pretrained(cfg.model_dir)
+    # Memory-mapped: only the hyperparameters are read here, not the weights.
+    checkpoint = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    hparams = dict(checkpoint.get("hyper_parameters", {}))
+    if not hparams.get("hf_config"):
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} stores no model architecture (hf_config); fix: a checkpoint written by train")
+    fields = dict(hparams["hf_config"])
+    return hparams, AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def run_device(choice: str) -> str:
+    """``latency.device``: ``auto`` is ``cuda`` when a CUDA GPU is visible, else ``cpu``.
+
+    Raises:
+        ConfigError: not one of :data:`DEVICES`, or ``cuda`` without a CUDA GPU.
+    """
+    if choice not in DEVICES:
+        raise ConfigError(f"latency.device={choice!r} is not one of {DEVICES}; fix: latency.device=auto")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("latency.device=cuda but no CUDA GPU is visible; fix: latency.device=cpu (or auto)")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
+
+
+def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, architecture) -> tuple[list[str], list[dict]]:
+    """The variants to make, in order, and the refusals (``{"variant", "reason", "fix"}``) of
+    those this machine or checkpoint cannot make (:func:`.compress.quantization.unavailable`).
+
+    Raises:
+        ConfigError: every problem of the config at once (unknown variants, an existing
+            ``output_dir``, latency settings, a classifier without a test split, and the
+            refusals themselves with ``unavailable=error``).
+    """
+    from .models.builder import max_positions
+
+    names = [str(name) for name in cfg.variants]
+    problems = variant_problems(names, task)
+    if Path(cfg.output_dir).exists():
+        problems.append(f"output_dir={str(cfg.output_dir)!r} already exists; fix: choose a new folder, or delete it first")
+    if cfg.unavailable not in UNAVAILABLE:
+        problems.append(f"unavailable={cfg.unavailable!r} is not one of {UNAVAILABLE}; fix: unavailable=skip")
+    for field in ("batch_size", "sequence_length", "warmup", "repeats", "group_size"):
+        value = cfg.group_size if field == "group_size" else cfg.latency[field]
+        key = field if field == "group_size" else f"latency.{field}"
+        least = 0 if field == "warmup" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            problems.append(f"{key}={value!r} must be an integer >= {least}; fix: {key}={max(least, 8)}")
+    positions = max_positions(architecture)
+    length = cfg.latency.sequence_length
+    if positions is not None and isinstance(length, int) and length > positions:
+        problems.append(
+            f"latency.sequence_length={length} is more than the model's {positions} positions; fix: latency.sequence_length={positions}"
+        )
+    if task != CAUSAL_LM and cfg.data.splits.get("test") is None:
+        problems.append("data.splits.test is null: quantize scores a classifier on its test split; fix: data.splits.test=path/to/test.csv")
+    refusals = []
+    for name in names:
+        if name in VARIANTS and task in VARIANTS[name].tasks:
+            why = unavailable(name, device, qat_scheme)
+            if why is not None:
+                refusals.append({"variant": name, "reason": why[0], "fix": why[1]})
+    if cfg.unavailable == "error":
+        problems += [
+            f"variants: {r['variant']} cannot be made here: {r['reason']}; fix: {r['fix']} (or unavailable=skip)" for r in refusals
+        ]
+    if problems:
+        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
+    skipped = {r["variant"] for r in refusals}
+    return ["fp32"] + [name for name in names if name not in skipped and name != "fp32"], refusals  # fp32 first: nf4 loads its folder
+
+
+# --------------------------------------------------------------------------- the model
+def auto_class_of(task: str) -> type:
+    """The transformers Auto class that loads this task's folders."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForCausalLM if task == CAUSAL_LM else AutoModelForSequenceClassification
+
+
+def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object, dict]:
+    """The plain fp32 Hugging Face model (eval mode, on the CPU), its tokenizer, and what the
+    data module needs from it.  LoRA adapters are merged; a QLoRA checkpoint is merged into the
+    fp32 base (as ``export`` does); a QAT checkpoint is loaded without its fake quantisation (the
+    ``fp32`` baseline: the trained weights, unrounded; ``qat`` converts them)."""
+    from transformers import AutoTokenizer
+
+    if cfg.model_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
+        return auto_class_of(cfg.task.name).from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
+    overrides = {}
+    if (hparams.get("peft") or {}).get("method") == "qlora":  # the same adapter keys on the unquantized base
+        overrides["peft"] = {**hparams["peft"], "method": "lora"}
+    if (hparams.get("qat") or {}).get("scheme", "none") != "none":  # the parameter names are the same without it
+        overrides["qat"] = {**hparams["qat"], "scheme": "none"}
+    if overrides:
+        module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu", **overrides)
+    else:
+        module = load_module(cfg)
+    if cfg.task.name == CAUSAL_LM:
+        model = module.merged_model()
+    else:
+        model = module.model.merge_and_unload() if (hparams.get("peft") or {}).get("method", "none") != "none" else module.model
+    return model.eval(), module.tokenizer, module.datamodule_kwargs()
+
+
+def make_variant(
+    name: str,
+    model: torch.nn.Module,
+    tokenizer,
+    folder: Path,
+    fp32_dir: Path,
+    auto_class: type,
+    group_size: int,
+    qat: dict,
+    device: str,
+    timing: dict[str, torch.Tensor],
+) -> None:
+    """Write variant ``name`` of the fp32 ``model`` into ``folder`` (with the tokenizer).  The
+    ``fp32`` folder is written first (``fp32`` is always in the list) and the others derive from
+    ``model`` or that folder."""
+    folder.mkdir(parents=True)
+    tokenizer.save_pretrained(folder)
+    if name == "fp32":
+        model.save_pretrained(folder)
+    elif name == "nf4":
+        save_nf4(fp32_dir, folder, auto_class, device)
+    elif name == "onnx_fp32":
+        model.config.save_pretrained(folder)  # the labels (id2label) next to the graph
+        export_onnx(model, {key: value[:2, :16] for key, value in timing.items()}, folder / ONNX_FILE)
+    elif name == "onnx_int8":
+        model.config.save_pretrained(folder)
+        source = folder.parent / "onnx_fp32" / ONNX_FILE
+        if not source.is_file():  # (onnx_int8 asked for without onnx_fp32: export to a scratch file)
+            export_onnx(model, {key: value[:2, :16] for key, value in timing.items()}, folder / "fp32.onnx")
+            source = folder / "fp32.onnx"
+        quantize_onnx(source, folder / ONNX_FILE)
+        if source.parent == folder:
+            source.unlink()
+    else:
+        quantized = copy.deepcopy(model)
+        if name == "int4_weight_only":  # the int4 CUDA kernels take bf16 activations
+            quantized.to(device=device, dtype=torch.bfloat16)
+        save_torchao(quantized, quantize_torchao(quantized, name, group_size, qat), folder)
+
+
+# ------------------------------------------------------------------------ measuring
+def timing_inputs(task: str, sample: dict[str, torch.Tensor], vocab_size: int, batch_size: int, length: int) -> dict[str, object]:
+    """The timed batch: ``(batch_size, length)`` random token ids (seeded), every position real
+    (attention mask of ones), and for a classifier the other inputs its data gives (token types 0)."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab_size, (batch_size, length), generator=generator)  # (B, T)
+    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    if task != CAUSAL_LM and "token_type_ids" in sample:
+        inputs["token_type_ids"] = torch.zeros_like(input_ids)
+    if task == CAUSAL_LM:
+        inputs["use_cache"] = False  # one forward over the batch (prefill), no KV cache kept
+    return inputs
+
+
+def to_device(inputs: dict[str, object], device: str) -> dict[str, object]:
+    """``inputs`` with each tensor moved to ``device`` (flags such as ``use_cache`` kept as they are)."""
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+
+
+def score(task: str, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
+    """The task metric of ``forward`` over ``loader``: classifiers ``accuracy`` and ``f1_macro``
+    (torchmetrics, as ``eval`` logs them), causal LMs ``perplexity`` = exp(token-mean NLL), the
+    NLL summed over every target token of the split and divided by their count."""
+    with torch.inference_mode():
+        if task == CAUSAL_LM:
+            from .models.causal_lm import model_arguments, token_loss_sum
+
+            total, count = 0.0, 0
+            for batch in loader:
+                logits = forward(to_device(model_arguments(batch), device))  # (B, T, V)
+                loss_sum, targets = token_loss_sum(logits.float().cpu(), batch["labels"])
+                total, count = total + float(loss_sum), count + int(targets)
+            return {"perplexity": math.exp(total / count)}
+        from .models.classification import classification_metrics
+
+        metrics = None
+        for batch in loader:
+            logits = forward(to_device({k: v for k, v in batch.items() if k != "labels"}, device)).float().cpu()  # (B, C)
+            metrics = metrics or classification_metrics(logits.shape[-1], "test")
+            metrics.update(logits, batch["labels"])
+        values = metrics.compute()
+        return {"accuracy": float(values["test/acc"]), "f1_macro": float(values["test/f1_macro"])}
+
+
+def time_forward(forward: Callable[[dict], torch.Tensor], inputs: dict[str, torch.Tensor], latency: DictConfig) -> list[float]:
+    """Milliseconds of each of ``latency.repeats`` forwards of ``inputs``, after
+    ``latency.warmup`` untimed ones (first-call allocations, lazy kernel choices); CUDA work is
+    synchronised before each clock read."""
+    cuda = any(value.is_cuda for value in inputs.values() if isinstance(value, torch.Tensor))
+    samples = []
+    with torch.inference_mode():
+        for index in range(latency.warmup + latency.repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            forward(inputs)
+            if cuda:
+                torch.cuda.synchronize()
+            if index >= latency.warmup:
+                samples.append((time.perf_counter() - start) * 1000.0)
+    return samples
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="quantize")
+def main(cfg: DictConfig) -> None:
+    """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
+    with exit_on_bad_input():
+        quantize(cfg)
+
+
+if __name__ == "__main__":
+    main()
