@@ -25,7 +25,7 @@ TASK_DATA = {
     "causal_lm": "shakespeare",
 {%- endif %}
 }
-ENTRY_CONFIGS = ("train", "eval", "plan"
+ENTRY_CONFIGS = ("train", "eval", "plan", "quantize"
 {%- if cookiecutter.tasks != "causal_lm" %}, "predict"{% endif %}
 {%- if cookiecutter.tasks != "classification" %}, "generate", "export"{% endif %})
 # Groups merged into Hydra's own node, not ours: composed, not resolved.
@@ -121,6 +121,7 @@ def test_entry_configs_compose(config_name, tmp_path):
         "generate": [f"ckpt_path={ckpt}"],
         "export": [f"ckpt_path={ckpt}"],
         "plan": [],
+        "quantize": [f"ckpt_path={ckpt}"],
     }
     cfg = compose_config(config_name, [f"paths.output_dir={tmp_path}", *required[config_name]])
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
