@@ -15,6 +15,9 @@ Each model goes through ``python -m {{ cookiecutter.package_name }}.quantize`` (
 ``train`` composes it) and its ``compress_report.md`` table is printed.  The last line is
 {%- if cookiecutter.tasks != "causal_lm" %}
 ``int8_acc_delta=<x> int8_size_ratio=<x> int8_latency_ratio=<x>`` for the best int8 variant of the classifier:
+{%- if cookiecutter.tasks == "both" %}
+(or, with ``--skip-classifier``, ``int8_ppl_ratio=<x> ...`` for the causal LM's)
+{%- endif %}
 {%- else %}
 ``int8_ppl_ratio=<x> int8_size_ratio=<x> int8_latency_ratio=<x>`` for the best int8 variant of the causal LM:
 {%- endif %}
@@ -113,12 +116,12 @@ def main() -> None:
         report = quantize("causal_lm", [f"model_dir={model_dir}"], out, demo)
         best = best_int8(report, "perplexity")
         print(f"best int8 variant of the causal LM: {best['name']} ({best['runtime']})")
-{%- if cookiecutter.tasks == "causal_lm" %}
-        last = (
-            f"int8_ppl_ratio={best['metrics']['perplexity'] / report['variants'][0]['metrics']['perplexity']:.4f} "
+        base = next(v for v in report["variants"] if v["name"] == report["baseline"])
+        lm_line = (
+            f"int8_ppl_ratio={best['metrics']['perplexity'] / base['metrics']['perplexity']:.4f} "
             f"int8_size_ratio={best['size_ratio']:.3f} int8_latency_ratio={best['latency_ratio']['p50']:.3f}"
         )
-{%- endif %}
+        last = last or lm_line  # the classifier's line when both were measured
 {%- endif %}
     if last is None:
         sys.exit("nothing measured: drop --skip-classifier/--skip-lm")

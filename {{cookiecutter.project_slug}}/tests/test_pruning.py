@@ -20,7 +20,7 @@ from {{ cookiecutter.package_name }}.compress.pruning import (
     shrink_ffn,
     to_semi_structured_sparse,
 )
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, validate_config
+from {{ cookiecutter.package_name }}.utils.config import ConfigError{% if cookiecutter.tasks != "causal_lm" %}, validate_config{% endif %}
 
 from .conftest import tiny_llama_config
 

@@ -6,12 +6,21 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.compress.qat import convert_qat, prepare_qat, qat_problems
+{%- if cookiecutter.tasks != "causal_lm" %}
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+{%- endif %}
 from {{ cookiecutter.package_name }}.train import train
 from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
 QAT = {"scheme": "int8a_int4w", "group_size": 32}
+# Each conflict of qat with another choice, and the words its refusal must contain.
+CONFLICTS = [
+    (["qat.scheme=int4"], "qat.scheme='int4' is not one of"),
+    (["qat.group_size=48"], "qat.group_size=48 must be a power of two"),
+    (["optimizer.step_in_backward=true", "batch.global_batch_size={micro}"], "optimizer.step_in_backward=false"),
+    (["peft=lora"], "fix: peft=none"),
+]
 
 
 @pytest.fixture
@@ -22,6 +31,42 @@ def tiny_bert_model():
     torch.manual_seed(0)
     config = BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_labels=2)
     return BertForSequenceClassification(config)
+
+
+def test_convert_of_plain_weights_is_the_post_training_quantization_of_the_same_scheme(tiny_bert_model):
+    model = tiny_bert_model.eval()
+    batch = torch.randint(5, 100, (2, 10))
+    with torch.no_grad():
+        before = model(input_ids=batch).logits
+        after = convert_qat(model, QAT)(input_ids=batch).logits
+    assert not torch.equal(before, after)  # rounded to int4 weights ...
+    torch.testing.assert_close(after, before, atol=0.2, rtol=0.2)  # ... close to the float outputs
+
+
+def test_layers_the_group_does_not_divide_keep_full_precision(tiny_bert_model):
+    count = prepare_qat(tiny_bert_model, {"scheme": "int8a_int4w", "group_size": 128})
+    assert count == 2  # only the intermediate-to-output layers (in_features 128) of the two layers
+    with pytest.raises(ConfigError, match="qat.group_size=256"):
+        prepare_qat(tiny_bert_model, {"scheme": "int8a_int4w", "group_size": 256})
+
+
+def test_qat_problems_is_empty_for_none_and_for_a_valid_scheme():
+    assert qat_problems({"scheme": "none"}) == []
+    assert qat_problems(QAT, {"step_in_backward": False}, {"method": "none"}) == []
+
+
+def test_a_tied_lm_head_stays_tied_and_unquantised():
+    from torchao.quantization.qat import FakeQuantizedLinear
+    from transformers import AutoModelForCausalLM
+
+    from .conftest import tiny_llama_config
+
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(128, tie_word_embeddings=True))
+    count = prepare_qat(model, QAT)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert not isinstance(model.lm_head, FakeQuantizedLinear)
+    assert count == sum(isinstance(layer, FakeQuantizedLinear) for layer in model.modules()) > 0
+{%- if cookiecutter.tasks != "causal_lm" %}
 
 
 @pytest.fixture(scope="module")
@@ -65,44 +110,16 @@ def test_convert_gives_the_fake_quantised_outputs_with_integer_weights(qat_run):
     torch.testing.assert_close(converted, fake, atol=1e-4, rtol=1e-4)
 
 
-def test_convert_of_plain_weights_is_the_post_training_quantization_of_the_same_scheme(tiny_bert_model):
-    model = tiny_bert_model.eval()
-    batch = torch.randint(5, 100, (2, 10))
-    with torch.no_grad():
-        before = model(input_ids=batch).logits
-        after = convert_qat(model, QAT)(input_ids=batch).logits
-    assert not torch.equal(before, after)  # rounded to int4 weights ...
-    torch.testing.assert_close(after, before, atol=0.2, rtol=0.2)  # ... close to the float outputs
-
-
-def test_layers_the_group_does_not_divide_keep_full_precision(tiny_bert_model):
-    count = prepare_qat(tiny_bert_model, {"scheme": "int8a_int4w", "group_size": 128})
-    assert count == 2  # only the intermediate-to-output layers (in_features 128) of the two layers
-    with pytest.raises(ConfigError, match="qat.group_size=256"):
-        prepare_qat(tiny_bert_model, {"scheme": "int8a_int4w", "group_size": 256})
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["qat.scheme=int4"], "qat.scheme='int4' is not one of"),
-        (["qat.group_size=48"], "qat.group_size=48 must be a power of two"),
-        (["optimizer.step_in_backward=true", "batch.global_batch_size=16"], "optimizer.step_in_backward=false"),
-        (["peft=lora"], "fix: peft=none"),
-    ],
-)
+@pytest.mark.parametrize(("overrides", "message"), CONFLICTS)
 def test_qat_conflicts_are_refused_before_any_weights_load(make_cfg, monkeypatch, overrides, message):
     def no_weights(*args, **kwargs):
         raise AssertionError("weights loaded before the config was checked")
 
     monkeypatch.setattr(SequenceClassificationModule, "configure_model", no_weights)
     with pytest.raises(ConfigError, match=message):
-        train(make_cfg("qat=int8a_int4w", *overrides))
-
-
-def test_qat_problems_is_empty_for_none_and_for_a_valid_scheme():
-    assert qat_problems({"scheme": "none"}) == []
-    assert qat_problems(QAT, {"step_in_backward": False}, {"method": "none"}) == []
+        train(make_cfg("qat=int8a_int4w", *(o.format(micro=16) for o in overrides)))
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
 
 
 def test_a_causal_lm_trains_with_qat(make_lm_cfg):
@@ -110,14 +127,14 @@ def test_a_causal_lm_trains_with_qat(make_lm_cfg):
     assert metrics["train/loss"] > 0
 
 
-def test_a_tied_lm_head_stays_tied_and_unquantised():
-    from torchao.quantization.qat import FakeQuantizedLinear
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize(("overrides", "message"), CONFLICTS)
+def test_qat_conflicts_of_a_causal_lm_are_refused_before_any_weights_load(make_lm_cfg, monkeypatch, overrides, message):
+    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
 
-    from .conftest import tiny_llama_config
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the config was checked")
 
-    model = AutoModelForCausalLM.from_config(tiny_llama_config(128, tie_word_embeddings=True))
-    count = prepare_qat(model, QAT)
-    assert model.lm_head.weight is model.get_input_embeddings().weight
-    assert not isinstance(model.lm_head, FakeQuantizedLinear)
-    assert count == sum(isinstance(layer, FakeQuantizedLinear) for layer in model.modules()) > 0
+    monkeypatch.setattr(CausalLMModule, "configure_model", no_weights)
+    with pytest.raises(ConfigError, match=message):
+        train(make_lm_cfg("qat=int8a_int4w", *(o.format(micro=8) for o in overrides)))
+{%- endif %}
