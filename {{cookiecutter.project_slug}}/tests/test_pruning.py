@@ -260,3 +260,15 @@ def test_train_logs_the_sparsity_in_each_steps_row_and_saves_a_plain_pruned_mode
     zeros = sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
     assert zeros == pytest.approx(0.5, abs=1e-3)
 {%- endif %}
+
+
+def test_an_early_best_checkpoint_is_not_taken_for_the_pruned_model(tmp_path):
+    pruning = Pruning(method="magnitude", begin_step=0, end_step=10, final_sparsity=0.5, frequency=2)
+    for step in (4, 10, 12):
+        torch.save({"global_step": step}, tmp_path / f"step{step}.ckpt")
+    final = str(tmp_path / "step12.ckpt")
+    with pytest.warns(UserWarning, match=r"saved before pruning reached its final sparsity \(step 10\)"):
+        assert pruning.checkpoint_to_test(str(tmp_path / "step4.ckpt"), final, global_step=12) == final
+    assert pruning.checkpoint_to_test(str(tmp_path / "step10.ckpt"), final, global_step=12) == str(tmp_path / "step10.ckpt")
+    # A run shorter than the schedule: its last step is as far as it got.
+    assert pruning.checkpoint_to_test(str(tmp_path / "step4.ckpt"), final, global_step=4) == str(tmp_path / "step4.ckpt")

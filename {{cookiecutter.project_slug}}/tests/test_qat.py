@@ -127,6 +127,17 @@ def test_a_causal_lm_trains_with_qat(make_lm_cfg):
     assert metrics["train/loss"] > 0
 
 
+@pytest.mark.parametrize("lever", ["qat=int8a_int4w", "pruning=magnitude", "pruning=semi_structured_2_4"])
+def test_levers_of_linear_layers_refuse_gpt2s_conv1d_blocks_before_anything_loads(lm_tokenizer_dir, lm_text, tmp_path, lever):
+    from {{ cookiecutter.package_name }}.utils.config import validate_config
+
+    from .conftest import compose_config, lm_overrides
+
+    cfg = compose_config("train", [*lm_overrides(lm_tokenizer_dir, lm_text, tmp_path / "run", model="tiny_gpt2"), lever])
+    with pytest.raises(ConfigError, match=rf"{lever} acts on nn.Linear layers, and model_type='gpt2' builds .* Conv1D; fix: "):
+        validate_config(cfg)
+
+
 @pytest.mark.parametrize(("overrides", "message"), CONFLICTS)
 def test_qat_conflicts_of_a_causal_lm_are_refused_before_any_weights_load(make_lm_cfg, monkeypatch, overrides, message):
     from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule

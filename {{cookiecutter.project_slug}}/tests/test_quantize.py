@@ -158,6 +158,9 @@ def test_refusals_name_field_value_and_fix_before_anything_is_written(classifier
         "variants=[int8_dynamic]": r"variants=\['int8_dynamic'\] has no fp32.*fix: add fp32",
         "latency.repeats=0": r"latency.repeats=0 must be an integer >= 1; fix: latency.repeats=8",
         "latency.sequence_length=9999": r"latency.sequence_length=9999 is more than the model's 512 positions; fix: latency.sequence_length=512",
+        "variants=fp32": r"variants='fp32' must be a list; fix: variants=\[fp32\]",
+        "group_size=48": r"group_size=48 must be a power of two that divides the hidden size \(64\).*fix: group_size=32",
+        "group_size=128": r"group_size=128 must be a power of two that divides the hidden size \(64\)",
     }
     if not torch.cuda.is_available():
         cases["unavailable=error"] = r"variants: int4_weight_only cannot be made here: .*CUDA.*fix: variants=\[...,intx4_weight_only\]"
@@ -186,13 +189,31 @@ def test_a_failure_midway_leaves_no_output_folder(classifier_ckpt, tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_structured_pruned_checkpoint_is_quantized_without_its_dead_neurons(tokenizer_dir, toy_data, classifier_report, tmp_path):
+    from .conftest import tiny_overrides
+
+    base = tiny_overrides(tokenizer_dir, toy_data, tmp_path / "run")
+    pruned = ["pruning=structured", "pruning.final_sparsity=0.25", "pruning.end_step=4", "pruning.frequency=2"]
+    train(compose_config("train", base + ["trainer.max_epochs=2", "test_after_fit=false", *pruned]))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    report = quantize(compose_config("quantize", base + FAST + ["variants=[fp32]", f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'out'}"]))
+    assert report["shrunk"] == "pruning=structured: shrink_ffn removed 32 of 128 FFN neurons per block"
+    assert json.loads((tmp_path / "out" / "fp32" / "config.json").read_text())["intermediate_size"] == 96
+    dense = next(v for v in classifier_report["variants"] if v["name"] == "fp32")
+    assert report["variants"][0]["size_bytes"] < dense["size_bytes"]
+
+
 def test_plot_draws_the_metric_against_size_and_latency(classifier_report, tmp_path):
-    from {{ cookiecutter.package_name }}.plot import plot
+    from {{ cookiecutter.package_name }}.plot import NothingToPlot, plot
 
     out = Path(classifier_report["variants"][0]["path"]).parent
     written = plot(out / "compress_report.json", tmp_path / "plots")
     assert [p.name for p in written] == ["compression.png"]
     assert written[0].stat().st_size > 10_000
+    assert [p.name for p in plot(out / "compress_report.md", tmp_path / "from_md")] == ["compression.png"]  # its table's JSON
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NothingToPlot, match=r"no compress_report.json \(quantize\); fix: pass"):
+        plot(tmp_path / "empty")
 
 
 def test_a_qat_checkpoint_converts_to_the_integer_model_it_was_trained_as(tokenizer_dir, toy_data, tmp_path):

@@ -71,6 +71,28 @@ def test_checkpoint_loads_with_weights_only_and_holds_the_model_inputs(trained_r
     assert restored.label2id == {"negative": 0, "positive": 1} and restored.compute_dtype == torch.float32
 
 
+def test_last_checkpoint_holds_the_weights_the_fit_ended_with(trained_run):
+    # 48 optimizer steps, last.ckpt every 50 (and at each new best): the end of the fit writes it too.
+    run_dir, metrics = trained_run
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 48
+
+
+@pytest.mark.parametrize("entry", ["eval", "quantize"])
+def test_a_file_that_is_not_a_trained_checkpoint_is_refused_by_name(make_cfg, toy_data, tmp_path, entry):
+    from {{ cookiecutter.package_name }}.quantize import quantize
+
+    run = {"eval": evaluate, "quantize": quantize}[entry]
+    with pytest.raises(ConfigError, match=r"is not a readable checkpoint .*fix: ckpt_path=RUN/checkpoints/last.ckpt"):
+        run(make_cfg(f"ckpt_path={toy_data['test']}", config_name=entry))
+    torch.save({"state_dict": {}}, tmp_path / "other.ckpt")  # another project's checkpoint
+    with pytest.raises(ConfigError, match="is not a checkpoint written by train"):
+        run(make_cfg(f"ckpt_path={tmp_path / 'other.ckpt'}", config_name=entry))
+    with pytest.raises(ConfigError, match="ckpt_path='last' is not a file") as refused:
+        run(make_cfg("ckpt_path=last", config_name=entry))  # `last` resumes a training run; it names no file here
+    assert "resume" not in str(refused.value)
+
+
 def test_the_best_so_far_is_in_the_checkpoint_so_a_resume_keeps_it(trained_run):
     run_dir, metrics = trained_run
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]

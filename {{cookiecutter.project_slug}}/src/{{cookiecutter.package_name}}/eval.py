@@ -18,6 +18,7 @@ import lightning as L
 from omegaconf import DictConfig
 
 from .models.answers import answer_metrics
+from .utils.checkpoints import trained_checkpoint
 from .utils.config import ConfigError, to_plain, validate_config
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
@@ -32,6 +33,7 @@ def load_module(cfg: DictConfig) -> L.LightningModule:
     """
     module_class = hydra.utils.get_class(cfg.task.module)
     if cfg.ckpt_path is not None:
+        trained_checkpoint(cfg.ckpt_path)  # a clear error for a file that is not one of train's
         return module_class.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
     if cfg.task.name != "causal_lm" or not Path(cfg.model_dir, "config.json").is_file():
         raise ConfigError(
@@ -49,7 +51,7 @@ def evaluate(cfg: DictConfig) -> dict:
     Raises:
         ConfigError: invalid config or missing checkpoint.  DataError: bad test data.
     """
-    validate_config(cfg)
+    validate_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<folder written by export>")
     run_dir = Path(cfg.paths.output_dir)

@@ -23,9 +23,11 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from .compress.pruning import pruned_with, shrink_ffn
 from .models.causal_lm import CHAT_FILE, CausalLMModule
+from .utils.checkpoints import trained_checkpoint
 from .utils.config import ConfigError, validate_config
-from .utils.run import exit_on_bad_input
+from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input
 
 
 def export(cfg: DictConfig) -> Path:
@@ -37,12 +39,12 @@ def export(cfg: DictConfig) -> Path:
         ConfigError: missing checkpoint, a non-causal-LM checkpoint, or an output folder that
             already exists.
     """
-    validate_config(cfg, required=("ckpt_path",))
+    validate_config(cfg, required=("ckpt_path",), resumes=False)
     output = Path(cfg.output_dir)
     if output.exists():
         raise ConfigError(f"output_dir={str(output)!r} already exists; fix: choose a new folder, or delete it first")
     # Memory-mapped: only the hyperparameters are read here, not the weights (loaded once, below).
-    checkpoint = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = trained_checkpoint(cfg.ckpt_path)
     hparams = checkpoint.get("hyper_parameters", {})
     if "peft" not in hparams:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")
@@ -51,6 +53,8 @@ def export(cfg: DictConfig) -> Path:
         peft["method"] = "lora"  # same adapter keys, merged into the full-precision base
     module = CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu", peft=peft)
     model = module.merged_model()
+    if pruned_with(checkpoint) == "structured":  # the zeroed FFN neurons go: a smaller folder, the same outputs
+        shrink_ffn(model)
     model.to(getattr(torch, cfg.dtype))
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as tmp:
@@ -72,7 +76,7 @@ def export(cfg: DictConfig) -> Path:
 @hydra.main(version_base="1.3", config_path="configs", config_name="export")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
-    with exit_on_bad_input():
+    with exit_on_bad_input(), exit_cleanly_on_sigterm():
         export(cfg)
 
 

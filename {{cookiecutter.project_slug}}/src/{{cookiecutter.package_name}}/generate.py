@@ -46,6 +46,9 @@ def load_generator(cfg: DictConfig):
     from .models.inputs import ModelInputs
 
     if cfg.ckpt_path is not None:
+        from .utils.checkpoints import trained_checkpoint
+
+        trained_checkpoint(cfg.ckpt_path)  # a clear error for a file that is not one of train's
         return CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,7 +70,7 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     Raises:
         ConfigError: neither or both of ``ckpt_path``/``model_dir``, a missing file, no prompts.
     """
-    validate_config(cfg)
+    validate_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<exported folder>")
     if cfg.model_dir is not None and not Path(cfg.model_dir, "config.json").is_file():

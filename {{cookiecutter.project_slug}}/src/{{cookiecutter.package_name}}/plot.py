@@ -152,7 +152,10 @@ def plot_sweep(sweep_dir: Path, out_dir: Path) -> list[Path]:
         (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metrics.json").is_file()), key=lambda p: int(p.name)
     )
     if not jobs:
-        raise NothingToPlot(f"{sweep_dir} has no optuna.db or optuna.journal and no job folder (0, 1, ...) with a metrics.json")
+        raise NothingToPlot(
+            f"{sweep_dir} has no csv/ logs (a run), no optuna.db, optuna.journal or job folders 0, 1, ... with a metrics.json (a sweep) "
+            "and no compress_report.json (quantize); fix: pass logs/<task>/runs/<run>, a sweep folder, or quantize's output_dir"
+        )
     metric = job_objective_name(jobs[0])
     values = [json.loads((job / "metrics.json").read_text()).get(metric) for job in jobs]
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(jobs)), 4.5))
@@ -268,6 +271,9 @@ def plot(path: Path, out_dir: Path | None = None) -> list[Path]:
     if path.is_file() and path.name == COMPRESS_REPORT:
         return plot_compression(path, out_dir or path.parent / "plots")
     if path.is_dir() and (path / COMPRESS_REPORT).is_file():
+        return plot_compression(path / COMPRESS_REPORT, out_dir or path / "plots")
+    if path.is_file() and path.name == "compress_report.md":
+        path = path.parent  # (the report's table: its JSON sits next to it)
         return plot_compression(path / COMPRESS_REPORT, out_dir or path / "plots")
     if not path.is_dir():
         raise NothingToPlot(

@@ -16,6 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 
+from .utils.checkpoints import trained_checkpoint
 from .utils.config import ConfigError, to_plain, validate_config, world_size
 from .utils.instantiate import instantiate_trainer
 from .utils.run import atomic_write_path, exit_on_bad_input
@@ -29,7 +30,7 @@ def predict(cfg: DictConfig) -> Path:
     Raises:
         ConfigError: invalid config or missing checkpoint/input.  DataError: bad input columns.
     """
-    validate_config(cfg, required=("ckpt_path", "input"))
+    validate_config(cfg, required=("ckpt_path", "input"), resumes=False)
     if not Path(cfg.input).is_file():  # after validate_config: input is set
         raise ConfigError(f"input={cfg.input!r} is not a file; fix: input=path/to/texts.csv (csv/tsv/jsonl/parquet)")
     if world_size(cfg) != (1, 1):
@@ -39,6 +40,7 @@ def predict(cfg: DictConfig) -> Path:
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.strategy = 1, 1, "auto"
+    trained_checkpoint(cfg.ckpt_path)  # a clear error for a file that is not one of train's
     module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
     # Resolved first, so that dropping the training-data download (fetch=None) cannot break
     # paths that interpolate from it.

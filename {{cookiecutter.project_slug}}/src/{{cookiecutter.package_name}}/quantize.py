@@ -34,12 +34,16 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
+from .compress import CONV1D_MODEL_TYPES, conv1d_refusal
+from .compress.pruning import pruned_with, shrink_ffn
 from .compress.quantization import (
     CAUSAL_LM,
+    INT4_VARIANTS,
     ONNX_FILE,
     ONNXRUNTIME,
+    TORCHAO_VARIANTS,
     VARIANTS,
     export_onnx,
     load_forward,
@@ -53,8 +57,9 @@ from .compress.quantization import (
 )
 from .compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
 from .eval import load_module
+from .utils.checkpoints import trained_checkpoint
 from .utils.config import ConfigError, validate_config
-from .utils.run import exit_on_bad_input, print_config_tree
+from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, print_config_tree
 
 UNAVAILABLE = ("skip", "error")
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,7 +74,7 @@ def quantize(cfg: DictConfig) -> dict:
             variant that cannot run here with ``unavailable=error``), before any weights load.
         DataError: bad evaluation data.
     """
-    validate_config(cfg)
+    validate_config(cfg, resumes=False)
     task = cfg.task.name
     hparams, architecture = read_source(cfg)
     qat = hparams.get("qat") or {"scheme": "none"}  # (checkpoints written before the qat group have none)
@@ -81,6 +86,12 @@ def quantize(cfg: DictConfig) -> dict:
         print(f"Skipped {refusal['variant']}: {refusal['reason']}; fix: {refusal['fix']}")
 
     model, tokenizer, datamodule_kwargs = load_source(cfg, hparams)
+    shrunk = None
+    if hparams.get("pruned_with") == "structured":  # the dead FFN neurons go: every variant is smaller
+        width = model.config.intermediate_size
+        shrink_ffn(model)
+        shrunk = f"pruning=structured: shrink_ffn removed {width - model.config.intermediate_size} of {width} FFN neurons per block"
+        print(shrunk)
     auto_class = auto_class_of(task)
     datamodule = hydra.utils.instantiate(cfg.data, **datamodule_kwargs)
     datamodule.prepare_data()
@@ -136,6 +147,7 @@ def quantize(cfg: DictConfig) -> dict:
                 "load_average": os.getloadavg()[0],
             },
             "group_size": cfg.group_size,
+            "shrunk": shrunk,
         }
         report = build_report(measurements, refusals, context)
         write_report(staging, report)
@@ -165,8 +177,9 @@ def read_source(cfg: DictConfig) -> tuple[dict, object]:
             )
         return {}, AutoConfig.from_pretrained(cfg.model_dir)
     # Memory-mapped: only the hyperparameters are read here, not the weights.
-    checkpoint = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = trained_checkpoint(cfg.ckpt_path)
     hparams = dict(checkpoint.get("hyper_parameters", {}))
+    hparams["pruned_with"] = pruned_with(checkpoint)  # (not a module argument: read here, used by load_source)
     if not hparams.get("hf_config"):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} stores no model architecture (hf_config); fix: a checkpoint written by train")
     fields = dict(hparams["hf_config"])
@@ -197,6 +210,9 @@ def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, arch
     """
     from .models.builder import max_positions
 
+    if not isinstance(cfg.variants, ListConfig):
+        listed = "fp32" if str(cfg.variants) == "fp32" else f"fp32,{cfg.variants}"
+        raise ConfigError(f"variants={cfg.variants!r} must be a list; fix: variants=[{listed}] (brackets, no spaces)")
     names = [str(name) for name in cfg.variants]
     problems = variant_problems(names, task)
     if Path(cfg.output_dir).exists():
@@ -209,6 +225,18 @@ def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, arch
         least = 0 if field == "warmup" else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             problems.append(f"{key}={value!r} must be an integer >= {least}; fix: {key}={max(least, 8)}")
+    group, width = cfg.group_size, getattr(architecture, "hidden_size", None)
+    int4 = [name for name in names if name in INT4_VARIANTS]
+    if int4 and isinstance(group, int) and group >= 1 and (group & (group - 1) or (width and width % group)):
+        problems.append(
+            f"group_size={group} must be a power of two that divides the hidden size ({width}), or {', '.join(int4)} would leave "
+            "the layers it does not divide in fp32; fix: group_size=32"
+        )
+    model_type = getattr(architecture, "model_type", None)
+    if model_type in CONV1D_MODEL_TYPES:
+        problems += [
+            f"variants: {conv1d_refusal(name, model_type, f'drop {name}')}" for name in names if name in TORCHAO_VARIANTS and name != "qat"
+        ]
     positions = max_positions(architecture)
     length = cfg.latency.sequence_length
     if positions is not None and isinstance(length, int) and length > positions:
@@ -373,7 +401,7 @@ def time_forward(forward: Callable[[dict], torch.Tensor], inputs: dict[str, torc
 @hydra.main(version_base="1.3", config_path="configs", config_name="quantize")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
-    with exit_on_bad_input():
+    with exit_on_bad_input(), exit_cleanly_on_sigterm():
         quantize(cfg)
 
 

@@ -32,10 +32,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from omegaconf import DictConfig
 
 from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped
+from .callbacks.pruning import Pruning
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
 from .models.answers import answer_metrics
-from .utils.checkpoints import read_checkpoint, resolve_ckpt_path
+from .utils.checkpoints import read_checkpoint, resolve_ckpt_path, save_final_checkpoint
 from .utils.config import config_warnings, precision_is_auto, to_plain, validate_config
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
@@ -106,7 +107,11 @@ def train(cfg: DictConfig) -> dict:
             # repeats the *_start figures (or an older pass) as if it were the result.
             trainer.validate(module, datamodule=datamodule)
         metrics.update(scalar_metrics(trainer.callback_metrics))
+        final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
+        if pruning is not None and best and final is not None:  # the pruned model, not an early best
+            best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
         if cfg.test_after_fit and datamodule.has_test:
             trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
             metrics.update(scalar_metrics(trainer.callback_metrics))

@@ -4,9 +4,13 @@ table on stdout, ``plot`` of the report; a second run into the same folder stops
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 from ..conftest import TASK
-from ..processes import is_png, ok, run_module
+from ..processes import is_png, ok, run_module, subprocess_env
 
 FAST = ["latency.batch_size=4", "latency.sequence_length=16", "latency.warmup=1", "latency.repeats=3"]
 VARIANTS = "variants=[fp32,int8_dynamic,onnx_int8]" if TASK == "classification" else "variants=[fp32,int8_dynamic,nf4]"
@@ -31,3 +35,19 @@ def test_quantize_writes_the_variants_and_the_report_then_refuses_to_overwrite(s
     assert again.returncode == 1
     assert f"output_dir='{out}' already exists; fix: choose a new folder" in again.stderr
     assert "Traceback" not in again.stderr
+
+
+def test_a_killed_quantize_leaves_no_partial_folder(single_process_run, cli_base, tmp_path):
+    ckpt = single_process_run / "checkpoints" / "last.ckpt"
+    args = [*cli_base, *FAST, VARIANTS, f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'q'}"]
+    command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.quantize", *args]
+    process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "q").glob(".compressed-*/*/fp32/*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the first variant is being written
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Stopped by SIGTERM" in stderr
+    left = [path.name for path in (tmp_path / "q").iterdir() if path.name.startswith(".compressed") or path.name == "compressed"]
+    assert left == []

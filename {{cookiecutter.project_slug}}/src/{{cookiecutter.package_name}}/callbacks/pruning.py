@@ -12,11 +12,14 @@ whatever hook saved its checkpoint, catches up to the same masks before its firs
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.utils import prune
 
+from ..compress import CONV1D_MODEL_TYPES, conv1d_refusal
 from ..compress.pruning import (
     BERT_FFN_TYPES,
     GATED_FFN_TYPES,
@@ -33,6 +36,7 @@ from ..compress.pruning import (
     structured_refusal,
     two_four_mask,
 )
+from ..utils.checkpoints import read_checkpoint
 from ..utils.config import ConfigError
 
 
@@ -89,7 +93,7 @@ class Pruning(L.Callback):
 
     # ---------------------------------------------------------------------------- hooks
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.method != "structured" or not hasattr(pl_module, "hparams") or "model" not in pl_module.hparams:
+        if stage != "fit" or not hasattr(pl_module, "hparams") or "model" not in pl_module.hparams:
             return
         spec = pl_module.hparams.model
         model_type = model_type_named(spec)
@@ -97,7 +101,9 @@ class Pruning(L.Callback):
             from transformers import AutoConfig
 
             model_type = AutoConfig.from_pretrained(spec["name_or_path"]).model_type
-        if model_type is not None and model_type not in BERT_FFN_TYPES + GATED_FFN_TYPES:
+        if model_type in CONV1D_MODEL_TYPES:
+            raise ConfigError(conv1d_refusal(f"pruning={self.method}", model_type, "pruning=none"))
+        if self.method == "structured" and model_type is not None and model_type not in BERT_FFN_TYPES + GATED_FFN_TYPES:
             raise ConfigError(structured_refusal(model_type))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -161,6 +167,32 @@ class Pruning(L.Callback):
                 prune.remove(module, name)  # permanent: the zeros stay in a plain parameter
 
     # ---------------------------------------------------------------------- checkpoints
+    @property
+    def schedule_end(self) -> int:
+        """The optimizer step after which the masks hold ``final_sparsity``: ``begin_step`` for
+        2:4 (applied at once), else ``end_step``."""
+        return self.begin_step if self.method == "semi_structured_2_4" else self.end_step
+
+    def checkpoint_to_test(self, best: str, final: str, global_step: int) -> str:
+        """``best`` (the best checkpoint by the monitored metric), unless it was saved before the
+        schedule ended: then ``final`` (the weights the fit ended with), with a warning.  A
+        less-pruned model can validate better; it is not the pruned model the run was for.
+
+        Args:
+            best: path of the best checkpoint.  final: path of the checkpoint of the last step.
+            global_step: optimizer steps the fit ran (a run shorter than the schedule ends below
+                ``final_sparsity``, and its last step is as far as it got).
+        """
+        saved_at = read_checkpoint(Path(best), "global_step")
+        done = min(self.schedule_end, global_step)
+        if saved_at is None or saved_at >= done:
+            return best
+        rank_zero_warn(
+            f"the best checkpoint ({best}, optimizer step {saved_at}) was saved before pruning reached its final sparsity "
+            f"(step {done}): testing and reporting the weights the fit ended with ({final}) instead"
+        )
+        return final
+
     def state_dict(self) -> dict:
         masks = {
             key: getattr(m, n + "_mask").bool() for (m, n), key in zip(self.tensors, self.keys, strict=True) if hasattr(m, n + "_mask")

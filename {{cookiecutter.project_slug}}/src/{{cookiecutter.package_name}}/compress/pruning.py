@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from ..utils.config import ConfigError
+from . import CONV1D_MODEL_TYPES, conv1d_refusal
 
 METHODS = ("none", "magnitude", "structured", "semi_structured_2_4")
 # Families whose FFN ``structured`` knows (checked from the config, before weights load):
@@ -106,10 +107,11 @@ def pruning_problems(
 
         if is_fsdp(trainer):
             problems.append(f"pruning={method} with trainer=fsdp: FSDP shards the weights the masks cover; fix: trainer=ddp or one GPU")
-    if method == "structured" and model:
-        model_type = model_type_named(model)
-        if model_type is not None and model_type not in BERT_FFN_TYPES + GATED_FFN_TYPES:
-            problems.append(structured_refusal(model_type))
+    model_type = model_type_named(model) if model else None
+    if model_type in CONV1D_MODEL_TYPES:
+        problems.append(conv1d_refusal(f"pruning={method}", model_type, "pruning=none"))
+    elif method == "structured" and model_type is not None and model_type not in BERT_FFN_TYPES + GATED_FFN_TYPES:
+        problems.append(structured_refusal(model_type))
     return problems
 
 
@@ -345,6 +347,15 @@ def masked_count(tensors: list[tuple[nn.Module, str]]) -> int:
 
 
 # ---------------------------------------------------------------------- after training
+def pruned_with(checkpoint: dict) -> str | None:
+    """The ``pruning.method`` a checkpoint of ``train`` was pruned with (the :class:`..callbacks.pruning.Pruning`
+    state it holds), or ``None``."""
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and "masks" in state and isinstance(state.get("method"), str):
+            return state["method"]
+    return None
+
+
 def shrink_ffn(model: nn.Module) -> nn.Module:
     """Remove the FFN neurons that contribute nothing (after ``pruning=structured``), in place:
     smaller ``nn.Linear`` layers, ``config.intermediate_size`` updated, so ``save_pretrained`` writes

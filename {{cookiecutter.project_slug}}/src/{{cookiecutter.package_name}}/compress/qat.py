@@ -26,15 +26,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import CONV1D_MODEL_TYPES, conv1d_refusal
+
 SCHEMES = ("none", "int8a_int4w")
 
 
-def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = None) -> list[str]:
+def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = None, model: dict | None = None) -> list[str]:
     """What is wrong with a ``qat`` group (and its conflicts), one line each with the fix; ``[]`` if nothing.
 
     ``optimizer.step_in_backward`` is refused: the optimizer then steps inside backward, and the
     fake-quantised weights would have to be re-derived from parameters already stepped; LoRA/QLoRA
-    is refused: QAT here trains the full weights it rounds.
+    is refused: QAT here trains the full weights it rounds; so is a model family whose blocks
+    have no ``nn.Linear`` (GPT-2's ``Conv1D``), when the ``model`` group names it.
     """
     scheme = qat.get("scheme")
     if scheme not in SCHEMES:
@@ -52,6 +55,11 @@ def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = N
         )
     if peft and peft.get("method", "none") != "none":
         problems.append(f"qat=int8a_int4w with peft={peft.get('method')}: QAT trains the full weights it rounds; fix: peft=none")
+    from .pruning import model_type_named
+
+    model_type = model_type_named(model) if model else None
+    if model_type in CONV1D_MODEL_TYPES:
+        problems.append(conv1d_refusal(f"qat={scheme}", model_type, "qat=none"))
     try:
         import torchao  # noqa: F401
     except ImportError:
@@ -94,6 +102,12 @@ def prepare_qat(model: nn.Module, qat: dict) -> int:
 
     keep = quantizable(model, qat["group_size"])
     count = sum(keep(module, name) for name, module in model.named_modules())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not any(isinstance(module, nn.Linear) and module is not head for module in model.modules()):
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type in CONV1D_MODEL_TYPES:
+            raise ConfigError(conv1d_refusal(f"qat={qat['scheme']}", model_type, "qat=none"))
+        raise ConfigError(f"qat={qat['scheme']}: {type(model).__name__} has no nn.Linear layer to fake-quantise; fix: qat=none")
     if count == 0:
         raise ConfigError(
             f"qat.group_size={qat['group_size']} divides the in_features of none of the model's Linear layers; fix: a smaller qat.group_size"

@@ -28,6 +28,7 @@ smaller* on disk than int8, it only rounds harder.  Packed int4 (two values per 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,16 +270,23 @@ def export_onnx(model: nn.Module, example: dict[str, torch.Tensor], path: Path) 
     as ``example``'s keys, each ``(batch, sequence)`` with both axes dynamic, output ``logits``."""
     names = list(example)
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
-    torch.onnx.export(
-        LogitsOf(model, names).eval(),
-        tuple(example.values()),
-        str(path),
-        dynamo=True,
-        input_names=names,
-        output_names=["logits"],
-        dynamic_shapes=(tuple({0: batch, 1: sequence} for _ in names),),  # (one entry: the *tensors of forward)
-        verbose=False,
-    )
+    quiet = {name: logging.getLogger(name).level for name in ("onnx_ir", "onnxscript")}  # a line per initializer at INFO
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        torch.onnx.export(
+            LogitsOf(model, names).eval(),
+            tuple(example.values()),
+            str(path),
+            dynamo=True,
+            input_names=names,
+            output_names=["logits"],
+            dynamic_shapes=(tuple({0: batch, 1: sequence} for _ in names),),  # (one entry: the *tensors of forward)
+            verbose=False,
+        )
+    finally:
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def quantize_onnx(source: Path, path: Path) -> None:

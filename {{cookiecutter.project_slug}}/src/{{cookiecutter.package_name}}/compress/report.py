@@ -161,6 +161,7 @@ def markdown_report(report: dict) -> str:
         f"{latency['warmup']} warm-up runs, then p50/p90 of {latency['repeats']} on {latency['device']} "
         f"({latency['threads']} CPU threads, load average {latency['load_average']:.1f} when it started: above the thread count, "
         "other processes shared the cores and every timing is inflated); the ratio is against the fp32 variant of the same runtime",
+        *([f"- {report['shrunk']} (fp32 included)"] if report.get("shrunk") else []),
         f"- size: bytes of the weight files (safetensors/onnx, embeddings included), MB = 10^6 bytes; × fp32 against `{report['baseline']}`",
         "",
         markdown_table(report),

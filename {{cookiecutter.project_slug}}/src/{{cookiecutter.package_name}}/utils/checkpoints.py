@@ -13,8 +13,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig
 
@@ -52,6 +54,24 @@ def last_checkpoint(cfg: DictConfig) -> Path:
     return Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
 
 
+def save_final_checkpoint(trainer: L.Trainer) -> Path | None:
+    """Write ``last.ckpt`` of the weights a finished fit ended with, unless it holds them already;
+    returns its path (``None`` when no checkpoint callback keeps a ``last.ckpt``).
+
+    ``ModelCheckpoint`` saves ``last.ckpt`` every ``every_n_train_steps``, and at an epoch's end
+    only if it saved in that step, so after the fit it can be up to that many steps old; ``eval``,
+    ``export`` and ``quantize`` of ``last.ckpt`` then read the final weights (and a resume with
+    a larger ``trainer.max_steps`` continues from them).  Every rank calls it (a DDP save is collective).
+    """
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+            path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            if not path.is_file() or read_checkpoint(path, "global_step") != trainer.global_step:
+                trainer.save_checkpoint(path)
+            return path
+    return None
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
     """The checkpoint ``ckpt_path`` names: ``null`` -> none; ``last`` -> this run's ``last.ckpt``,
     or none (a fresh start, logged) when the run has not saved one yet; else that file
@@ -82,3 +102,25 @@ def read_checkpoint(path: Path, key: str) -> Any:
             "fix: resume from another checkpoint of the run (RUN/checkpoints/*.ckpt)"
         ) from error
     return checkpoint.get(key)
+
+
+def trained_checkpoint(path: str | Path) -> dict:
+    """A checkpoint ``train`` wrote, checked before eval, predict, generate, export or quantize
+    load it: read memory-mapped with ``weights_only=True`` (the weights are not read here).
+
+    Raises:
+        ConfigError: the file is not a readable torch checkpoint (a CSV, a safetensors file, one
+            cut short), or not one of ``train``'s (no ``state_dict``, ``hyper_parameters`` or
+            ``model_inputs``: e.g. a checkpoint of another Lightning project).
+    """
+    fix = "fix: ckpt_path=RUN/checkpoints/last.ckpt (or a best-*.ckpt next to it) of a run of this project's train"
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # RuntimeError/UnpicklingError/EOFError/ValueError for what is not a checkpoint
+        raise ConfigError(f"ckpt_path={str(path)!r} is not a readable checkpoint ({type(error).__name__}: {error}); {fix}") from error
+    missing = [
+        key for key in ("state_dict", "hyper_parameters", "model_inputs") if not isinstance(checkpoint, dict) or key not in checkpoint
+    ]
+    if missing:
+        raise ConfigError(f"ckpt_path={str(path)!r} is not a checkpoint written by train (no {', '.join(missing)}); {fix}")
+    return checkpoint

@@ -143,7 +143,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("or", lambda value, default: default if value is None else value)
 
 
-def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: bool = True) -> None:
+def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: bool = True, resumes: bool = True) -> None:
     """Check a composed train/eval/predict/plan config before anything is loaded.
 
     Reads raw values (no interpolation is resolved that could itself fail first).
@@ -154,6 +154,8 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
             (``16-mixed`` and ``loss=liger`` need CUDA; flash-attn, liger-kernel and bitsandbytes
             must be installed).  ``plan`` passes ``False``: it plans for ``hardware``, not for
             the machine it runs on.
+        resumes: ``ckpt_path=last`` names this run's ``last.ckpt`` (``train``); the entry points that
+            read a finished checkpoint (eval, predict, generate, export, quantize) pass ``False``.
 
     Raises:
         ConfigError: with every problem found, one per line.
@@ -215,7 +217,7 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         if cfg.get("qat") is not None:
             from ..compress.qat import qat_problems
 
-            problems += qat_problems(cfg.qat, cfg.get("optimizer"), cfg.get("peft"))
+            problems += qat_problems(cfg.qat, cfg.get("optimizer"), cfg.get("peft"), cfg.get("model"))
         if cfg.get("pruning") is not None:
             from ..compress.pruning import pruning_problems
 
@@ -241,11 +243,11 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         for key in missing:
             problems.append(f"{key} is required; fix: {key}={REQUIRED_EXAMPLES[key]}")
         ckpt_path = cfg.get("ckpt_path")
-        resumes_last = ckpt_path == "last" and "ckpt_path" not in required  # train: this run's last.ckpt, if any
+        resumes_last = ckpt_path == "last" and resumes and "ckpt_path" not in required  # train: this run's last.ckpt, if any
         if ckpt_path is not None and not resumes_last and not Path(ckpt_path).is_file():
             problems.append(
                 f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)"
-                + ("" if "ckpt_path" in required else ", or ckpt_path=last to resume the run in hydra.run.dir")
+                + ("" if "ckpt_path" in required or not resumes else ", or ckpt_path=last to resume the run in hydra.run.dir")
             )
 
     except (ConfigAttributeError, ConfigKeyError) as error:  # a key the shipped group files have was removed (~key)

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -98,3 +99,21 @@ def exit_on_bad_input() -> Iterator[None]:
             raise
         print(f"Error: {cause}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+@contextmanager
+def exit_cleanly_on_sigterm() -> Iterator[None]:
+    """Around an entry point that writes a folder under a temporary name (``export``,
+    ``quantize``): SIGTERM (``kill``, a scheduler's time limit) raises ``SystemExit(143)`` in the
+    main thread, so the ``with`` blocks unwind and the temporary folder is removed, instead of the
+    process dying with it left behind.  The previous handler is restored on the way out."""
+
+    def stop(signum: int, frame: object) -> None:
+        print(f"Stopped by {signal.Signals(signum).name}: the partial output is removed", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
