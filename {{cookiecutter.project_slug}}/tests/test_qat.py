@@ -82,10 +82,11 @@ def test_qat_trains_with_fake_quantised_linear_layers_and_learns(qat_run):
     run_dir, metrics = qat_run
     module = SequenceClassificationModule.load_from_checkpoint(metrics["best_checkpoint"], map_location="cpu")
     module.configure_model()
-    from torchao.quantization.qat import FakeQuantizedLinear
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear
 
     fake = [name for name, layer in module.model.named_modules() if isinstance(layer, FakeQuantizedLinear)]
     assert len(fake) == 2 * 6 + 2  # per layer q, k, v, attention output, intermediate, output; the pooler and the head
+    assert isinstance(module.model.get_input_embeddings(), FakeQuantizedEmbedding)  # int8 rows, as quantize stores it
     assert metrics["test/acc"] >= 0.8, metrics
 
 

@@ -78,6 +78,26 @@ def quantizable(model: nn.Module, group_size: int) -> Callable[[nn.Module, str],
     return lambda module, fqn: isinstance(module, nn.Linear) and module.in_features % group_size == 0 and not (tied and module is head)
 
 
+def embedding_table(model: nn.Module) -> str | None:
+    """The qualified name of ``model``'s input embedding when QAT rounds it (int8, one scale per
+    row, as every torchao variant of ``quantize`` stores it), or ``None``: no input embedding, or
+    one tied to the output head (swapping the module would untie the two)."""
+    get_inputs = getattr(model, "get_input_embeddings", None)
+    table = get_inputs() if get_inputs is not None else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(table, nn.Embedding) or (head is not None and head.weight is table.weight):
+        return None
+    return next(fqn for fqn, module in model.named_modules() if module is table)
+
+
+def embedding_config():
+    """torchao's config of the embedding table: int8 weights, one scale per row (token)."""
+    from torchao.quantization import IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerAxis
+
+    return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
+
+
 def base_config(qat: dict):
     """torchao's post-training config of the scheme (what ``convert`` applies, and what the
     ``int8a_int4w`` variant of ``quantize`` applies to weights trained without QAT)."""
@@ -88,8 +108,9 @@ def base_config(qat: dict):
 
 
 def prepare_qat(model: nn.Module, qat: dict) -> int:
-    """Swap the quantizable Linear layers of ``model`` for fake-quantised ones, in place; returns
-    how many were swapped.
+    """Swap the quantizable Linear layers of ``model`` for fake-quantised ones, and its input
+    embedding (:func:`embedding_table`) for a fake-quantised int8 one, in place; returns how many
+    Linear layers were swapped.
 
     Raises:
         ConfigError: none of the model's Linear layers can take the scheme (``qat.group_size``
@@ -113,21 +134,30 @@ def prepare_qat(model: nn.Module, qat: dict) -> int:
             f"qat.group_size={qat['group_size']} divides the in_features of none of the model's Linear layers; fix: a smaller qat.group_size"
         )
     quantize_(model, QATConfig(base_config(qat), step="prepare"), filter_fn=keep)
+    table = embedding_table(model)
+    if table is not None:
+        quantize_(model, QATConfig(embedding_config(), step="prepare"), filter_fn=lambda module, fqn: fqn == table)
     return count
 
 
 def convert_qat(model: nn.Module, qat: dict) -> nn.Module:
     """Replace the fake-quantised Linear layers by integer ones (int8 dynamic activations, int4
-    weights stored by torchao), in place; returns ``model``.  A plain model (a QAT checkpoint's
-    weights loaded without :func:`prepare_qat`) gets the scheme's post-training quantization,
-    which is the same conversion: the weights are the same and the rounding is the same.
+    weights stored by torchao) and the fake-quantised embedding by an int8 one, in place; returns
+    ``model``.  A plain model (a QAT checkpoint's weights loaded without :func:`prepare_qat`) gets
+    the scheme's post-training quantization, which is the same conversion: the weights are the
+    same and the rounding is the same.
     """
     from torchao.quantization import quantize_
-    from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
+    from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear, QATConfig
 
-    keep = quantizable(model, qat["group_size"])
-    if any(isinstance(module, FakeQuantizedLinear) for module in model.modules()):
+    keep, table = quantizable(model, qat["group_size"]), embedding_table(model)
+    is_table = lambda module, fqn: fqn == table
+    if any(isinstance(module, (FakeQuantizedLinear, FakeQuantizedEmbedding)) for module in model.modules()):
         quantize_(model, QATConfig(base_config(qat), step="convert"), filter_fn=keep)
+        if table is not None:
+            quantize_(model, QATConfig(embedding_config(), step="convert"), filter_fn=is_table)
     else:
         quantize_(model, base_config(qat), filter_fn=keep)
+        if table is not None:
+            quantize_(model, embedding_config(), filter_fn=is_table)
     return model

@@ -210,20 +210,22 @@ def quantize_torchao(model: nn.Module, name: str, group_size: int, qat: dict | N
     ``quantize_`` the Linear layers :func:`.qat.quantizable` selects.  Then the embedding table
     (and an LM head not quantized yet) int8 per row.
     """
-    from torchao.quantization import IntxWeightOnlyConfig, quantize_
-    from torchao.quantization.granularity import PerAxis
+    from torchao.quantization import quantize_
 
-    from .qat import convert_qat, quantizable
+    from .qat import convert_qat, embedding_config, embedding_table, quantizable
 
     config = linear_config(name, group_size, qat)
     keep = quantizable(model, qat["group_size"] if name == "qat" else group_size if name in INT4_VARIANTS else 1)
     applied: dict[str, object] = {fqn: config for fqn, module in model.named_modules() if keep(module, fqn)}
     if name == "qat":
+        table = embedding_table(model)  # (converted with the Linear layers, as QAT rounded it)
         convert_qat(model, qat)
+        if table is not None:
+            applied[table] = embedding_config()
     else:
         quantize_(model, config, filter_fn=keep)
     untie_output_embeddings(model)
-    table_config = IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))  # one scale per row (token)
+    table_config = embedding_config()  # int8, one scale per row (token)
     tables = [model.get_input_embeddings(), model.get_output_embeddings()]
     names = {fqn for fqn, module in model.named_modules() if any(module is t for t in tables if t is not None) and fqn not in applied}
     quantize_(model, table_config, filter_fn=lambda module, fqn: fqn in names)
