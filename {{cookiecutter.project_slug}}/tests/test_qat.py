@@ -17,7 +17,8 @@ QAT = {"scheme": "int8a_int4w", "group_size": 32}
 # Each conflict of qat with another choice, and the words its refusal must contain.
 CONFLICTS = [
     (["qat.scheme=int4"], "qat.scheme='int4' is not one of"),
-    (["qat.group_size=48"], "qat.group_size=48 must be a power of two"),
+    (["qat.group_size=48"], r"qat.group_size=48 does not divide the model's hidden size \(\d+\)"),
+    (["qat.group_size=0"], "qat.group_size=0 must be a positive integer"),
     (["optimizer.step_in_backward=true", "batch.global_batch_size={micro}"], "optimizer.step_in_backward=false"),
     (["peft=lora"], "fix: peft=none"),
 ]

@@ -159,8 +159,8 @@ def test_refusals_name_field_value_and_fix_before_anything_is_written(classifier
         "latency.repeats=0": r"latency.repeats=0 must be an integer >= 1; fix: latency.repeats=8",
         "latency.sequence_length=9999": r"latency.sequence_length=9999 is more than the model's 512 positions; fix: latency.sequence_length=512",
         "variants=fp32": r"variants='fp32' must be a list; fix: variants=\[fp32\]",
-        "group_size=48": r"group_size=48 must be a power of two that divides the hidden size \(64\).*fix: group_size=32",
-        "group_size=128": r"group_size=128 must be a power of two that divides the hidden size \(64\)",
+        "group_size=48": r"group_size=48 does not divide the hidden size \(64\).*fix: group_size=32",
+        "group_size=128": r"group_size=128 does not divide the hidden size \(64\)",
     }
     if not torch.cuda.is_available():
         cases["unavailable=error"] = r"variants: int4_weight_only cannot be made here: .*CUDA.*fix: variants=\[...,intx4_weight_only\]"

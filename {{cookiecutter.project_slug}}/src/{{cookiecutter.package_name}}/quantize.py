@@ -227,10 +227,10 @@ def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, arch
             problems.append(f"{key}={value!r} must be an integer >= {least}; fix: {key}={max(least, 8)}")
     group, width = cfg.group_size, getattr(architecture, "hidden_size", None)
     int4 = [name for name in names if name in INT4_VARIANTS]
-    if int4 and isinstance(group, int) and group >= 1 and (group & (group - 1) or (width and width % group)):
+    if int4 and isinstance(group, int) and group >= 1 and width and width % group:
         problems.append(
-            f"group_size={group} must be a power of two that divides the hidden size ({width}), or {', '.join(int4)} would leave "
-            "the layers it does not divide in fp32; fix: group_size=32"
+            f"group_size={group} does not divide the hidden size ({width}): {', '.join(int4)} would leave the layers it does not "
+            "divide in fp32; fix: group_size=32 (or another divisor)"
         )
     model_type = getattr(architecture, "model_type", None)
     if model_type in CONV1D_MODEL_TYPES:

@@ -124,6 +124,16 @@ def model_type_named(model: dict) -> str | None:
     return None
 
 
+def hidden_size_named(model: dict) -> int | None:
+    """The hidden size a ``model`` group names without reading files (``model.config``, else
+    ``model.architecture``: ``hidden_size``, or GPT-2's ``n_embd``), or ``None``."""
+    for node in (model.get("config"), model.get("architecture")):
+        for key in ("hidden_size", "n_embd"):
+            if node and isinstance(node.get(key), int):
+                return node[key]
+    return None
+
+
 def structured_refusal(model_type: str) -> str:
     """The refusal of ``pruning=structured`` for a model family whose FFN it does not know."""
     return (

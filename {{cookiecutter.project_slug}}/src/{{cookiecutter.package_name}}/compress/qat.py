@@ -37,17 +37,26 @@ def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = N
     ``optimizer.step_in_backward`` is refused: the optimizer then steps inside backward, and the
     fake-quantised weights would have to be re-derived from parameters already stepped; LoRA/QLoRA
     is refused: QAT here trains the full weights it rounds; so is a model family whose blocks
-    have no ``nn.Linear`` (GPT-2's ``Conv1D``), when the ``model`` group names it.
+    have no ``nn.Linear`` (GPT-2's ``Conv1D``), and a group size that does not divide the hidden
+    size, when the ``model`` group names them.
     """
     scheme = qat.get("scheme")
     if scheme not in SCHEMES:
         return [f"qat.scheme={scheme!r} is not one of {SCHEMES}; fix: qat=int8a_int4w or qat=none"]
     if scheme == "none":
         return []
+    from .pruning import hidden_size_named, model_type_named
+
     problems = []
     group = qat.get("group_size")
-    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group & (group - 1):
-        problems.append(f"qat.group_size={group!r} must be a power of two (input weights per int4 scale), e.g. qat.group_size=32")
+    hidden = hidden_size_named(model) if model else None
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        problems.append(f"qat.group_size={group!r} must be a positive integer (input weights per int4 scale), e.g. qat.group_size=32")
+    elif hidden is not None and hidden % group:
+        problems.append(
+            f"qat.group_size={group} does not divide the model's hidden size ({hidden}): the layers it does not divide would train "
+            "unrounded; fix: qat.group_size=32 (or another divisor)"
+        )
     if optimizer and optimizer.get("step_in_backward"):
         problems.append(
             "qat=int8a_int4w with optimizer.step_in_backward=true: the fake-quantised weights are derived from the parameters "
@@ -55,8 +64,6 @@ def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = N
         )
     if peft and peft.get("method", "none") != "none":
         problems.append(f"qat=int8a_int4w with peft={peft.get('method')}: QAT trains the full weights it rounds; fix: peft=none")
-    from .pruning import model_type_named
-
     model_type = model_type_named(model) if model else None
     if model_type in CONV1D_MODEL_TYPES:
         problems.append(conv1d_refusal(f"qat={scheme}", model_type, "qat=none"))
