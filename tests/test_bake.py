@@ -84,7 +84,7 @@ def test_default_bake_yaml_and_toml_parse(default_project):
         yaml.safe_load(path.read_text())
     project = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
     assert project["name"] == "my_4090_project"
-    assert set(project["scripts"]) == {f"my_4090_project-{name}" for name in ("train", "eval", "plan", "doctor", "plot", "predict", "generate", "export", "inspect-data")}
+    assert set(project["scripts"]) == {f"my_4090_project-{name}" for name in ("train", "eval", "plan", "doctor", "plot", "quantize", "predict", "generate", "export", "inspect-data")}
     # Ranges, not pins: a lower bound and an upper one (the next major, or minor for 0.x) each.
     assert all(re.fullmatch(r"[a-z0-9-]+>=[0-9.]+,<[0-9.]+", dep) for dep in project["dependencies"]), project["dependencies"]
 
