@@ -24,6 +24,18 @@ from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_
 from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
 
 
+def full_precision_overrides(hparams: dict) -> dict:
+    """The module arguments that load a checkpoint as plain full-precision weights, for ``export``
+    and ``quantize``: a QLoRA adapter onto the unquantized base (the same adapter keys, as LoRA),
+    and a QAT model without its fake quantisation (the same parameter names); ``{}`` for the rest."""
+    overrides = {}
+    if (hparams.get("peft") or {}).get("method") == "qlora":
+        overrides["peft"] = {**hparams["peft"], "method": "lora"}
+    if (hparams.get("qat") or {}).get("scheme", "none") != "none":
+        overrides["qat"] = {**hparams["qat"], "scheme": "none"}
+    return overrides
+
+
 def load_module(cfg: DictConfig) -> L.LightningModule:
     """The task module of ``cfg.ckpt_path``, or (causal LM) one that loads the exported folder
     ``cfg.model_dir`` as pretrained weights, with the config's other groups.

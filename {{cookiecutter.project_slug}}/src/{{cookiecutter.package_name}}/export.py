@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from .compress.pruning import pruned_with, shrink_ffn
+from .eval import full_precision_overrides
 from .models.causal_lm import CHAT_FILE, CausalLMModule
 from .utils.checkpoints import trained_checkpoint
 from .utils.config import ConfigError, validate_config
@@ -48,10 +49,7 @@ def export(cfg: DictConfig) -> Path:
     hparams = checkpoint.get("hyper_parameters", {})
     if "peft" not in hparams:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")
-    peft = dict(hparams["peft"])
-    if peft.get("method") == "qlora":
-        peft["method"] = "lora"  # same adapter keys, merged into the full-precision base
-    module = CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu", peft=peft)
+    module = CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu", **full_precision_overrides(hparams))
     model = module.merged_model()
     if pruned_with(checkpoint) == "structured":  # the zeroed FFN neurons go: a smaller folder, the same outputs
         shrink_ffn(model)

@@ -56,7 +56,7 @@ from .compress.quantization import (
     variant_problems,
 )
 from .compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
-from .eval import load_module
+from .eval import full_precision_overrides, load_module
 from .utils.checkpoints import trained_checkpoint
 from .utils.config import ConfigError, validate_config
 from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, print_config_tree
@@ -279,11 +279,7 @@ def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object
     if cfg.model_dir is not None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         return auto_class_of(cfg.task.name).from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
-    overrides = {}
-    if (hparams.get("peft") or {}).get("method") == "qlora":  # the same adapter keys on the unquantized base
-        overrides["peft"] = {**hparams["peft"], "method": "lora"}
-    if (hparams.get("qat") or {}).get("scheme", "none") != "none":  # the parameter names are the same without it
-        overrides["qat"] = {**hparams["qat"], "scheme": "none"}
+    overrides = full_precision_overrides(hparams)
     if overrides:
         module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu", **overrides)
     else:
