@@ -37,6 +37,7 @@ ONLY_FOR = {
         "tests/test_assets.py",
         "tests/test_decoder_classifier.py",
         "bench/throughput.py",
+        "bench/time_to_accuracy.py",
     ],
     "causal_lm": [
         f"{SRC}/data/text.py",

@@ -1,6 +1,6 @@
 """How close is the memory planner to a real step?  Predicted vs measured peak on the CPU.
 
-    python bench/planner_accuracy.py [--cases NAME ...]
+    python bench/planner_accuracy.py [--cases NAME ...] [--overrides KEY=VALUE ...]
 
 For each case (train overrides on small random-weight models, sized so activations are at least
 half of the peak: weight-dominated cases are plain arithmetic and prove little), it
@@ -85,15 +85,17 @@ def measure(overrides: list[str]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--overrides", nargs="*", default=[], help="more train overrides for every case (a smaller shape, say)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: the subprocess side
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps({"measured": measure(CASES[args.measure])}))
+        print(json.dumps({"measured": measure(CASES[args.measure] + args.overrides)}))
         return
     errors = []
     for name in args.cases:
-        plan = plan_memory(compose_case(CASES[name]), search=False)
-        child = subprocess.run([sys.executable, __file__, "--measure", name], capture_output=True, text=True, env=MEASURE_ENV)
+        plan = plan_memory(compose_case(CASES[name] + args.overrides), search=False)
+        command = [sys.executable, __file__, "--measure", name, "--overrides", *args.overrides]
+        child = subprocess.run(command, capture_output=True, text=True, env=MEASURE_ENV)
         if child.returncode:
             raise SystemExit(f"{name}: the measuring subprocess failed:\n{child.stderr[-3000:]}")
         measured = json.loads(child.stdout.strip().splitlines()[-1])["measured"]

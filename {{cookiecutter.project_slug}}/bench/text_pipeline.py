@@ -1,6 +1,7 @@
 """Benchmark the causal-LM text pipeline on the demo text (Shakespeare, SmolLM2 tokenizer).
 
     python bench/text_pipeline.py [--max-length 256] [--micro-batch 4] [--repeats 3]
+    python bench/text_pipeline.py --train docs.jsonl --validation val.jsonl --tokenizer DIR   # your text
 
 Prints, for the training split:
 
@@ -79,8 +80,13 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--train", help="a jsonl file of documents (`text`); default: the demo's, fetched")
+    parser.add_argument("--validation", help="the same, for validation (with --train)")
+    parser.add_argument("--tokenizer", help="a tokenizer folder (with --train); default: the demo model's")
     args = parser.parse_args()
-    train, validation, tokenizer_dir = demo_paths()
+    if args.train and not (args.validation and args.tokenizer):
+        parser.error("--train needs --validation and --tokenizer too")
+    train, validation, tokenizer_dir = (args.train, args.validation, args.tokenizer) if args.train else demo_paths()
 
     documents = datasets.load_dataset("json", data_files=train, split="train")["text"]
     fractions = {}

@@ -256,8 +256,8 @@ def test_a_misspelt_field_of_a_transformers_config_is_refused(tmp_path, override
         ("eval", "+input=x.csv", "input is not a key of the top level"),  # predict's key, not eval's
         (
             "train",
-            "callbacks.lr_monitor=false",
-            "callbacks.lr_monitor=False: an entry is a config with a _target_, or null; fix: callbacks.lr_monitor=null",
+            "callbacks.progress_bar=false",
+            "callbacks.progress_bar=False: an entry is a config with a _target_, or null; fix: callbacks.progress_bar=null",
         ),
         (
             "train",

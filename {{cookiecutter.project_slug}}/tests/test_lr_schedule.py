@@ -10,6 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from {{ cookiecutter.package_name }}.callbacks import WarmupDecayLR, lr_factor
 
+from .conftest import RecordingLogger
+
 
 def test_warmup_then_linear_decay_to_zero():
     factors = [lr_factor(step, total_steps=10, warmup_steps=2, decay="linear", min_lr_ratio=0.0) for step in range(11)]
@@ -54,13 +56,16 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def run(module: L.LightningModule, accumulate: int, batches: int = 12, epochs: int = 2) -> tuple[RecordLR, WarmupDecayLR]:
+def run(
+    module: L.LightningModule, accumulate: int, batches: int = 12, epochs: int = 2, logger: RecordingLogger | None = None
+) -> tuple[RecordLR, WarmupDecayLR]:
     data = DataLoader(TensorDataset(torch.randn(batches * 2, 4), torch.randn(batches * 2, 1)), batch_size=2)
     recorder, schedule = RecordLR(), WarmupDecayLR(warmup_ratio=0.25, decay="linear", min_lr_ratio=0.0)
     trainer = L.Trainer(
         max_epochs=epochs,
         accelerator="cpu",
-        logger=False,
+        logger=logger or False,
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -86,3 +91,11 @@ def test_schedule_is_the_same_under_manual_optimization():
     recorder, schedule = run(Regression(manual=True), accumulate=1)
     assert schedule.total_steps == 24
     assert recorder.seen == expected(schedule, 24)
+
+
+def test_the_lr_each_optimizer_step_used_is_logged_once_in_that_steps_row():
+    logger = RecordingLogger()
+    recorder, schedule = run(Regression(), accumulate=3, logger=logger)
+    logged = [(step, metrics["train/lr"]) for step, metrics in logger.records if "train/lr" in metrics]
+    # One row per optimizer step (not per micro-batch), the LR set before that step's batches.
+    assert logged == expected(schedule, 8) == recorder.seen

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from {{ cookiecutter.package_name }}.models.classification import classification_metrics
-from {{ cookiecutter.package_name }}.optim import build_optimizer, param_groups
+from {{ cookiecutter.package_name }}.optim import build_optimizer, optimizer_factory, param_groups
 
 
 def one_hot_logits(predictions: list[int], num_classes: int) -> torch.Tensor:
@@ -65,3 +65,31 @@ def test_optimizer_factory_builds_the_configured_class_with_its_options():
     assert isinstance(optimizer, torch.optim.AdamW)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
     assert all(g["lr"] == 3e-4 and tuple(g["betas"]) == (0.8, 0.9) for g in optimizer.param_groups)
+
+
+@pytest.mark.parametrize(
+    ("fused", "allowed", "expected"),
+    [(None, True, (True, None)), (None, False, (False, True)), (False, True, (False, None)), (True, True, (True, None))],
+)
+def test_fused_null_is_the_fused_kernel_unless_lightning_would_refuse_it_then_for_each(fused, allowed, expected):
+    optimizer_cfg = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.0, "fused": fused}
+    optimizer = optimizer_factory(optimizer_cfg, "cpu", fused_allowed=allowed)([{"params": [nn.Parameter(torch.zeros(2))]}])
+    assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == expected
+    assert (
+        optimizer_factory({**optimizer_cfg, "fused": None}, "mps")([{"params": [nn.Parameter(torch.zeros(2))]}]).defaults["fused"] is False
+    )
+
+
+def test_a_mixed_precision_run_that_clips_gets_a_for_each_optimizer_lightning_accepts(make_cfg):
+    from {{ cookiecutter.package_name }}.train import train
+
+    # Lightning's mixed-precision plugin refuses to clip for a fused optimizer (bf16 too).
+    metrics = train(make_cfg("precision=bf16-mixed", "trainer.max_steps=2", "test_after_fit=false"))
+    assert metrics["train/loss"] > 0
+
+
+def test_fused_true_with_mixed_precision_and_clipping_is_refused_before_anything_loads(make_cfg):
+    from {{ cookiecutter.package_name }}.utils.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"optimizer\.fused=true with precision=bf16-mixed .*fix: optimizer\.fused=null"):
+        validate_config(make_cfg("precision=bf16-mixed", "optimizer.fused=true"))

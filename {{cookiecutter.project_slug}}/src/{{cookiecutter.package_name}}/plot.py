@@ -42,7 +42,7 @@ from .utils.metrics_csv import launch_files, read_metrics  # noqa: E402
 # Panel file -> (title, y label, the columns it draws: exact names or a prefix ending in "*").
 RUN_PANELS = {
     "loss.png": ("Loss", "loss", ["train/loss", "val/loss"]),
-    "lr.png": ("Learning rate", "LR", ["lr-*"]),
+    "lr.png": ("Learning rate", "LR", ["train/lr"]),
     "throughput.png": ("Throughput", "tokens/s", ["perf/tokens_per_sec"]),
     "gpu_memory.png": ("GPU memory", "GiB", ["gpu/mem_allocated_gib", "gpu/mem_reserved_gib", "gpu/mem_peak_gib"]),
 }

@@ -67,7 +67,9 @@ class GPUStats(L.Callback):
     """Every ``every_n_steps`` optimizer steps, log :func:`memory_stats` and :func:`nvml_stats`
     of the trainer's device to every logger (step = ``trainer.global_step``).
 
-    Degrades instead of failing: on a CPU (or any non-CUDA device) it logs nothing; a reading that
+    ``needs_cuda``: ``train`` leaves it out of a run that is not on a CUDA GPU
+    (:func:`..utils.instantiate.instantiate_callbacks`), so a CPU run pays nothing for it.
+    Built by hand, it degrades instead of failing: on a CPU it logs nothing; a reading that
     fails (no NVML, a GPU without a power sensor) is dropped for the rest of the run.  Either way
     it says once why (rank 0, through this module's logger), never once per step.
 
@@ -77,6 +79,8 @@ class GPUStats(L.Callback):
     Raises:
         ValueError: ``every_n_steps`` < 1.
     """
+
+    needs_cuda = True
 
     def __init__(self, every_n_steps: int) -> None:
         if every_n_steps < 1:

@@ -5,6 +5,11 @@ automatic optimization, and a scheduler carries state that must be restored exac
 Setting ``lr = peak_lr * lr_factor(global_step, ...)`` before every batch needs no state,
 works unchanged under manual optimization, and is right after a resume because
 ``trainer.global_step`` (optimizer steps taken) is restored with the checkpoint.
+
+The same callback logs the LR (``train/lr``, once per optimizer step, at that step), so no
+``LearningRateMonitor`` is needed: that one reads every param group of every optimizer before
+each micro-batch, about 1 ms a step on a small CPU for a value this callback already knows
+(``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import math
 
 import lightning as L
+import torch
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
@@ -42,7 +48,10 @@ class WarmupDecayLR(L.Callback):
     non-finite loss do not advance the schedule).
 
     The peak LR is each group's ``lr`` when training starts, kept as ``group["peak_lr"]`` (saved
-    with the optimizer state).  ``total_steps`` is ``trainer.estimated_stepping_batches``: optimizer
+    with the optimizer state).  ``train/lr``, sent to every logger before each optimizer step
+    (step = ``trainer.global_step``, the step Lightning logs that step's ``train/loss`` at), is
+    the LR that step used, of the first param group (the others differ only where their peak LR
+    does).  ``total_steps`` is ``trainer.estimated_stepping_batches``: optimizer
     steps, not batches, so gradient accumulation does not stretch the schedule.
 
     Args:
@@ -55,6 +64,7 @@ class WarmupDecayLR(L.Callback):
         self.warmup_ratio, self.decay, self.min_lr_ratio = warmup_ratio, decay, min_lr_ratio
         self.total_steps = 0
         self.warmup_steps = 0
+        self.lr = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.total_steps = int(trainer.estimated_stepping_batches)
@@ -70,3 +80,11 @@ class WarmupDecayLR(L.Callback):
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["peak_lr"] * factor
+        self.lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else 0.0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        # Straight to the loggers, at the step Lightning logs this step's row at (as
+        # LearningRateMonitor does): a row of its own, before any checkpoint of the step, without
+        # the cost of a LightningModule.log call per step.
+        for logger in trainer.loggers:
+            logger.log_metrics({"train/lr": self.lr}, step=trainer.global_step)

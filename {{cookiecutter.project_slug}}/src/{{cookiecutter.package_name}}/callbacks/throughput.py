@@ -241,16 +241,23 @@ class TokenThroughput(L.Callback):
             raise ValueError(f"TokenThroughput needs dict batches with input_ids (B, T); got {type(batch).__name__}")
         input_ids = batch["input_ids"]  # (B, T)
         mask = batch.get("token_mask", batch.get("attention_mask"))  # (B, T), 1 = real token (packed chat rows: token_mask)
-        tokens = mask.sum() if mask is not None else torch.tensor(input_ids.numel(), device=input_ids.device)
-        # Stay on the device: .item() here would synchronise every micro-batch.
-        self._window_tokens = self._window_tokens + tokens.to(torch.float64)
-        if self.flops_args is not None:
-            self._window_flops = self._window_flops + tokens.to(torch.float64) * flops_per_token(*self.flops_args, input_ids.shape[1])
+        per_token = flops_per_token(*self.flops_args, input_ids.shape[1]) if self.flops_args is not None else 0.0
+        if mask is None:  # every position is a token: counted on the host, no device work
+            self._host_tokens += input_ids.numel()
+            self._host_flops += input_ids.numel() * per_token
+        else:
+            # Stay on the device (.item() here would synchronise every micro-batch), in place: a
+            # micro-batch costs three small ops (sum and two adds), a few microseconds each.
+            tokens = mask.sum()
+            self._window_tokens.add_(tokens)
+            self._window_flops.add_(tokens, alpha=per_token)
         self._window_samples += input_ids.shape[0]
         self._window_batches += 1
 
     def _reset_window(self) -> None:
-        self._window_tokens = self._window_flops = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._window_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._window_flops = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._host_tokens, self._host_flops = 0, 0.0
         self._window_samples = self._window_batches = 0
 
     def _start(self) -> None:
@@ -267,8 +274,8 @@ class TokenThroughput(L.Callback):
         elapsed = time.perf_counter() - self._t0 - self._paused_seconds
         self._totals["batches"] += self._window_batches
         self._totals["samples"] += self._window_samples
-        self._totals["lengths"] += int(self._window_tokens.item())
-        flops = self._window_flops.item() if self.flops_args is not None else None
+        self._totals["lengths"] += int(self._window_tokens.item()) + self._host_tokens
+        flops = self._window_flops.item() + self._host_flops if self.flops_args is not None else None
         self._rates.update(time=elapsed, **self._totals, flops=flops)
         rates = self._rates.compute()  # a window of 2 updates: the rates since the last log
         metrics = {"perf/tokens_per_sec": rates["device/items_per_sec"], "perf/samples_per_sec": rates["device/samples_per_sec"]}

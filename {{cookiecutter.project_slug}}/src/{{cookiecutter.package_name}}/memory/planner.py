@@ -33,6 +33,7 @@ The figures are for one device; the global batch only decides the accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -248,13 +249,16 @@ class StepSetup:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def training_step(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, built: tuple | None = None) -> StepSetup:
+def training_step(
+    cfg: DictConfig, config: PretrainedConfig, micro_batch: int, built: tuple | None = None, device: str = "cpu"
+) -> StepSetup:
     """The model, optimizer (state allocated) and a ``step()`` closure doing one training step of
     ``micro_batch`` x ``data.max_length`` random tokens, as ``train`` would: same builder,
     precision, PEFT, activation checkpointing, loss and optimizer (bitsandbytes classes replaced
     by fp32 AdamW, corrected by :func:`optimizer_state_bytes`).  Real tensors unless called
     inside :func:`.tracer.fake_tensors` (``bench/planner_accuracy.py`` runs it for real) with
-    ``built``, the :func:`_build` output materialized as fake tensors.
+    ``built``, the :func:`_build` output materialized as fake tensors.  ``device``: where real
+    tensors are made and autocast runs (``"cuda"``: ``bench/gpu_check.py`` measures the plan there).
 
     Returns:
         the :class:`StepSetup`; ``quantized_numels`` are the weights a QLoRA base holds in 4 bits.
@@ -262,30 +266,33 @@ def training_step(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, b
     precision = str(cfg.trainer.precision)
     mixed = is_mixed(precision)
     autocast_dtype = compute_dtype(precision)
-    model, module, quantized = built or _build(cfg, config, precision)
-    model.train()
-    if cfg.checkpointing.mode == "full":
-        enable_activation_checkpointing(model)
-    optimizer_cfg = to_plain(cfg.optimizer)
-    if optimizer_cfg["_target_"].startswith("bitsandbytes."):
-        optimizer_cfg["_target_"] = "torch.optim.AdamW"
-    optimizer = build_optimizer(model, optimizer_cfg, device_type="cuda")
-    _allocate_optimizer_state(model, optimizer)
-    input_ids = torch.randint(0, config.vocab_size, (micro_batch, cfg.data.max_length))  # (B, T)
-    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    if cfg.task.name == "causal_lm" and cfg.data.mode == "pack_rows":
-        # Packed chat rows: per-row position ids, no attention mask, so the trace holds the dense
-        # block-diagonal (B, 1, T, T) mask that transformers builds for SDPA/eager (two rows a block).
-        positions = torch.arange(cfg.data.max_length) % -(-cfg.data.max_length // 2)
-        batch = {"input_ids": input_ids, "position_ids": positions.expand(micro_batch, -1)}
+    # (On the CPU no device context: the planner's fake-tensor trace runs this too.)
+    with torch.device(device) if device != "cpu" else contextlib.nullcontext():
+        model, module, quantized = built or _build(cfg, config, precision)
+        model.train()
+        if cfg.checkpointing.mode == "full":
+            enable_activation_checkpointing(model)
+        optimizer_cfg = to_plain(cfg.optimizer)
+        if optimizer_cfg["_target_"].startswith("bitsandbytes."):
+            optimizer_cfg["_target_"] = "torch.optim.AdamW"
+        optimizer = build_optimizer(model, optimizer_cfg, device_type="cuda")
+        _allocate_optimizer_state(model, optimizer)
+        input_ids = torch.randint(0, config.vocab_size, (micro_batch, cfg.data.max_length))  # (B, T)
+        labels = torch.zeros(micro_batch, dtype=torch.long)  # (B,) a classifier's
+        batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        if cfg.task.name == "causal_lm" and cfg.data.mode == "pack_rows":
+            # Packed chat rows: per-row position ids, no attention mask, so the trace holds the dense
+            # block-diagonal (B, 1, T, T) mask that transformers builds for SDPA/eager (two rows a block).
+            positions = torch.arange(cfg.data.max_length) % -(-cfg.data.max_length // 2)
+            batch = {"input_ids": input_ids, "position_ids": positions.expand(micro_batch, -1)}
 
     def loss_fn() -> torch.Tensor:
-        with torch.autocast("cpu", dtype=autocast_dtype, enabled=mixed):
+        with torch.autocast(device, dtype=autocast_dtype, enabled=mixed):
             if cfg.task.name == "causal_lm":
                 loss_sum, n_targets = module.model_step({**batch, "labels": input_ids})
                 return loss_sum / n_targets
             logits = model(**batch).logits  # (B, num_labels)
-            return torch.nn.functional.cross_entropy(logits.float(), torch.zeros(micro_batch, dtype=torch.long))
+            return torch.nn.functional.cross_entropy(logits.float(), labels)
 
     return StepSetup(_Loss(model, loss_fn), optimizer, quantized)
 

@@ -110,7 +110,10 @@ class HFModule(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # No LR scheduler here: the schedule callback sets the LR from the optimizer step count,
         # the same way for every optimizer below (fused, 8-bit, stepped in backward).
-        return build_optimizer(self.model, self.hparams.optimizer, self.device.type)
+        trainer = self.attached_trainer()
+        # Lightning's mixed-precision plugin refuses to clip gradients for a fused optimizer.
+        clips_under_amp = trainer is not None and str(trainer.precision).endswith("-mixed") and bool(trainer.gradient_clip_val)
+        return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=not clips_under_amp)
 
     # ------------------------------------------------------------------ loss normalisation
     def loss_divisor(self) -> float:
@@ -151,14 +154,18 @@ class HFModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         loss = self.step_loss()
-        if self._step_items <= 0:  # cannot happen with our data modules
+        items = float(self._step_items)  # (the step's one host sync here)
+        if items <= 0:  # cannot happen with our data modules
             raise RuntimeError("an optimizer step with nothing to learn from: every label is -100")
-        if self.automatic_optimization:  # (stepped in backward, the loss was normalised already)
-            # DDP averages gradients over devices, hence the world-size factor.
-            scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / float(self._step_items)
+        # DDP averages gradients over devices, hence the world-size factor.
+        scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / items
+        # (stepped in backward, the loss was normalised already.)  A scale of exactly 1 -- full
+        # micro-batches of a classifier without accumulation -- needs no pass over the gradients
+        # (one launch per tensor: about 1 ms a step for a small model on the CPU).
+        if self.automatic_optimization and scale != 1.0:
             for parameter in self.parameters():
                 if parameter.grad is not None:
-                    parameter.grad.mul_(scale)  # (one launch per tensor: microseconds against a step)
+                    parameter.grad.mul_(scale)
         self._row_step = self.trainer.global_step  # (the step this optimizer step's row is logged at)
         self.log_step_metric("train/loss", loss, prog_bar=True)
         self._window_loss.zero_()

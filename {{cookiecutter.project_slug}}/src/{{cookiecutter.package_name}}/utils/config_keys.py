@@ -124,6 +124,11 @@ FORWARDS: dict[str, tuple[str, ...]] = {
     "lightning.pytorch.loggers.wandb.WandbLogger": ("wandb.init",),
     "lightning.pytorch.loggers.tensorboard.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter",),
     f"{PACKAGE}.utils.csv_log.ResumableCSVLogger": ("lightning.pytorch.loggers.CSVLogger",),
+    f"{PACKAGE}.utils.loggers.WandbLogger": ("lightning.pytorch.loggers.WandbLogger", "wandb.init"),
+    f"{PACKAGE}.utils.loggers.TensorBoardLogger": (
+        "lightning.pytorch.loggers.TensorBoardLogger",
+        "torch.utils.tensorboard.SummaryWriter",
+    ),
     f"{PACKAGE}.utils.distributed.fsdp_strategy": (
         "lightning.pytorch.strategies.FSDPStrategy",
         "torch.distributed.fsdp.FullyShardedDataParallel",  # where FSDPStrategy sends its own **kwargs

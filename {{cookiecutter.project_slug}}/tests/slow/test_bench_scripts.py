@@ -1,0 +1,74 @@
+"""Smoke tests of the ``bench/`` scripts: each runs end to end at tiny sizes and prints its last
+line in the documented form (``bench/compress.py`` has its own, ``test_bench_compress.py``).
+A benchmark that nothing runs stops running unnoticed; these catch that, not the figures."""
+
+from __future__ import annotations
+
+{% if cookiecutter.tasks != "classification" %}import json
+{% endif %}import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_bench(script: str, *args: str, timeout: int = 600) -> list[str]:
+    """Run ``bench/<script>``; returns its stdout lines (fails the test with its output if it fails)."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    result = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result.stdout.strip().splitlines()
+{%- if cookiecutter.tasks != "causal_lm" %}
+
+
+def test_throughput_bench_times_the_train_path_and_prints_its_ratios():
+    lines = run_bench("throughput.py", "--steps", "3", "--repeats", "1")
+    number = r"\d+\.\d{3}"
+    last = rf"vs_loop={number} vs_hf_trainer={number} overhead_vs_loop={number} overhead_vs_hf_trainer={number}"
+    assert re.fullmatch(last, lines[-1]), lines[-1]
+    assert any(re.match(r"\s+train / hf_trainer: \d+\.\d{3} \(95% CI", line) for line in lines)
+
+
+def test_time_to_accuracy_bench_prints_both_times_and_the_ratio(tokenizer_dir, toy_data, tmp_path):
+    from ..conftest import tiny_overrides
+
+    # The bench puts its runs in a folder of its own; target 0: the first validation reaches it.
+    overrides = [o for o in tiny_overrides(tokenizer_dir, toy_data, tmp_path / "run") if not o.startswith("paths.output_dir")]
+    lines = run_bench("time_to_accuracy.py", "--target", "0", "--every", "2", "--overrides", *overrides, "trainer.max_epochs=2")
+    assert re.fullmatch(r"project_s=\d+\.\d hf_trainer_s=\d+\.\d ratio=\d+\.\d{3}", lines[-1]), lines[-1]
+    assert any(line.strip().startswith("project:") and "val acc" in line for line in lines), lines
+{%- endif %}
+
+
+def test_planner_accuracy_bench_prints_its_error(tmp_path):
+{%- if cookiecutter.tasks != "classification" %}
+    case, shape = "llama_fp32", ["data.max_length=64", "batch.micro_batch_size=2", "batch.global_batch_size=2"]
+{%- else %}
+    case, shape = "minilm_classifier_fp32", ["data.max_length=32", "batch.micro_batch_size=2", "batch.global_batch_size=2"]
+{%- endif %}
+    lines = run_bench("planner_accuracy.py", "--cases", case, "--overrides", *shape, f"paths.cache_dir={tmp_path}")
+    assert re.fullmatch(r"max_abs_error_pct=\d+\.\d", lines[-1]), lines[-1]
+    assert lines[0].startswith(case) and "predicted" in lines[0]
+{%- if cookiecutter.tasks != "classification" %}
+
+
+def test_text_pipeline_bench_prints_padding_and_the_tokenisation_ratio(lm_tokenizer_dir, tmp_path):
+    from ..conftest import lm_documents
+
+    files = {}
+    for split, seed in (("train", 1), ("validation", 2)):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps({"text": doc}) + "\n" for doc in lm_documents(12, seed=seed)))
+    lines = run_bench(
+        "text_pipeline.py",
+        "--max-length=32",
+        "--repeats=1",
+        f"--train={files['train']}",
+        f"--validation={files['validation']}",
+        f"--tokenizer={lm_tokenizer_dir}",
+    )
+    assert re.fullmatch(r"pipeline_vs_loop=\d+\.\d\d", lines[-1]), lines[-1]
+    assert lines[0].startswith("padding fraction") and "pad_paragraphs=" in lines[0]
+{%- endif %}
