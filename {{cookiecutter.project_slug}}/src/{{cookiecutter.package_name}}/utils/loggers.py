@@ -39,36 +39,36 @@ def checked_every_n_steps(value: object, logger: str) -> int:
     return value
 
 
-class WandbLogger(LightningWandbLogger):
+class StepThinning:
+    """Mixin for a Lightning logger: ``log_every_n_steps`` (an integer >= 1, keyword only) and a
+    ``log_metrics`` that leaves out the rows :func:`skips_row` names.  ``config_name`` is the
+    logger's key in the ``logger`` group, for the error message.
+
+    Raises:
+        ConfigError: ``log_every_n_steps`` is not an integer >= 1.
+    """
+
+    config_name = "logger"
+
+    def __init__(self, *args, log_every_n_steps: int = 1, **kwargs) -> None:
+        self.log_every_n_steps = checked_every_n_steps(log_every_n_steps, self.config_name)
+        super().__init__(*args, **kwargs)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if not skips_row(metrics, step, self.log_every_n_steps):
+            super().log_metrics(metrics, step)
+
+
+class WandbLogger(StepThinning, LightningWandbLogger):
     """``lightning.pytorch.loggers.WandbLogger`` that logs the per-step training rows of every
-    ``log_every_n_steps``-th optimizer step only (see the module docstring); other arguments as
-    Lightning's.
+    ``log_every_n_steps``-th optimizer step only (see the module docstring and
+    :class:`StepThinning`); other arguments as Lightning's."""
 
-    Raises:
-        ConfigError: ``log_every_n_steps`` is not an integer >= 1.
-    """
-
-    def __init__(self, *args, log_every_n_steps: int = 1, **kwargs) -> None:
-        self.log_every_n_steps = checked_every_n_steps(log_every_n_steps, "wandb")
-        super().__init__(*args, **kwargs)
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if not skips_row(metrics, step, self.log_every_n_steps):
-            super().log_metrics(metrics, step)
+    config_name = "wandb"
 
 
-class TensorBoardLogger(LightningTensorBoardLogger):
+class TensorBoardLogger(StepThinning, LightningTensorBoardLogger):
     """``lightning.pytorch.loggers.TensorBoardLogger`` with the same ``log_every_n_steps`` as
-    :class:`WandbLogger`.
+    :class:`WandbLogger`."""
 
-    Raises:
-        ConfigError: ``log_every_n_steps`` is not an integer >= 1.
-    """
-
-    def __init__(self, *args, log_every_n_steps: int = 1, **kwargs) -> None:
-        self.log_every_n_steps = checked_every_n_steps(log_every_n_steps, "tensorboard")
-        super().__init__(*args, **kwargs)
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if not skips_row(metrics, step, self.log_every_n_steps):
-            super().log_metrics(metrics, step)
+    config_name = "tensorboard"
