@@ -60,7 +60,7 @@ from transformers import BertTokenizerFast, Trainer, TrainerCallback, TrainingAr
 
 from {{ cookiecutter.package_name }}.callbacks import lr_factor
 from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier
-from {{ cookiecutter.package_name }}.optim import build_optimizer
+from {{ cookiecutter.package_name }}.optim import build_optimizer, lightning_allows_fused
 from {{ cookiecutter.package_name }}.train import train
 
 WORKLOADS = {
@@ -201,9 +201,9 @@ def model_and_optimizer(cfg, datamodule, device: torch.device):
     torch.manual_seed(cfg.seed)
     spec = OmegaConf.to_container(cfg.model, resolve=True)
     model = build_sequence_classifier(spec, datamodule.id2label, datamodule.tokenizer).to(device).train()
-    clips_under_amp = str(cfg.trainer.precision).endswith("-mixed") and bool(cfg.trainer.gradient_clip_val)  # as train decides
+    fused = lightning_allows_fused(cfg.trainer.precision, cfg.trainer.gradient_clip_val)  # as train decides
     optimizer_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
-    return model, build_optimizer(model, optimizer_cfg, device.type, fused_allowed=not clips_under_amp)
+    return model, build_optimizer(model, optimizer_cfg, device.type, fused_allowed=fused)
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, cfg, steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -29,6 +29,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def lightning_allows_fused(precision: str, gradient_clip_val: float | None) -> bool:
+    """Whether Lightning accepts a fused optimizer for this run: not when it clips gradients under
+    ``*-mixed`` precision (its mixed-precision plugin refuses to clip for an optimizer that
+    unscales gradients itself, bf16 included)."""
+    return not (str(precision).endswith("-mixed") and bool(gradient_clip_val))
+
+
 def optimizer_factory(optimizer_cfg: dict, device_type: str, fused_allowed: bool = True) -> Callable[[list[dict]], torch.optim.Optimizer]:
     """A function ``groups -> optimizer`` for the ``optimizer`` config group (a plain dict).
 

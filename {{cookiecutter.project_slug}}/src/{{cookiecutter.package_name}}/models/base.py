@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
 
-from ..optim import build_optimizer
+from ..optim import build_optimizer, lightning_allows_fused
 from .inputs import ModelInputs, model_inputs
 from .levers import apply_levers
 
@@ -111,9 +111,8 @@ class HFModule(L.LightningModule):
         # No LR scheduler here: the schedule callback sets the LR from the optimizer step count,
         # the same way for every optimizer below (fused, 8-bit, stepped in backward).
         trainer = self.attached_trainer()
-        # Lightning's mixed-precision plugin refuses to clip gradients for a fused optimizer.
-        clips_under_amp = trainer is not None and str(trainer.precision).endswith("-mixed") and bool(trainer.gradient_clip_val)
-        return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=not clips_under_amp)
+        fused = trainer is None or lightning_allows_fused(trainer.precision, trainer.gradient_clip_val)
+        return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=fused)
 
     # ------------------------------------------------------------------ loss normalisation
     def loss_divisor(self) -> float:

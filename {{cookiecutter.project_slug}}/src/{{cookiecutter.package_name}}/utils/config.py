@@ -321,8 +321,10 @@ def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
         )
     if optimizer.get("step_in_backward"):
         problems += _step_in_backward_problems(cfg)
+    from ..optim import lightning_allows_fused  # (optim imports this module)
+
     clip = cfg.trainer.get("gradient_clip_val") if "trainer" in cfg else None
-    if optimizer.get("fused") is True and str(cfg.trainer.get("precision", "")).endswith("-mixed") and clip not in (None, 0, 0.0):
+    if optimizer.get("fused") is True and "trainer" in cfg and not lightning_allows_fused(cfg.trainer.get("precision", ""), clip):
         problems.append(
             f"optimizer.fused=true with precision={cfg.trainer.precision} and trainer.gradient_clip_val={clip}: Lightning's "
             "mixed-precision plugin refuses to clip the gradients of a fused optimizer; fix: optimizer.fused=null "
