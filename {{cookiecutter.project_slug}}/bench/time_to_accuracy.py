@@ -20,6 +20,11 @@ crossed the target at and the seconds per step (validations included: speed apar
 many steps the crossing took, which the seed moves by a validation or two), and as the
 last line, ``project_s=<s> hf_trainer_s=<s> ratio=<hf / project>`` (goal: ratio >= 1.0, no slower
 than the HF Trainer).  A side that never reaches the target prints ``inf``.
+
+Which validation first crosses the target moves with the seed (data order, head initialisation,
+dropout) by a validation or more, so one seed says little: ``--seeds 42 43 44`` runs both sides
+once per seed (the order alternating), prints each pair, and the last line then holds each
+side's median over the seeds (a side that never crossed counts as ``inf``) and their ratio.
 """
 
 from __future__ import annotations
@@ -191,12 +196,27 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
     return timer.seconds, timer.accuracy, timer.step
 
 
+def median_seconds(seconds: list[float]) -> float:
+    """The median of one side's wall times (s) over the seeds; ``inf`` (never crossed) sorts last,
+    so a side that crossed in fewer than half the seeds has an infinite median."""
+    return float(np.median(seconds)) if seconds else math.inf
+
+
+def ratio_of(project: float, hf: float) -> float:
+    """HF Trainer seconds / project seconds (> 1: the project is faster); 0 when only the HF
+    Trainer crossed, ``inf`` when only the project did, and 0 when neither did."""
+    if math.isfinite(project) and math.isfinite(hf):
+        return hf / project
+    return math.inf if math.isfinite(project) else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=float, default=0.82, help="validation accuracy to reach (0-1)")
     parser.add_argument("--every", type=int, default=50, help="optimizer steps between validations (both sides)")
     parser.add_argument("--order", choices=["project-first", "hf-first"], default="project-first")
     parser.add_argument("--overrides", nargs="*", default=[], help="train overrides (key=value), as on the command line")
+    parser.add_argument("--seeds", type=int, nargs="*", default=None, help="one run per side per seed (default: the config's seed)")
     args = parser.parse_args()
     if not 0 <= args.target <= 1:
         parser.error(f"--target={args.target}: an accuracy between 0 and 1")
@@ -209,27 +229,34 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     UntilAccuracy.target = args.target
-    results = {}
-    with tempfile.TemporaryDirectory() as folder:
-        os.environ["WANDB_DIR"] = folder
-        cfg = compose_config(Path(folder) / "project", args.every, args.overrides)
-        sides = {
-            "project": lambda: run_project(cfg),
-            "hf_trainer": lambda: run_hf_trainer(cfg, Path(folder) / "hf", args.target, args.every),
-        }
-        for name in sides if args.order == "project-first" else reversed(list(sides)):
-            results[name] = sides[name]()
-            seconds, accuracy, step = results[name]
-            # Seconds per step (validations included) separate speed from how many steps it took.
-            reached = (
-                f"val acc {accuracy:.4f} at step {step}, {seconds / step:.2f} s/step"
-                if accuracy is not None
-                else f"never reached {args.target}"
-            )
-            print(f"{name:>10}: {seconds:8.1f} s to the first validation at >= {args.target} ({reached})", flush=True)
-    project, hf = results["project"][0], results["hf_trainer"][0]
-    ratio = hf / project if math.isfinite(project) and math.isfinite(hf) else (math.inf if math.isfinite(project) else 0.0)
-    print(f"project_s={project:.1f} hf_trainer_s={hf:.1f} ratio={ratio:.3f}")
+    seconds: dict[str, list[float]] = {"project": [], "hf_trainer": []}
+    for index, seed in enumerate(args.seeds or [None]):
+        overrides = [*args.overrides, *([f"seed={seed}"] if seed is not None else [])]
+        with tempfile.TemporaryDirectory() as folder:
+            os.environ["WANDB_DIR"] = folder
+            cfg = compose_config(Path(folder) / "project", args.every, overrides)
+            sides = {
+                "project": lambda: run_project(cfg),
+                "hf_trainer": lambda: run_hf_trainer(cfg, Path(folder) / "hf", args.target, args.every),
+            }
+            order = list(sides) if (args.order == "project-first") == (index % 2 == 0) else list(reversed(sides))
+            for name in order:
+                side_seconds, accuracy, step = sides[name]()
+                seconds[name].append(side_seconds)
+                # Seconds per step (validations included) separate speed from how many steps it took.
+                reached = (
+                    f"val acc {accuracy:.4f} at step {step}, {side_seconds / step:.2f} s/step"
+                    if accuracy is not None
+                    else f"never reached {args.target}"
+                )
+                print(
+                    f"seed {cfg.seed} {name:>10}: {side_seconds:8.1f} s to the first validation at >= {args.target} ({reached})", flush=True
+                )
+    project, hf = median_seconds(seconds["project"]), median_seconds(seconds["hf_trainer"])
+    if len(seconds["project"]) > 1:
+        per_seed = " ".join(f"{ratio_of(p, h):.3f}" for p, h in zip(seconds["project"], seconds["hf_trainer"]))
+        print(f"ratio per seed: {per_seed}; medians over {len(seconds['project'])} seeds:")
+    print(f"project_s={project:.1f} hf_trainer_s={hf:.1f} ratio={ratio_of(project, hf):.3f}")
 
 
 if __name__ == "__main__":

@@ -36,9 +36,14 @@ def test_time_to_accuracy_bench_prints_both_times_and_the_ratio(tokenizer_dir, t
 
     # The bench puts its runs in a folder of its own; target 0: the first validation reaches it.
     overrides = [o for o in tiny_overrides(tokenizer_dir, toy_data, tmp_path / "run") if not o.startswith("paths.output_dir")]
-    lines = run_bench("time_to_accuracy.py", "--target", "0", "--every", "2", "--overrides", *overrides, "trainer.max_epochs=2")
+    lines = run_bench(
+        "time_to_accuracy.py", "--target", "0", "--every", "2", "--seeds", "1", "2", "--overrides", *overrides, "trainer.max_epochs=2"
+    )
     assert re.fullmatch(r"project_s=\d+\.\d hf_trainer_s=\d+\.\d ratio=\d+\.\d{3}", lines[-1]), lines[-1]
-    assert any(line.strip().startswith("project:") and "val acc" in line for line in lines), lines
+    for seed in (1, 2):  # each side once per seed, the median of each over the seeds last
+        for side in ("project", "hf_trainer"):
+            assert any(re.match(rf"seed {seed} +{side}: .*\(val acc", line) for line in lines), lines
+    assert re.fullmatch(r"ratio per seed: \d+\.\d{3} \d+\.\d{3}; medians over 2 seeds:", lines[-2]), lines[-2]
 {%- endif %}
 
 
