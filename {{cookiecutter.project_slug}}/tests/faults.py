@@ -38,6 +38,18 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SignalWhileTesting(L.Callback):
+    """Send ``signal_name`` to this process once, at the first test batch (the test after the fit)."""
+
+    def __init__(self, signal_name: str = "SIGTERM") -> None:
+        self.signum, self.sent = getattr(signal, signal_name), False
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
+
+
 class KillDuringSave(AtomicCheckpointIO):
     """Checkpoint IO that SIGKILLs the process half-way through writing its ``save``-th checkpoint
     (1-based), after the first half of the bytes is on disk."""

@@ -164,6 +164,44 @@ def test_accumulation_is_derived_from_global_and_micro_batch(tmp_path):
     assert cfg.data.batch_size == 16
 
 
+@pytest.mark.parametrize(
+    ("override", "fix"),
+    [
+        ("trainer.accumulate_grad_batches=4", "batch.global_batch_size=64"),
+        ("batch.accumulate_grad_batches=3", "batch.global_batch_size=48"),
+        ("batch.device_batch_size=8", "batch.micro_batch_size=8"),
+        ("data.batch_size=4", "batch.micro_batch_size=4"),
+    ],
+)
+def test_a_derived_batch_key_set_by_hand_is_refused_with_the_batch_setting_it_meant(tmp_path, override, fix):
+    """Set by hand, accumulation would stack on the batch group's and the global batch would be
+    other than batch.global_batch_size says (4 x 16 = 64 samples a step instead of 16)."""
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "batch.global_batch_size=16", "batch.micro_batch_size=16", override])
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"{key}={value} is derived by the batch group .* fix: drop it and set {fix}"):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "scheduler.warmup_ratio=1.5",
+        "scheduler.min_lr_ratio=-1",
+        "optimizer.weight_decay=-0.1",
+        "data.val_fraction=1.5",
+        "peft=lora peft.dropout=1.0",
+        "optimizer.lr=0",
+        "seed=abc",
+    ],
+)
+def test_every_out_of_range_value_is_refused_naming_field_value_and_a_fix(tmp_path, override):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *override.split()])
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg)
+    (line,) = [line for line in str(error.value).splitlines() if override.split()[-1].split("=")[0] in line]
+    assert override.split()[-1].split("=")[1] in line and ("fix:" in line or "e.g." in line), line
+
+
 def test_indivisible_global_batch_names_both_fields_and_a_fix(tmp_path):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "batch.global_batch_size=30", "batch.micro_batch_size=8"])
     with pytest.raises(ConfigError) as error:

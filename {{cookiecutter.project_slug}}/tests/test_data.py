@@ -60,6 +60,15 @@ def test_integer_labels_sort_numerically(tmp_path):
     assert build_label_map(dataset, "label", "rows") == {"1": 0, "2": 1, "10": 2}
 
 
+def test_labels_that_differ_only_in_case_stay_apart_with_a_warning(caplog):
+    dataset = datasets.Dataset.from_dict({"label": ["Positive", " positive ", "negative", "NEGATIVE", "neutral"]})
+    assert build_label_map(dataset, "label", "rows.csv") == {"NEGATIVE": 0, "Positive": 1, "negative": 2, "neutral": 3, "positive": 4}
+    warnings = [r.getMessage() for r in caplog.records if "differ only in case" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert "['Positive', 'positive']" in " ".join(warnings) and "['NEGATIVE', 'negative']" in " ".join(warnings)
+    assert all("fix: spell them one way" in w for w in warnings)
+
+
 def test_class_label_columns_keep_their_own_order():
     features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])})
     dataset = datasets.Dataset.from_dict({"text": ["x", "y"], "label": [1, 0]}, features=features)
@@ -108,6 +117,23 @@ def test_a_csv_saved_with_its_index_and_a_repeated_column_name_loads(tmp_path):
     path.write_text(",text,text\n0,a,b\n1,c,d\n")
     loaded = load_split("train", str(path), None, None, str(tmp_path / "cache"))
     assert loaded.column_names == ["Unnamed: 0", "text", "text.1"] and loaded["text.1"] == ["b", "d"]
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text"),
+    [
+        (".csv", 'review,sentiment\n"good, fine",pos\nbad,neg\n'),
+        (".tsv", "review\tsentiment\ngood, fine\tpos\nbad\tneg\n"),
+        (".jsonl", '{"review": "good, fine", "sentiment": "pos"}\n{"review": "bad", "sentiment": "neg"}\n'),
+    ],
+)
+def test_a_file_saved_with_a_byte_order_mark_loads_with_its_first_column_named_as_written(tmp_path, suffix, text):
+    """Excel's "CSV UTF-8" starts the file with a byte-order mark: it belongs to no column name."""
+    path = tmp_path / f"excel{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    loaded = load_split("train", str(path), None, None, str(tmp_path / "cache"))
+    assert loaded.column_names == ["review", "sentiment"]
+    assert loaded["review"] == ["good, fine", "bad"] and loaded["sentiment"] == ["pos", "neg"]
 
 
 @pytest.mark.parametrize(("suffix", "sep"), [(".csv", ","), (".tsv", "\t")])
@@ -261,15 +287,18 @@ def test_a_file_of_only_blank_texts_is_refused(make_datamodule, tmp_path):
         make_datamodule(splits={"train": str(train)}).setup("fit")
 
 
-def test_duplicates_are_kept_and_counted_and_leaks_into_validation_named(make_datamodule, tmp_path, caplog):
+def test_duplicates_are_kept_and_counted_and_leaks_into_validation_and_test_named(make_datamodule, tmp_path, caplog):
     rows = toy_rows(10, seed=4)
     train = write_csv(tmp_path / "train.csv", rows + rows[:3])
     validation = write_csv(tmp_path / "validation.csv", rows[:2] + toy_rows(6, seed=5))
-    datamodule = make_datamodule(splits={"train": str(train), "validation": str(validation)})
+    test = write_csv(tmp_path / "test.csv", rows[5:9] + toy_rows(3, seed=6))
+    datamodule = make_datamodule(splits={"train": str(train), "validation": str(validation), "test": str(test)})
     datamodule.setup("fit")
     assert len(datamodule.datasets["train"]) == 13
     assert "3 of 13 rows repeat an earlier row's text (kept)" in caplog.text
     assert "data.splits.validation: 2 of 8 rows have the same text as a training row" in caplog.text
+    assert "data.splits.test: 4 of 7 rows have the same text as a training row" in caplog.text
+    assert len(datamodule.datasets["test"]) == 7  # counted, not removed
 
 
 def test_non_utf8_csv_names_the_file_and_the_byte(make_datamodule, tmp_path):

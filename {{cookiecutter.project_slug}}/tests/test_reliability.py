@@ -117,6 +117,22 @@ def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handle
         signal.signal(signal.SIGUSR1, previous)
 
 
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_test_after_the_fit_exits_128_plus_n_without_metrics(make_cfg, tmp_path, name):
+    """Lightning would end a SIGTERM there with exit code 0 (and Ctrl-C with 1): a killed run counted as done."""
+    signum = getattr(signal, name)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cfg = make_cfg("+callbacks.fault._target_=tests.faults.SignalWhileTesting", f"+callbacks.fault.signal_name={name}")
+    with pytest.raises(RunStopped) as stop:
+        train(cfg)
+    assert stop.value.exit_code == 128 + signum
+    assert f"Stopped by {name} outside the optimizer steps" in str(stop.value)
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "metrics.json").exists()
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()  # the fit's weights are kept
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # handlers put back
+
+
 # ---------------------------------------------------------------------- non-finite loss
 def test_a_nan_step_is_skipped_and_does_not_advance_the_lr_schedule(make_cfg, tmp_path, recwarn):
     cfg = make_cfg(

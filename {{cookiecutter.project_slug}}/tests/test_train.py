@@ -173,6 +173,40 @@ def test_predict_writes_the_inputs_cells_back_as_written(trained_run, make_cfg, 
     assert written[0][:2] == ["text", "note"] and [row[:2] for row in written[1:]] == cells
 
 
+@pytest.mark.parametrize(
+    ("entry", "step", "written"), [("eval", "test_step", "metrics.json"), ("predict", "predict_step", "predictions.csv")]
+)
+def test_sigterm_inside_the_loop_of_eval_and_predict_exits_143_and_writes_nothing(
+    trained_run, make_cfg, toy_data, tmp_path, monkeypatch, capsys, entry, step, written
+):
+    """Lightning alone ends a SIGTERM in its test loop with exit code 0 and ignores one in its
+    predict loop: a killed eval or predict would count as done (and predict would finish)."""
+    import importlib
+    import os
+    import signal
+
+    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+
+    original = getattr(SequenceClassificationModule, step)
+
+    def killed(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill` or a scheduler's time limit, mid-loop
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SequenceClassificationModule, step, killed)
+    _, metrics = trained_run
+    args = [f"ckpt_path={metrics['best_checkpoint']}", f"paths.output_dir={tmp_path / 'out'}"]
+    if entry == "predict":
+        args.append(f"input={toy_data['test']}")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(f"{{ cookiecutter.package_name }}.{entry}").main(make_cfg(*args, config_name=entry))  # Hydra passes a cfg through
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert "Stopped by SIGTERM" in capsys.readouterr().err
+    assert not (tmp_path / "out" / written).exists()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_predict_under_the_training_runs_ddp_trainer_writes_every_row_once_in_order(trained_run, make_cfg, toy_data, tmp_path):
     _, metrics = trained_run
     outputs = {}

@@ -60,8 +60,8 @@ EXTRAS = {
     "optuna": ("optuna", "Optuna sweeps (hparams_search=...)", 'pip install -e ".[sweep]"'),
     "hydra_plugins.hydra_submitit_launcher": (
         "hydra-submitit-launcher",
-        "SLURM jobs (hydra/launcher=submitit_slurm)",
-        "pip install hydra-submitit-launcher",
+        "SLURM jobs (launcher=slurm)",
+        'pip install -e ".[slurm]"',
     ),
 }
 

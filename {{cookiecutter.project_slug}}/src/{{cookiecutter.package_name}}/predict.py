@@ -19,7 +19,7 @@ from omegaconf import DictConfig, open_dict
 from .utils.checkpoints import trained_checkpoint
 from .utils.config import ConfigError, to_plain, validate_config, world_size
 from .utils.instantiate import instantiate_trainer
-from .utils.run import atomic_write_path, exit_on_bad_input
+from .utils.run import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input
 
 
 def predict(cfg: DictConfig) -> Path:
@@ -66,7 +66,7 @@ def predict(cfg: DictConfig) -> Path:
 @hydra.main(version_base="1.3", config_path="configs", config_name="predict")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
-    with exit_on_bad_input():
+    with exit_on_bad_input(), exit_cleanly_on_sigterm("no predictions file is written"):
         predict(cfg)
 
 

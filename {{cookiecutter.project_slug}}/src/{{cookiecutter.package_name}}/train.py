@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
-from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped
+from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped, StopOnSignal, signals_stop_the_run
 from .callbacks.pruning import Pruning
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
@@ -84,48 +84,50 @@ def train(cfg: DictConfig) -> dict:
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))
 
+    stopper = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
     failed = True
     try:
-        start = time.perf_counter()
-        metrics = {}
-        if cfg.task.validate_before_fit and ckpt_path is None:
-            # The starting point, from the same validation loop as the final figures.
-            trainer.validate(module, datamodule=datamodule)
-            metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
-            if answers_test(cfg, datamodule) and main_process:  # the untuned model's answers, same prompts
-                metrics.update(
-                    answer_metrics(module, datamodule, run_dir / "predictions_start.jsonl", trainer, "test", "test/exact_match_start")
-                )
-        try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        except torch.OutOfMemoryError as error:
-            guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
-            text = write_oom_report(cfg, run_dir, guard.report if guard else None, error)
-            raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
-        if metrics and getattr(module, "validated_at_step", None) != trainer.global_step:
-            # Training stopped between validations: validate the final weights, so val/* never
-            # repeats the *_start figures (or an older pass) as if it were the result.
-            trainer.validate(module, datamodule=datamodule)
-        metrics.update(scalar_metrics(trainer.callback_metrics))
-        final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
-        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-        pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
-        if pruning is not None and best and final is not None:  # the pruned model, not an early best
-            best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
-        if cfg.test_after_fit and datamodule.has_test:
-            trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
+        with signals_stop_the_run(stopper):  # a signal outside the fit's steps exits 128 + N too
+            start = time.perf_counter()
+            metrics = {}
+            if cfg.task.validate_before_fit and ckpt_path is None:
+                # The starting point, from the same validation loop as the final figures.
+                trainer.validate(module, datamodule=datamodule)
+                metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
+                if answers_test(cfg, datamodule) and main_process:  # the untuned model's answers, same prompts
+                    metrics.update(
+                        answer_metrics(module, datamodule, run_dir / "predictions_start.jsonl", trainer, "test", "test/exact_match_start")
+                    )
+            try:
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            except torch.OutOfMemoryError as error:
+                guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
+                text = write_oom_report(cfg, run_dir, guard.report if guard else None, error)
+                raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
+            if metrics and getattr(module, "validated_at_step", None) != trainer.global_step:
+                # Training stopped between validations: validate the final weights, so val/* never
+                # repeats the *_start figures (or an older pass) as if it were the result.
+                trainer.validate(module, datamodule=datamodule)
             metrics.update(scalar_metrics(trainer.callback_metrics))
-            if answers_test(cfg, datamodule) and main_process:  # the tested (best) weights' answers
-                metrics.update(answer_metrics(module, datamodule, run_dir / "predictions.jsonl", trainer))
-        metrics.update(
-            best_checkpoint=best or None,
-            rows=datamodule.split_sizes,  # rows (classification) or documents (causal LM) per split
-            seconds=round(time.perf_counter() - start, 1),
-        )
-        if hasattr(datamodule, "token_counts"):
-            metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
-        if trainer.is_global_zero:
-            write_metrics(run_dir / "metrics.json", metrics)
+            final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
+            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
+            if pruning is not None and best and final is not None:  # the pruned model, not an early best
+                best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
+            if cfg.test_after_fit and datamodule.has_test:
+                trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
+                metrics.update(scalar_metrics(trainer.callback_metrics))
+                if answers_test(cfg, datamodule) and main_process:  # the tested (best) weights' answers
+                    metrics.update(answer_metrics(module, datamodule, run_dir / "predictions.jsonl", trainer))
+            metrics.update(
+                best_checkpoint=best or None,
+                rows=datamodule.split_sizes,  # rows (classification) or documents (causal LM) per split
+                seconds=round(time.perf_counter() - start, 1),
+            )
+            if hasattr(datamodule, "token_counts"):
+                metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
+            if trainer.is_global_zero:
+                write_metrics(run_dir / "metrics.json", metrics)
         failed = False
         return metrics
     finally:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -159,6 +161,44 @@ class StopOnSignal(_StepBoundary):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore()
+
+
+@contextmanager
+def signals_stop_the_run(stopper: StopOnSignal | None) -> Iterator[None]:
+    """Around all of ``train``'s work: SIGTERM or SIGINT (those of ``stopper.signals``) outside
+    the optimizer steps (the start-up validation, the sanity check, the validation and test of
+    the final weights, the answers) stop the run at once with exit code ``128 + signal``, as a
+    stop during the fit does.  Without it, Lightning turns SIGTERM there into a ``SystemExit``
+    with code 0 and Ctrl-C into exit code 1, and a scheduler counts the killed run as done or as
+    a crash.  During the fit, :class:`StopOnSignal`'s own handlers take over (they put these back
+    when the fit ends).  Nothing is installed when ``stopper`` is ``None`` (the callback switched
+    off) or off the main thread (Python allows handlers only there).
+
+    Raises:
+        RunStopped: on a signal, with the checkpoint folder in its message.
+    """
+    signals = [signum for signum in (stopper.signals if stopper else []) if signum in (signal.SIGTERM, signal.SIGINT)]
+    if not signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        raise RunStopped(
+            f"Stopped by {name} outside the optimizer steps (a validation, the test or start-up); metrics.json is not written; "
+            f"checkpoints so far: {stopper.checkpoint_dir} (last.ckpt: the newest weights)\n"
+            "resume an unfinished fit: the same command with ckpt_path=last; test a finished one: eval with ckpt_path=<a checkpoint>",
+            128 + signum,
+        )
+
+    previous = {signum: signal.getsignal(signum) for signum in signals}
+    for signum in signals:
+        signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._restore()

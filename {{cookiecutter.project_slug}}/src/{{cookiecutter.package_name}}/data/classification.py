@@ -72,6 +72,19 @@ def build_label_map(dataset: datasets.Dataset, label_column: str, source: str) -
             f"data.label_column={label_column!r}: the train split ({source}) has only the label(s) {names}; "
             "a classifier needs at least two classes; fix: check the label column or add rows of the other classes"
         )
+    spellings: dict[str, list[str]] = {}
+    for name in names:
+        spellings.setdefault(str(name).casefold(), []).append(str(name))
+    for same in (group for group in spellings.values() if len(group) > 1):
+        # Kept apart (the data is not changed on the way through), but rarely meant.
+        log.warning(
+            "data.label_column=%r: the labels %s of the train split (%s) differ only in case and are %d separate classes; "
+            "fix: spell them one way in the file if they are one class",
+            label_column,
+            same,
+            source,
+            len(same),
+        )
     return {name: index for index, name in enumerate(names)}
 
 
@@ -150,6 +163,7 @@ class ClassificationDataModule(TokenizedDataModule):
         self.cache_dir, self.fetch = cache_dir, fetch
         self.seed = seed
         self.label2id = label2id
+        self.train_texts: set[tuple] = set()  # the train split's texts, once read (overlap warnings)
         self.predict_file = predict_file
         self.datasets: dict[str, datasets.Dataset] = {}
         self.split_sizes: dict[str, int] = {}
@@ -176,7 +190,9 @@ class ClassificationDataModule(TokenizedDataModule):
         # On fit the test split is checked (and tokenised) too, so an unknown test label stops
         # the run before training rather than after it.
         if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
-            self.datasets["test"] = self._prepare("test", self._load("test"))
+            test = self._load("test")
+            self._warn_about_overlap("test", test)  # (when this process has read the train split)
+            self.datasets["test"] = self._prepare("test", test)
         if stage == "test" and "test" not in self.datasets:
             raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.csv")
         if stage in ("fit", "validate"):  # train.py validates before fitting
@@ -216,32 +232,38 @@ class ClassificationDataModule(TokenizedDataModule):
             parts = train.train_test_split(test_size=self.val_fraction, seed=self.val_split_seed)
             train, validation = parts["train"], parts["test"]
             log.info("No validation split given: took %d rows of train (seed %d)", len(validation), self.val_split_seed)
-        self._warn_about_duplicates(train, {"validation": validation})
+        self._warn_about_duplicates(train)
+        self._warn_about_overlap("validation", validation)
         self.datasets["train"] = self._prepare("train", train)
         self.datasets["validation"] = self._prepare("validation", validation)
 
-    def _warn_about_duplicates(self, train: datasets.Dataset, others: dict[str, datasets.Dataset]) -> None:
-        """Duplicates are kept (they may be meant as weighting); say how many there are, and how
-        many evaluation rows also appear in train (their scores would flatter the model)."""
+    def _texts(self, dataset: datasets.Dataset) -> list[tuple]:
+        """Each row's text cells (text, and text pair when there is one)."""
+        return list(zip(*(dataset[column] for column in self.text_columns)))
 
-        def texts(dataset: datasets.Dataset) -> list[tuple]:
-            return list(zip(*(dataset[column] for column in self.text_columns)))
-
-        seen = texts(train)
+    def _warn_about_duplicates(self, train: datasets.Dataset) -> None:
+        """Duplicates are kept (they may be meant as weighting); say how many there are, and
+        keep the training texts for :meth:`_warn_about_overlap`."""
+        seen = self._texts(train)
         repeated = len(seen) - len(set(seen))
         if repeated:
             log.warning("data.splits.train: %d of %d rows repeat an earlier row's text (kept)", repeated, len(seen))
-        known = set(seen)
-        for split, dataset in others.items():
-            leaked = sum(1 for row in texts(dataset) if row in known)
-            if leaked:
-                log.warning(
-                    "data.splits.%s: %d of %d rows have the same text as a training row; their scores overstate "
-                    "the model (fix: remove them from one of the two files)",
-                    split,
-                    leaked,
-                    len(dataset),
-                )
+        self.train_texts = set(seen)
+
+    def _warn_about_overlap(self, split: str, dataset: datasets.Dataset) -> None:
+        """Say how many rows of an evaluation split also appear in train (their scores would
+        flatter the model); nothing when the train split was not read here (eval from a checkpoint)."""
+        if not self.train_texts:
+            return
+        leaked = sum(1 for row in self._texts(dataset) if row in self.train_texts)
+        if leaked:
+            log.warning(
+                "data.splits.%s: %d of %d rows have the same text as a training row; their scores overstate "
+                "the model (fix: remove them from one of the two files)",
+                split,
+                leaked,
+                len(dataset),
+            )
 
     def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
         """Labels -> ids (refusing unknown ones), then tokenise; both maps are cached by datasets."""

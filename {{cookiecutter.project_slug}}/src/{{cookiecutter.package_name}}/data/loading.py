@@ -100,7 +100,9 @@ def csv_as_written(path: Path, sep: str, field: str = "data file") -> datasets.F
         UnicodeDecodeError, csv.Error: the file cannot be read (reported as a DataError).
     """
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # a long document is one cell (the default stops at 128 KiB)
-    with path.open(newline="", encoding="utf-8") as file:
+    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name;
+    # pandas, which reads the rows, drops it too.
+    with path.open(newline="", encoding="utf-8-sig") as file:
         reader = csv.reader(file, delimiter=sep)
         header = next(reader, [])
         # pandas would take the extra leading cells of a longer row as an index and shift the rest

@@ -101,6 +101,44 @@ def batch_problem(global_batch_size: object, micro_batch_size: object, devices: 
     return None
 
 
+# Keys the batch group derives from global_batch_size, micro_batch_size and the processes: set by
+# hand, they would silently change the global batch (accumulation on top of the batch group).
+DERIVED_BATCH_KEYS = (
+    ("batch", "accumulate_grad_batches"),
+    ("batch", "device_batch_size"),
+    ("trainer", "accumulate_grad_batches"),
+    ("data", "batch_size"),
+)
+
+
+def derived_batch_key_problems(cfg: DictConfig) -> list[str]:
+    """One line for each of :data:`DERIVED_BATCH_KEYS` that holds a value instead of the
+    interpolation the shipped configs give it (read raw: nothing is resolved), with the
+    batch-group setting that does what the value meant."""
+    problems = []
+    micro = cfg.batch.get("micro_batch_size")
+    for group, key in DERIVED_BATCH_KEYS:
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or key not in node or OmegaConf.is_interpolation(node, key):
+            continue
+        value = node[key]
+        number = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if key == "accumulate_grad_batches":
+            meant = (
+                f"batch.global_batch_size={micro * value}"
+                if number and isinstance(micro, int)
+                else "batch.global_batch_size=<micro-batch x accumulation>"
+            )
+        else:
+            meant = f"batch.micro_batch_size={value}" if number else "batch.micro_batch_size=<samples per forward pass>"
+        problems.append(
+            f"{group}.{key}={value!r} is derived by the batch group (global batch = micro-batch x accumulate_grad_batches "
+            f"x processes) and is not set by hand: it would change the global batch behind batch.global_batch_size's back; "
+            f"fix: drop it and set {meant}"
+        )
+    return problems
+
+
 def world_size(cfg: DictConfig) -> tuple[object, object]:
     """``(trainer.devices, trainer.num_nodes)`` of a config (1, 1 without a trainer group)."""
     trainer = cfg.get("trainer") or {}
@@ -164,12 +202,13 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
     try:
         seed = cfg.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            problems.append(f"seed={seed!r} must be an integer (0 is a seed) or null for no seeding")
+            problems.append(f"seed={seed!r} must be an integer (0 is a seed) or null for no seeding; fix: e.g. seed=42")
 
         if "batch" in cfg:
             problem = batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, *world_size(cfg))
             if problem:
                 problems.append(problem)
+            problems += derived_batch_key_problems(cfg)
 
         if "trainer" in cfg:
             precision = str(cfg.trainer.get("precision"))
@@ -196,17 +235,25 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
                 problems.append(f"optimizer.lr={lr!r} must be a positive number, e.g. optimizer.lr=5e-5")
             weight_decay = cfg.optimizer.get("weight_decay")
             if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-                problems.append(f"optimizer.weight_decay={weight_decay!r} must be a number >= 0")
+                problems.append(
+                    f"optimizer.weight_decay={weight_decay!r} must be a number >= 0; fix: e.g. optimizer.weight_decay=0.01 (0: none)"
+                )
 
         if "scheduler" in cfg:
             warmup = cfg.scheduler.warmup_ratio
             if not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
-                problems.append(f"scheduler.warmup_ratio={warmup!r} must be in [0, 1): the fraction of optimizer steps spent warming up")
+                problems.append(
+                    f"scheduler.warmup_ratio={warmup!r} must be in [0, 1): the fraction of optimizer steps spent warming up; "
+                    "fix: e.g. scheduler.warmup_ratio=0.06"
+                )
             if cfg.scheduler.decay not in DECAYS:
                 problems.append(f"scheduler.decay={cfg.scheduler.decay!r} is not one of {DECAYS}")
             min_ratio = cfg.scheduler.min_lr_ratio
             if not isinstance(min_ratio, (int, float)) or not 0 <= min_ratio <= 1:
-                problems.append(f"scheduler.min_lr_ratio={min_ratio!r} must be in [0, 1]")
+                problems.append(
+                    f"scheduler.min_lr_ratio={min_ratio!r} must be in [0, 1], the final LR as a fraction of the peak; "
+                    "fix: e.g. scheduler.min_lr_ratio=0.1 (0: decay to zero)"
+                )
 
         if "task" in cfg and "data" in cfg:
             problems += _task_problems(cfg)
@@ -455,7 +502,7 @@ def _peft_problems(peft: DictConfig) -> list[str]:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         problems.append(f"peft.alpha={alpha!r} must be a positive number (scale = alpha / r), e.g. peft.alpha=32")
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        problems.append(f"peft.dropout={dropout!r} must be in [0, 1)")
+        problems.append(f"peft.dropout={dropout!r} must be in [0, 1); fix: e.g. peft.dropout=0.05")
     modules = peft.get("target_modules")
     if modules is not None and (isinstance(modules, str) or not all(isinstance(m, str) and m for m in modules)):
         problems.append(f"peft.target_modules={modules!r} must be a list of layer names, e.g. peft.target_modules=[q_proj,v_proj]")
@@ -483,7 +530,9 @@ def _data_problems(data: DictConfig) -> list[str]:
         problems.append(f"data.max_length={max_length!r} must be an integer >= 8 (tokens per sequence); fix: e.g. data.max_length=512")
     fraction = data.get("val_fraction")
     if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-        problems.append(f"data.val_fraction={fraction!r} must be in (0, 1)")
+        problems.append(
+            f"data.val_fraction={fraction!r} must be in (0, 1), the share of train held out for validation; fix: e.g. data.val_fraction=0.1"
+        )
     splits = data.get("splits") or {}
     unknown = sorted(set(splits) - {"train", "validation", "test"})
     if unknown:

@@ -102,14 +102,17 @@ def exit_on_bad_input() -> Iterator[None]:
 
 
 @contextmanager
-def exit_cleanly_on_sigterm() -> Iterator[None]:
-    """Around an entry point that writes a folder under a temporary name (``export``,
-    ``quantize``): SIGTERM (``kill``, a scheduler's time limit) raises ``SystemExit(143)`` in the
-    main thread, so the ``with`` blocks unwind and the temporary folder is removed, instead of the
-    process dying with it left behind.  The previous handler is restored on the way out."""
+def exit_cleanly_on_sigterm(outcome: str = "the partial output is removed") -> Iterator[None]:
+    """Around an entry point's work: SIGTERM (``kill``, a scheduler's time limit) raises
+    ``SystemExit(143)`` in the main thread, printing ``Stopped by SIGTERM: <outcome>``, so the
+    ``with`` blocks unwind (``export``/``quantize`` remove their temporary folder) and the exit
+    code says "killed".  Inside Lightning's test and predict loops this matters twice over:
+    Lightning alone would end a SIGTERM there with exit code 0 (test) or not at all (predict),
+    so a killed ``eval`` or ``predict`` would count as done.  The previous handler is restored on
+    the way out."""
 
     def stop(signum: int, frame: object) -> None:
-        print(f"Stopped by {signal.Signals(signum).name}: the partial output is removed", file=sys.stderr, flush=True)
+        print(f"Stopped by {signal.Signals(signum).name}: {outcome}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
