@@ -84,6 +84,25 @@ def task_contexts(group: str, option: str) -> list[list[str]]:
     return [[]] + [[f"task={task}", f"data={data}"] for task, data in TASK_DATA.items()]
 
 
+def test_the_readme_configuration_table_lists_every_option_of_its_groups():
+    """Each row of the README's configuration table names exactly the option files of its group
+    (an option added without the README, or a README option that is gone, fails here)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("| group | options |") :].split("\n\n")[0]
+    listed: dict[str, set[str]] = {}
+    for row in table.splitlines()[2:]:
+        cells = row.split("|")
+        group = cells[1].strip().strip("`")
+        listed.setdefault(group, set()).update(re.findall(r"`([\w-]+)`", cells[2]))
+    assert len(listed) > 15, listed
+    for group, options in listed.items():
+        files = {entry.name.removesuffix(".yaml") for entry in (CONFIG_ROOT / group).iterdir() if entry.name.endswith(".yaml")}
+        assert options == files, f"README table, group {group}: lists {sorted(options)}, the folder holds {sorted(files)}"
+
+
 @pytest.mark.parametrize(("group", "option"), every_group_option())
 def test_every_config_file_composes_and_resolves(group, option, tmp_path):
     """Every option composes, resolves and validates, with at least one task of the project."""
