@@ -31,6 +31,24 @@ def test_scratch_fast_dev_run_writes_start_and_final_validation(make_lm_cfg, tmp
     assert metrics["val/loss"] == pytest.approx(written["val/loss"])
 
 
+def test_a_fit_ending_between_validations_keeps_train_metrics_and_a_resume_keeps_the_start(make_lm_cfg, tmp_path):
+    """The final weights are validated again when the fit ended between validations; that pass
+    must not wipe the fit's train/* figures, and a resumed run reports the first launch's
+    *_start figures (kept in the checkpoint) and validates its own final weights."""
+    first = train(make_lm_cfg("trainer.max_steps=4", "trainer.val_check_interval=3", "callbacks.sample_generation=null"))
+    for key in ("train/loss", "val/loss", "val/loss_start", "val/ppl_start"):
+        assert math.isfinite(first[key]), (key, first)
+    assert first["val/loss"] != first["val/loss_start"]
+    resumed = train(
+        make_lm_cfg("trainer.max_steps=6", "trainer.val_check_interval=3", "callbacks.sample_generation=null", "ckpt_path=last")
+    )
+    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    for key in ("val/loss_start", "val/ppl_start"):  # the first launch's, from the checkpoint
+        assert written[key] == pytest.approx(first[key]), key
+    assert math.isfinite(written["train/loss"]) and written["val/loss"] == pytest.approx(resumed["val/loss"])
+    assert written["val/loss"] != first["val/loss"]  # the resumed run's own final validation, not the first launch's
+
+
 def test_gpt2_from_scratch_pads_with_eos_and_trains(make_lm_cfg, lm_tokenizer_dir):
     cfg = make_lm_cfg("debug=fdr", model="tiny_gpt2")
     metrics = train(cfg)

@@ -91,9 +91,11 @@ def train(cfg: DictConfig) -> dict:
             start = time.perf_counter()
             metrics = {}
             if cfg.task.validate_before_fit and ckpt_path is None:
-                # The starting point, from the same validation loop as the final figures.
+                # The starting point, from the same validation loop as the final figures; kept
+                # in the checkpoints (module.start_metrics), so a resumed run reports it too.
                 trainer.validate(module, datamodule=datamodule)
                 metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
+                module.start_metrics = dict(metrics)
                 if answers_test(cfg, datamodule) and main_process:  # the untuned model's answers, same prompts
                     metrics.update(
                         answer_metrics(module, datamodule, run_dir / "predictions_start.jsonl", trainer, "test", "test/exact_match_start")
@@ -104,11 +106,14 @@ def train(cfg: DictConfig) -> dict:
                 guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
                 text = write_oom_report(cfg, run_dir, guard.report if guard else None, error)
                 raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
-            if metrics and getattr(module, "validated_at_step", None) != trainer.global_step:
-                # Training stopped between validations: validate the final weights, so val/* never
-                # repeats the *_start figures (or an older pass) as if it were the result.
+            metrics.update(module.start_metrics)  # (restored from the checkpoint on a resume)
+            metrics.update(scalar_metrics(trainer.callback_metrics))  # train/*, and val/* of the last validation
+            if cfg.task.validate_before_fit and getattr(module, "validated_at_step", None) != trainer.global_step:
+                # Training stopped between validations (or a resumed run never validated): validate
+                # the final weights, so val/* never repeats the *_start figures (or an older pass)
+                # as if it were the result.  Its figures replace only the val/* ones read above.
                 trainer.validate(module, datamodule=datamodule)
-            metrics.update(scalar_metrics(trainer.callback_metrics))
+                metrics.update(scalar_metrics(trainer.callback_metrics))
             final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
             best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
             pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)

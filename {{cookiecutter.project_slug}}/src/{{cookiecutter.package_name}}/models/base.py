@@ -50,6 +50,9 @@ class HFModule(L.LightningModule):
         self.tokenizer = None
         self.inputs: ModelInputs | None = None
         self.skipped_steps = 0
+        # The figures of the validation before the first step (`val/*_start`, train.py), kept in
+        # every checkpoint so that a resumed run's metrics.json still reports them.
+        self.start_metrics: dict[str, float] = {}
         self._loss_divisor = 1.0
         self._window_loss = torch.zeros(())
         self._window_items = torch.zeros((), dtype=torch.long)
@@ -232,12 +235,14 @@ class HFModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["model_inputs"] = self.inputs.state_dict()
         checkpoint["skipped_steps"] = self.skipped_steps
+        checkpoint["start_metrics"] = dict(self.start_metrics)
         for logger in self.loggers if self.attached_trainer() is not None else []:
             if isinstance(logger, WandbLogger) and logger.version:  # the run's id, once it exists (or the id resumed)
                 checkpoint["wandb_run_id"] = logger.version  # a resume's W&B run names the run it continues
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+        self.start_metrics = {str(k): float(v) for k, v in checkpoint.get("start_metrics", {}).items()}
         if self.inputs is None:
             self.inputs = ModelInputs.from_state_dict(checkpoint["model_inputs"])
         if self.tokenizer is None:
