@@ -117,6 +117,17 @@ def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handle
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_stop_on_signal_puts_the_previous_handlers_back_at_teardown(tmp_path):
+    from {{ cookiecutter.package_name }}.callbacks.guards import StopOnSignal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stopper = StopOnSignal(str(tmp_path), ["SIGTERM", "SIGINT"])
+    stopper.on_train_start(None, None)
+    assert all(signal.getsignal(sig) == stopper._handle for sig in before)
+    stopper.teardown(None, None, "fit")
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
 def test_a_signal_during_the_test_after_the_fit_exits_128_plus_n_without_metrics(make_cfg, tmp_path, name):
     """Lightning would end a SIGTERM there with exit code 0 (and Ctrl-C with 1): a killed run counted as done."""

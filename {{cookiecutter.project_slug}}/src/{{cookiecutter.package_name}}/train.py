@@ -89,25 +89,24 @@ def train(cfg: DictConfig) -> dict:
     try:
         with signals_stop_the_run(stopper):  # a signal outside the fit's steps exits 128 + N too
             start = time.perf_counter()
-            metrics = {}
             if cfg.task.validate_before_fit and ckpt_path is None:
                 # The starting point, from the same validation loop as the final figures; kept
                 # in the checkpoints (module.start_metrics), so a resumed run reports it too.
                 trainer.validate(module, datamodule=datamodule)
-                metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
-                module.start_metrics = dict(metrics)
+                start_metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
                 if answers_test(cfg, datamodule) and main_process:  # the untuned model's answers, same prompts
-                    metrics.update(
+                    start_metrics.update(
                         answer_metrics(module, datamodule, run_dir / "predictions_start.jsonl", trainer, "test", "test/exact_match_start")
                     )
+                module.start_metrics = start_metrics
             try:
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
             except torch.OutOfMemoryError as error:
                 guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
                 text = write_oom_report(cfg, run_dir, guard.report if guard else None, error)
                 raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
-            metrics.update(module.start_metrics)  # (restored from the checkpoint on a resume)
-            metrics.update(scalar_metrics(trainer.callback_metrics))  # train/*, and val/* of the last validation
+            # *_start (restored from the checkpoint on a resume), train/*, val/* of the last validation
+            metrics = {**module.start_metrics, **scalar_metrics(trainer.callback_metrics)}
             if cfg.task.validate_before_fit and getattr(module, "validated_at_step", None) != trainer.global_step:
                 # Training stopped between validations (or a resumed run never validated): validate
                 # the final weights, so val/* never repeats the *_start figures (or an older pass)

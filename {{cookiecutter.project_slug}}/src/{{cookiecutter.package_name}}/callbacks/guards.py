@@ -162,6 +162,9 @@ class StopOnSignal(_StepBoundary):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._restore()
 
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore()
+
 
 @contextmanager
 def signals_stop_the_run(stopper: StopOnSignal | None) -> Iterator[None]:
@@ -199,9 +202,6 @@ def signals_stop_the_run(stopper: StopOnSignal | None) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._restore()
 
 
 class OutOfMemoryGuard(_StepBoundary):
