@@ -120,7 +120,7 @@ def test_lora_export_reloads_with_the_same_logits(lora_run, tmp_path):
         expected = module.model(input_ids=ids).logits
         got = plain(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    with pytest.raises(ConfigError, match="already exists"):
+    with pytest.raises(ConfigError, match="output_dir=.* exists; fix: output_dir=<a new path>, or overwrite=true"):
         export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
 
 
@@ -136,7 +136,7 @@ def test_generate_from_checkpoint_and_exported_folder(lora_run, tmp_path):
     assert [json.loads(line)["completion"] for line in lines] == [row["completion"] for row in rows]
     out = tmp_path / "exported"
     export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
-    again = generate(compose_config("generate", [f"model_dir={out}", *common]))
+    again = generate(compose_config("generate", [f"model_dir={out}", *common, f"paths.output_dir={tmp_path / 'again'}"]))
     assert again == rows  # greedy decoding of the same weights
     with pytest.raises(ConfigError, match="exactly one"):
         generate(compose_config("generate", [*common]))
@@ -259,7 +259,7 @@ def _one_step_update(pretrained_dir, tokenizer_dir, text_dir, micro_batch: int, 
     )
     module = CausalLMModule(
         model={"name_or_path": str(pretrained_dir), "config": None, "fetch": None},
-        optimizer={"_target_": "torch.optim.SGD", "lr": 1.0, "weight_decay": 0.0, "step_in_backward": False},
+        optimizer={"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "step_in_backward": False},
         peft={"method": "none"},
     )
     trainer = L.Trainer(

@@ -154,7 +154,7 @@ def test_eval_and_predict_from_the_checkpoint_reproduce_the_end_of_training(gpt2
     for key in ("test/acc", "test/loss"):
         assert evaluated[key] == pytest.approx(metrics[key], abs=1e-6), key
     out = tmp_path / "predictions.csv"
-    predict(compose_config("predict", base + [f"input={varied_data['test']}", f"output={out}"]))
+    predict(compose_config("predict", base + [f"input={varied_data['test']}", f"output={out}", f"paths.output_dir={tmp_path / 'predict'}"]))
     frame = pd.read_csv(out)
     assert (frame.predicted_label == frame.label).mean() == pytest.approx(metrics["test/acc"], abs=1e-6)
 
@@ -204,7 +204,9 @@ def test_qlora_keeps_the_head_trainable_in_fp32_on_a_4bit_base_and_round_trips(p
     head = [param for name, param in module.model.named_parameters() if ".score.modules_to_save." in name]
     assert len(head) == 1 and head[0].requires_grad and head[0].dtype == torch.float32
     assert any(isinstance(layer, bnb.nn.Linear4bit) for layer in module.model.modules())
-    evaluated = evaluate(compose_config("eval", base + [f"ckpt_path={metrics['best_checkpoint']}"]))
+    evaluated = evaluate(
+        compose_config("eval", base + [f"ckpt_path={metrics['best_checkpoint']}", f"paths.output_dir={tmp_path / 'eval'}"])
+    )
     # The adapter and head load exactly (strict keys); bitsandbytes' CPU 4-bit matmuls of the re-read
     # base agree with the training process's to about 1e-4, not bit for bit.
     assert evaluated["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-3)

@@ -94,7 +94,7 @@ def test_too_old_torch_fails_with_the_fix(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "dist_version", lambda dist: "2.3.1+cu121" if dist == "torch" else version(dist))
     code, out = run_main(capsys)
     assert code == 1
-    assert 'torch==2.3.1+cu121 is older than the minimum 2.4 in pyproject.toml; fix: pip install -U "torch>=2.4"' in out
+    assert 'torch==2.3.1+cu121 is older than the minimum 2.6 in pyproject.toml; fix: pip install -U "torch>=2.6"' in out
 
 
 @pytest.mark.parametrize(

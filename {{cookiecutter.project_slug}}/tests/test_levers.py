@@ -109,7 +109,7 @@ def test_chunked_loss_gives_the_plain_loss_and_gradients():
 
 def test_step_in_backward_makes_the_same_update_as_adamw():
     ids = _batch()
-    options = {"_target_": "torch.optim.AdamW", "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "fused": None}
+    options = {"name": "adamw", "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "fused": None}
     reference, fused_in_backward = _tiny_lm(), _tiny_lm()
     optimizer = build_optimizer(reference, {**options, "step_in_backward": False})
     in_backward = build_optimizer(fused_in_backward, {**options, "step_in_backward": True})

@@ -59,9 +59,7 @@ def test_no_weight_decay_on_biases_and_norms_and_frozen_params_left_out():
 
 
 def test_optimizer_factory_builds_the_configured_class_with_its_options():
-    optimizer = build_optimizer(
-        TinyEncoder(), {"_target_": "torch.optim.AdamW", "lr": 3e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.05}
-    )
+    optimizer = build_optimizer(TinyEncoder(), {"name": "adamw", "lr": 3e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.05})
     assert isinstance(optimizer, torch.optim.AdamW)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
     assert all(g["lr"] == 3e-4 and tuple(g["betas"]) == (0.8, 0.9) for g in optimizer.param_groups)
@@ -72,7 +70,7 @@ def test_optimizer_factory_builds_the_configured_class_with_its_options():
     [(None, True, (True, None)), (None, False, (False, True)), (False, True, (False, None)), (True, True, (True, None))],
 )
 def test_fused_null_is_the_fused_kernel_unless_lightning_would_refuse_it_then_for_each(fused, allowed, expected):
-    optimizer_cfg = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.0, "fused": fused}
+    optimizer_cfg = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "fused": fused}
     optimizer = optimizer_factory(optimizer_cfg, "cpu", fused_allowed=allowed)([{"params": [nn.Parameter(torch.zeros(2))]}])
     assert (optimizer.defaults["fused"], optimizer.defaults["foreach"]) == expected
     assert (

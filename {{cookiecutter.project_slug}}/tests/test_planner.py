@@ -127,7 +127,7 @@ def test_8bit_state_is_what_bitsandbytes_allocates():
             if torch.is_tensor(value) and value.numel() > 1:
                 storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
     trainable = [(p.numel(), p.element_size()) for p in model.parameters()]
-    assert optimizer_state_bytes(trainable, "bitsandbytes.optim.AdamW8bit") == sum(storages.values())
+    assert optimizer_state_bytes(trainable, "adamw_8bit") == sum(storages.values())
 
 
 @pytest.mark.parametrize("double_quant", [True, False])

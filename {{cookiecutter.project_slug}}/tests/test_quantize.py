@@ -98,7 +98,8 @@ def classifier_ckpt(tokenizer_dir, toy_data, tmp_path_factory) -> tuple[Path, li
 def classifier_report(classifier_ckpt, tmp_path_factory) -> dict:
     ckpt, base = classifier_ckpt
     out = tmp_path_factory.mktemp("quantized") / "compressed"
-    return quantize(compose_config("quantize", base + FAST + [f"ckpt_path={ckpt}", f"output_dir={out}"]))
+    run = tmp_path_factory.mktemp("quantize_run")
+    return quantize(compose_config("quantize", base + FAST + [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={run}"]))
 
 
 def test_the_classifier_folder_is_complete_and_each_variant_measured(classifier_report):
@@ -150,7 +151,7 @@ def test_refusals_name_field_value_and_fix_before_anything_is_written(classifier
     import {{ cookiecutter.package_name }}.quantize as entry
 
     ckpt, base = classifier_ckpt
-    monkeypatch.setattr(entry, "load_module", lambda cfg: pytest.fail("weights loaded before the config was checked"))
+    monkeypatch.setattr(entry, "load_trained_module", lambda *args, **kwargs: pytest.fail("weights loaded before the config was checked"))
     out = tmp_path / "out" / "compressed"
     cases = {
         "variants=[fp32,int3]": r"variants: 'int3' is not a variant; fix: one of \[",
@@ -166,11 +167,26 @@ def test_refusals_name_field_value_and_fix_before_anything_is_written(classifier
         cases["unavailable=error"] = r"variants: int4_weight_only cannot be made here: .*CUDA.*fix: variants=\[...,intx4_weight_only\]"
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message):
-            quantize(compose_config("quantize", base + [f"ckpt_path={ckpt}", f"output_dir={out}", override]))
-        assert not out.parent.exists(), override
+            quantize(
+                compose_config(
+                    "quantize", base + [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path / 'run'}", override]
+                )
+            )
+        assert not out.parent.exists() and not (tmp_path / "run").exists(), override
     out.mkdir(parents=True)
-    with pytest.raises(ConfigError, match=rf"output_dir='{out}' already exists; fix: choose a new folder"):
-        quantize(compose_config("quantize", base + [f"ckpt_path={ckpt}", f"output_dir={out}"]))
+    with pytest.raises(ConfigError, match=rf"output_dir='{out}' exists; fix: output_dir=<a new path>, or overwrite=true to replace it"):
+        quantize(compose_config("quantize", base + [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path / 'run'}"]))
+    assert list(out.iterdir()) == []
+    # overwrite=true replaces only a folder quantize wrote: an empty folder is not one
+    with pytest.raises(ConfigError, match="is not a folder this command wrote"):
+        quantize(
+            compose_config(
+                "quantize",
+                base
+                + FAST
+                + ["variants=[fp32]", f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path / 'run2'}", "overwrite=true"],
+            )
+        )
     assert list(out.iterdir()) == []
 
 
@@ -183,10 +199,17 @@ def test_a_failure_midway_leaves_no_output_folder(classifier_ckpt, tmp_path, mon
         raise RuntimeError("export failed")
 
     monkeypatch.setattr(entry, "export_onnx", broken)
-    out = tmp_path / "compressed"
+    out = tmp_path / "out" / "compressed"
     with pytest.raises(RuntimeError, match="export failed"):
-        quantize(compose_config("quantize", base + FAST + [f"ckpt_path={ckpt}", f"output_dir={out}", "variants=[fp32,onnx_fp32]"]))
-    assert list(tmp_path.iterdir()) == []
+        quantize(
+            compose_config(
+                "quantize",
+                base
+                + FAST
+                + [f"ckpt_path={ckpt}", f"output_dir={out}", "variants=[fp32,onnx_fp32]", f"paths.output_dir={tmp_path / 'run'}"],
+            )
+        )
+    assert list(out.parent.iterdir()) == []
 
 
 def test_a_structured_pruned_checkpoint_is_quantized_without_its_dead_neurons(tokenizer_dir, toy_data, classifier_report, tmp_path):
@@ -196,7 +219,12 @@ def test_a_structured_pruned_checkpoint_is_quantized_without_its_dead_neurons(to
     pruned = ["pruning=structured", "pruning.final_sparsity=0.25", "pruning.end_step=4", "pruning.frequency=2"]
     train(compose_config("train", base + ["trainer.max_epochs=2", "test_after_fit=false", *pruned]))
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    report = quantize(compose_config("quantize", base + FAST + ["variants=[fp32]", f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'out'}"]))
+    report = quantize(
+        compose_config(
+            "quantize",
+            base + FAST + ["variants=[fp32]", f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'out'}", f"paths.output_dir={tmp_path / 'q'}"],
+        )
+    )
     assert report["shrunk"] == "pruning=structured: shrink_ffn removed 32 of 128 FFN neurons per block"
     assert json.loads((tmp_path / "out" / "fp32" / "config.json").read_text())["intermediate_size"] == 96
     dense = next(v for v in classifier_report["variants"] if v["name"] == "fp32")
@@ -228,7 +256,12 @@ def test_a_qat_checkpoint_converts_to_the_integer_model_it_was_trained_as(tokeni
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     out = tmp_path / "compressed"
     report = quantize(
-        compose_config("quantize", base + FAST + [f"ckpt_path={ckpt}", f"output_dir={out}", "variants=[fp32,qat,ptq_int8a_int4w]"])
+        compose_config(
+            "quantize",
+            base
+            + FAST
+            + [f"ckpt_path={ckpt}", f"output_dir={out}", "variants=[fp32,qat,ptq_int8a_int4w]", f"paths.output_dir={tmp_path / 'q'}"],
+        )
     )
     assert [v["name"] for v in report["variants"]] == ["fp32", "qat"]
     assert report["refusals"][0]["variant"] == "ptq_int8a_int4w" and "the qat variant itself" in report["refusals"][0]["reason"]
@@ -263,7 +296,9 @@ def test_causal_lm_variants_report_perplexity_and_load_close_to_fp32(lm_ckpt, tm
     ckpt, base = lm_ckpt
     out = tmp_path / "compressed"
     variants = "variants=[fp32,int8_weight_only,int8_dynamic,intx4_weight_only,nf4]"
-    report = quantize(compose_config("quantize", base + FAST + [f"ckpt_path={ckpt}", f"output_dir={out}", variants]))
+    report = quantize(
+        compose_config("quantize", base + FAST + [f"ckpt_path={ckpt}", f"output_dir={out}", variants, f"paths.output_dir={tmp_path / 'q'}"])
+    )
     assert report["split"] == "validation"  # the toy text has no test split: said in the report
     assert report["metric_names"] == ["perplexity"]
     rows = {v["name"]: v for v in report["variants"]}
@@ -288,6 +323,11 @@ def test_onnx_for_a_causal_lm_is_refused_before_anything_is_written(lm_ckpt, tmp
     with pytest.raises(
         ConfigError, match=r"variants: 'onnx_int8' does not apply to task=causal_lm \(ONNX export is offered for classifiers\)"
     ):
-        quantize(compose_config("quantize", base + [f"ckpt_path={ckpt}", f"output_dir={out}", "variants=[fp32,onnx_int8]"]))
+        quantize(
+            compose_config(
+                "quantize",
+                base + [f"ckpt_path={ckpt}", f"output_dir={out}", "variants=[fp32,onnx_int8]", f"paths.output_dir={tmp_path / 'q'}"],
+            )
+        )
     assert not out.exists()
 {%- endif %}

@@ -33,6 +33,7 @@ Optuna is imported when a sweep starts: Hydra imports this module at every start
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
 import logging
 import sys
@@ -115,6 +116,10 @@ class ResumableOptunaSweeper(Sweeper):
         except ImportError as error:
             raise SweepConfigError(f'{error}; fix: pip install -e ".[sweep]" (Optuna)') from error
 
+        secrets = project_secrets()
+        typed = secrets.credential_problems(OmegaConf.create({"hydra": {"sweeper": OmegaConf.to_container(self.config.hydra.sweeper)}}))
+        if typed:
+            raise SweepConfigError("; ".join(typed))
         check_objective(self.config, [self.direction])
         distributions, fixed = search_space([f"{key}={value}" for key, value in self.params.items()] + list(arguments))
         check_params(self.config, list(distributions))
@@ -133,7 +138,7 @@ class ResumableOptunaSweeper(Sweeper):
             study.set_user_attr("launches", launch + 1)
         study.sampler = reseeded(self.config.hydra.sweeper.sampler, launch) or study.sampler
         log.info("Study %s in %s: %d trials so far, topping up to %d completed (launch %d)",
-                 study.study_name, self.storage, len(study.trials), self.n_trials, launch)  # fmt: skip
+                 study.study_name, secrets.mask(self.storage), len(study.trials), self.n_trials, launch)  # fmt: skip
 
         failed = 0  # in this launch: a re-run after fixing the cause starts with a clean count
         while (done := count(study, "COMPLETE")) < self.n_trials:
@@ -245,6 +250,12 @@ def override(name: str, value: Any) -> str:
     if isinstance(value, str):
         return f"{name}='{value}'" if "'" not in value else f'{name}="{value}"'
     return f"{name}={value}"
+
+
+def project_secrets() -> Any:
+    """This project's :mod:`utils.secrets` (credentials refused, secrets masked); the plugin file is
+    named after the package (``<package>_sweeper.py``)."""
+    return importlib.import_module(f"{__name__.rsplit('.', 1)[-1].removesuffix('_sweeper')}.utils.secrets")
 
 
 def open_storage(storage: str) -> Any:
@@ -384,7 +395,7 @@ def write_best(study, sweep_dir: Path, config: DictConfig) -> Path:
         "best_trial": best.number,
         "best_job_dir": str(sweep_dir / str(best.number)),
         "trials": {"completed": len(completed), "failed": count(study, "FAIL"), "total": len(study.trials)},
-        "study": {"name": study.study_name, "storage": str(config.hydra.sweeper.storage)},
+        "study": {"name": study.study_name, "storage": project_secrets().mask(str(config.hydra.sweeper.storage))},
     }
     path = sweep_dir / "best.yaml"
     OmegaConf.save(OmegaConf.create(result), path)

@@ -32,11 +32,11 @@ GIB = 2**30
 # Import name -> (distribution name, minimum version). Keep in step with `dependencies` in
 # pyproject.toml (tests/test_doctor.py checks that they agree).
 REQUIRED = {
-    "torch": ("torch", "2.4"),
-    "lightning": ("lightning", "2.5"),
+    "torch": ("torch", "2.6"),  # floors with an advisory below them: see pyproject.toml
+    "lightning": ("lightning", "2.6.6"),
     "transformers": ("transformers", "5.0"),
     "datasets": ("datasets", "3.0"),
-    "hydra": ("hydra-core", "1.3.2"),
+    "hydra": ("hydra-core", "1.3.8"),
     "omegaconf": ("omegaconf", "2.3"),
     "torchmetrics": ("torchmetrics", "1.4"),
     "rich": ("rich", "13.0"),

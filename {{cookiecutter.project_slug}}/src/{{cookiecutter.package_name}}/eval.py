@@ -18,9 +18,10 @@ import lightning as L
 from omegaconf import DictConfig
 
 from .models.answers import answer_metrics
-from .utils.checkpoints import trained_checkpoint
+from .utils.checkpoints import load_trained_module
 from .utils.config import ConfigError, to_plain, validate_config
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
+from .utils.outputs import claim_outputs
 from .utils.run import close_loggers, exit_cleanly_on_sigterm, exit_on_bad_input, print_config_tree, write_metrics
 
 
@@ -43,10 +44,9 @@ def load_module(cfg: DictConfig) -> L.LightningModule:
     Raises:
         ConfigError: ``model_dir`` with no ``config.json``, or for a task other than causal_lm.
     """
-    module_class = hydra.utils.get_class(cfg.task.module)
+    module_class = hydra.utils.get_class(cfg.task.module)  # (the user's config names the class, never the checkpoint)
     if cfg.ckpt_path is not None:
-        trained_checkpoint(cfg.ckpt_path)  # a clear error for a file that is not one of train's
-        return module_class.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+        return load_trained_module(module_class, cfg, cfg.ckpt_path)
     if cfg.task.name != "causal_lm" or not Path(cfg.model_dir, "config.json").is_file():
         raise ConfigError(
             f"model_dir={cfg.model_dir!r} is not a causal LM folder written by export; fix: ckpt_path=RUN/checkpoints/last.ckpt"
@@ -61,14 +61,17 @@ def evaluate(cfg: DictConfig) -> dict:
     """Test ``cfg.ckpt_path`` on ``cfg.data``'s test split; return the metrics.
 
     Raises:
-        ConfigError: invalid config or missing checkpoint.  DataError: bad test data.
+        ConfigError: invalid config, a missing or refused checkpoint, an output that may not be
+            written (:mod:`.utils.outputs`: it exists, without ``overwrite=true``).  DataError: bad test data.
     """
     validate_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<folder written by export>")
     run_dir = Path(cfg.paths.output_dir)
+    inputs = {"ckpt_path": cfg.ckpt_path, "model_dir": cfg.model_dir}
+    claim_outputs(cfg, {}, inputs, run_files=("config_tree.log", "metrics.json", "predictions.jsonl"))
+    module = load_module(cfg)  # (a refused checkpoint stops here, before the first output)
     print_config_tree(cfg, save_to=run_dir / "config_tree.log")
-    module = load_module(cfg)
     datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
     loggers = instantiate_loggers(cfg)
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=loggers)

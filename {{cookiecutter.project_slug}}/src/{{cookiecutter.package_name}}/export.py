@@ -15,8 +15,6 @@ this project's ``generate model_dir=`` renders prompts as chat.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import hydra
@@ -26,36 +24,37 @@ from omegaconf import DictConfig
 from .compress.pruning import pruned_with, shrink_ffn
 from .eval import full_precision_overrides
 from .models.causal_lm import CHAT_FILE, CausalLMModule
-from .utils.checkpoints import trained_checkpoint
+from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.config import ConfigError, validate_config
+from .utils.outputs import claim_outputs, replace_folder, staging_folder
 from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input
 
 
 def export(cfg: DictConfig) -> Path:
     """Write the checkpoint's model (adapters merged) and tokenizer to ``cfg.output_dir``.
 
-    The folder is written under a temporary name and renamed, so it is complete or absent.
+    The folder is written under a temporary name (``.export-staging-<host>-<pid>-*``) and renamed,
+    so it is complete or absent; such folders of dead exports are removed at start.
 
     Raises:
-        ConfigError: missing checkpoint, a non-causal-LM checkpoint, or an output folder that
-            already exists.
+        ConfigError: a missing or refused checkpoint, a non-causal-LM checkpoint, an output folder
+            that exists (without ``overwrite=true``; with it, only a folder export wrote is
+            replaced) or that lies inside another run's folder.
     """
     validate_config(cfg, required=("ckpt_path",), resumes=False)
     output = Path(cfg.output_dir)
-    if output.exists():
-        raise ConfigError(f"output_dir={str(output)!r} already exists; fix: choose a new folder, or delete it first")
     # Memory-mapped: only the hyperparameters are read here, not the weights (loaded once, below).
     checkpoint = trained_checkpoint(cfg.ckpt_path)
+    claim_outputs(cfg, {"output_dir": output}, {"ckpt_path": cfg.ckpt_path}, run_files=(), folder_markers={"output_dir": "config.json"})
     hparams = checkpoint.get("hyper_parameters", {})
     if "peft" not in hparams:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")
-    module = CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu", **full_precision_overrides(hparams))
+    module = load_trained_module(CausalLMModule, cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
     model = module.merged_model()
     if pruned_with(checkpoint) == "structured":  # the zeroed FFN neurons go: a smaller folder, the same outputs
         shrink_ffn(model)
     model.to(getattr(torch, cfg.dtype))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as tmp:
+    with staging_folder(output, "export") as tmp:
         staging = Path(tmp) / "model"
         if module.chat:  # the end-of-turn token ends generation (and is the folder's EOS)
             eot = module.inputs.end_of_turn
@@ -66,7 +65,7 @@ def export(cfg: DictConfig) -> Path:
         if module.chat:
             chat = {"end_of_turn": module.inputs.end_of_turn, "system_prompt": module.inputs.system_prompt}
             (staging / CHAT_FILE).write_text(json.dumps(chat, indent=1) + "\n", encoding="utf-8")
-        shutil.move(str(staging), output)
+        replace_folder(staging, output, marker="config.json")
     print(f"Exported: {output} (load with AutoModelForCausalLM.from_pretrained)")
     return output
 

@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from .utils.config import ConfigError, to_plain, validate_config
+from .utils.outputs import claim_outputs
 from .utils.run import atomic_write_path, exit_on_bad_input
 
 
@@ -46,10 +47,9 @@ def load_generator(cfg: DictConfig):
     from .models.inputs import ModelInputs
 
     if cfg.ckpt_path is not None:
-        from .utils.checkpoints import trained_checkpoint
+        from .utils.checkpoints import load_trained_module
 
-        trained_checkpoint(cfg.ckpt_path)  # a clear error for a file that is not one of train's
-        return CausalLMModule.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+        return load_trained_module(CausalLMModule, cfg, cfg.ckpt_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir)
@@ -68,7 +68,8 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     """Complete every prompt; write ``cfg.output`` (jsonl, atomically) and return the rows.
 
     Raises:
-        ConfigError: neither or both of ``ckpt_path``/``model_dir``, a missing file, no prompts.
+        ConfigError: neither or both of ``ckpt_path``/``model_dir``, a missing file, no prompts, a
+            refused checkpoint, an ``output`` that is an input or that exists without ``overwrite=true``.
     """
     validate_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
@@ -76,6 +77,9 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     if cfg.model_dir is not None and not Path(cfg.model_dir, "config.json").is_file():
         raise ConfigError(f"model_dir={cfg.model_dir!r} has no config.json; fix: a folder written by the export entry point")
     prompts = read_prompts(cfg)
+    output = Path(cfg.output)
+    inputs = {"prompts_file": cfg.prompts_file, "ckpt_path": cfg.ckpt_path, "model_dir": cfg.model_dir}
+    claim_outputs(cfg, {"output": output}, inputs, run_files=())
     module = load_generator(cfg)
     if torch.cuda.is_available():
         module.to("cuda")
@@ -87,7 +91,6 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     separator = "\n--- answer:\n" if getattr(module, "chat", False) else ""  # a chat model answers; a text model continues
     for row in rows:
         print(f"--- {row['prompt']!r}\n{row['prompt']}{separator}{row['completion']}\n")
-    output = Path(cfg.output)
     with atomic_write_path(output) as partial:
         partial.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     print(f"Completions: {output}")

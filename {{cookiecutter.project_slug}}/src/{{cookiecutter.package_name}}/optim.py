@@ -4,14 +4,15 @@ fused / 8-bit variants, and the optimizer step inside backward."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 
-import hydra
 import torch
 from torch import nn
 
 from .utils.config import ConfigError
-from .utils.config_keys import HYDRA_KEYS, OWN_KEYS
+from .utils.config_keys import OWN_KEYS
+from .utils.named import OPTIMIZERS, import_path
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -36,8 +37,28 @@ def lightning_allows_fused(precision: str, gradient_clip_val: float | None) -> b
     return not (str(precision).endswith("-mixed") and bool(gradient_clip_val))
 
 
+def optimizer_class(name: object) -> type:
+    """The optimizer class ``optimizer.name`` names in :data:`.utils.named.OPTIMIZERS`.
+
+    Raises:
+        ConfigError: a name not in the table, or its package (bitsandbytes) not installed.
+    """
+    if not isinstance(name, str) or name not in OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.name={name!r} is not one of this project's optimizers {sorted(OPTIMIZERS)}; fix: optimizer=adamw "
+            "(or add yours to OPTIMIZERS in utils/named.py)"
+        )
+    path = OPTIMIZERS[name]
+    if path.startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            f"optimizer.name={name} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45' (CUDA; the CPU from 0.45), or optimizer=adamw"
+        )
+    return import_path(path)
+
+
 def optimizer_factory(optimizer_cfg: dict, device_type: str, fused_allowed: bool = True) -> Callable[[list[dict]], torch.optim.Optimizer]:
-    """A function ``groups -> optimizer`` for the ``optimizer`` config group (a plain dict).
+    """A function ``groups -> optimizer`` for the ``optimizer`` config group (a plain dict: ``name``
+    from :data:`.utils.named.OPTIMIZERS`, the class's keyword arguments, and our own keys).
 
     ``fused: null`` means torch's fused kernel on CUDA and on the CPU (one kernel per parameter
     tensor, no temporaries; on 2 CPU cores 7x faster than the default per-tensor loop for a
@@ -49,33 +70,22 @@ def optimizer_factory(optimizer_cfg: dict, device_type: str, fused_allowed: bool
     bitsandbytes classes take no ``fused``.
 
     Raises:
-        ConfigError: the class cannot be imported (bitsandbytes missing, a typo in ``_target_``).
+        ConfigError: see :func:`optimizer_class`.
     """
-    target = optimizer_cfg["_target_"]
-    if target.startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(
-            f"optimizer._target_={target} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45' "
-            "(CUDA; the CPU from 0.45), or optimizer=adamw"
-        )
-    try:
-        optimizer_class = hydra.utils.get_class(target)
-    except Exception as error:  # hydra wraps the ImportError/AttributeError in its own type
-        raise ConfigError(
-            f"optimizer._target_={target!r} cannot be imported ({error}); fix: a class path such as "
-            "torch.optim.AdamW or bitsandbytes.optim.AdamW8bit"
-        ) from error
-    options = {key: value for key, value in optimizer_cfg.items() if key not in HYDRA_KEYS | OWN_KEYS["optimizer"]}
-    if target.startswith("torch.optim."):
+    name = optimizer_cfg.get("name")
+    cls = optimizer_class(name)
+    options = {key: value for key, value in optimizer_cfg.items() if key not in OWN_KEYS["optimizer"]}
+    if OPTIMIZERS[name].startswith("torch.optim.") and "fused" in inspect.signature(cls).parameters:
         fused = optimizer_cfg.get("fused")
         options["fused"] = (device_type in ("cuda", "cpu") and fused_allowed) if fused is None else fused
         if not options["fused"] and fused is None and device_type in ("cuda", "cpu"):
             options["foreach"] = True
     # Called directly, not through hydra.utils.instantiate, which would wrap the tensors in a config.
-    return lambda groups: optimizer_class(groups, **options)
+    return lambda groups: cls(groups, **options)
 
 
 def build_optimizer(model: nn.Module, optimizer_cfg: dict, device_type: str = "cpu", fused_allowed: bool = True) -> torch.optim.Optimizer:
-    """The optimizer of ``optimizer_cfg`` (``_target_``, ``lr``, ``weight_decay``, ...) over
+    """The optimizer of ``optimizer_cfg`` (``name``, ``lr``, ``weight_decay``, ...) over
     :func:`param_groups` of ``model`` whose parameters live on ``device_type`` (``fused_allowed``:
     see :func:`optimizer_factory`).
 

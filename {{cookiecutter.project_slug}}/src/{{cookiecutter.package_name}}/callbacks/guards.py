@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OUT_OF_MEMORY = 3
 EXIT_NON_FINITE_LOSS = 4
+EXIT_DISK_FULL = 5  # a checkpoint did not fit on its disk (the previous one is intact): free space, resume
 # A stop on signal N exits with 128 + N (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1): the
 # shell's convention for "killed by N", which SLURM and job scripts already read that way.
 

@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
 from .loading import DataError, first_non_utf8, load_split, require_columns
-from .tokenization import load_tokenizer
+from .tokenization import cut_for_tokens, load_tokenizer, piece_chars, special_tokens_around, splits_at_whitespace, tokenize_in_pieces
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,35 @@ IGNORE_INDEX = -100  # the label value torch's cross_entropy skips (its ``ignore
 
 
 def tokenize_documents(
-    batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, text_column: str, eos_token_id: int
+    batch: dict[str, list],
+    tokenizer: PreTrainedTokenizerBase,
+    text_column: str,
+    eos_token_id: int,
+    max_length: int | None = None,
+    in_pieces: bool = False,
 ) -> dict[str, list[list[int]]]:
-    """Tokenise whole documents (no truncation) and end each with ``eos_token_id``.
+    """Tokenise documents and end each with ``eos_token_id``.
 
     The tokenizer's own special tokens are kept (e.g. Llama's BOS); an EOS is appended unless
     the tokenizer already ended the document with one.  Returns ``input_ids`` and ``length``
     (tokens per row, kept as a column so counts and length grouping never read the ids).
+
+    A document longer than :func:`.tokenization.piece_chars` is never given to the tokenizer whole
+    (the module docstring of :mod:`.tokenization`): with ``max_length`` (``pad`` mode, which keeps
+    that many) it is cut to the pieces that hold them (:func:`.tokenization.cut_for_tokens`); without
+    (``pack``, every token kept) it is tokenised piece by piece when ``in_pieces`` (the tokenizer
+    :func:`.tokenization.splits_at_whitespace`), else whole.
     """
-    ids = tokenizer(batch[text_column], add_special_tokens=True)["input_ids"]
+    size = piece_chars(max_length or 0)
+    texts = list(batch[text_column])
+    if max_length is not None:
+        texts = [cut_for_tokens(text, tokenizer, max_length, size) for text in texts]
+    long = {index for index, text in enumerate(texts) if len(text) > size} if in_pieces and max_length is None else set()
+    ids = tokenizer(["" if index in long else text for index, text in enumerate(texts)], add_special_tokens=True)["input_ids"]
+    if long:
+        before, after = special_tokens_around(tokenizer)
+        for index in long:
+            ids[index] = before + tokenize_in_pieces(texts[index], tokenizer, size) + after
     ids = [row if row and row[-1] == eos_token_id else row + [eos_token_id] for row in ids]
     return {"input_ids": ids, "length": [len(row) for row in ids]}
 
@@ -288,7 +308,13 @@ class TextDataModule(TokenizedDataModule):
         tokenized = dataset.map(
             tokenize_documents,
             batched=True,
-            fn_kwargs={"tokenizer": self.tokenizer, "text_column": "text", "eos_token_id": self.tokenizer.eos_token_id},
+            fn_kwargs={
+                "tokenizer": self.tokenizer,
+                "text_column": "text",
+                "eos_token_id": self.tokenizer.eos_token_id,
+                "max_length": None if self.mode == "pack" else self.max_length + 1,  # (+1: truncation is still seen, and warned)
+                "in_pieces": self.mode == "pack" and splits_at_whitespace(self.tokenizer),
+            },
             remove_columns=dataset.column_names,
             desc=f"Tokenizing {split}",
         )

@@ -51,6 +51,7 @@ from ..models.levers import enable_activation_checkpointing
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
 from ..utils.config import ConfigError, precision_is_auto, to_plain, uses_cuda, validate_config, world_size
+from ..utils.named import is_8bit_optimizer, is_paged_optimizer
 from . import tracer
 
 GIB = 2**30
@@ -273,8 +274,8 @@ def training_step(
         if cfg.checkpointing.mode == "full":
             enable_activation_checkpointing(model)
         optimizer_cfg = to_plain(cfg.optimizer)
-        if optimizer_cfg["_target_"].startswith("bitsandbytes."):
-            optimizer_cfg["_target_"] = "torch.optim.AdamW"
+        if is_8bit_optimizer(optimizer_cfg["name"]):  # traced as fp32 AdamW, its state then counted as stored (_plan_at)
+            optimizer_cfg["name"] = "adamw"
         optimizer = build_optimizer(model, optimizer_cfg, device_type="cuda")
         _allocate_optimizer_state(model, optimizer)
         input_ids = torch.randint(0, config.vocab_size, (micro_batch, cfg.data.max_length))  # (B, T)
@@ -364,13 +365,14 @@ def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
 
 
 # ------------------------------------------------------------------------------ the plan
-def optimizer_state_bytes(trainable: list[tuple[int, int]], target: str) -> int:
+def optimizer_state_bytes(trainable: list[tuple[int, int]], name: str) -> int:
     """Optimizer state bytes of AdamW-style optimizers for trainable tensors of ``(numel, bytes
     per value)``: torch AdamW keeps two moments in the parameter's dtype (8 bytes/value in fp32)
     and a 4-byte ``step`` tensor per parameter; bitsandbytes 8-bit (see module docstring) 2
     bytes/value plus two fp32 maxima per 256 values for tensors of >= 4,096 values, 8 bytes/value
-    below that (the bytes bitsandbytes 0.50 allocates: ``tests/test_planner.py`` compares them)."""
-    if not target.startswith("bitsandbytes."):
+    below that (the bytes bitsandbytes 0.50 allocates: ``tests/test_planner.py`` compares them).
+    ``name``: the ``optimizer.name`` (:data:`..utils.named.OPTIMIZERS`)."""
+    if not is_8bit_optimizer(name):
         return sum(2 * numel * size + 4 for numel, size in trainable)
     numels = [numel for numel, _ in trainable]
     total = 0
@@ -461,14 +463,14 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
     _, share, processes = process_batch(cfg)
     peak = dict(traced.peak)
     notes = []
-    target = cfg.optimizer._target_
-    state = optimizer_state_bytes(traced.trainable, target)
+    name = cfg.optimizer.name
+    state = optimizer_state_bytes(traced.trainable, name)
     param_bytes = traced.param_bytes
     paged = 0
-    if target.startswith("bitsandbytes."):
+    if is_8bit_optimizer(name):
         notes.append(f"8-bit optimizer state counted as bitsandbytes stores it ({state / GIB:.2f} GiB), not as traced fp32 AdamW")
         peak["optimizer"] = state
-        if "Paged" in target:
+        if is_paged_optimizer(name):
             paged, peak["optimizer"] = state, 0
             notes.append("paged optimizer state is in CUDA unified memory, outside PyTorch's allocator: not in the total")
     if traced.quantized_numels:
@@ -545,8 +547,8 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
         candidates["loss=chunked"] = {"loss.implementation": "chunked", "loss.chunk_size": CHUNKED_LOSS_POSITIONS}
     if cfg.checkpointing.mode == "none":
         candidates["checkpointing=full"] = {"checkpointing.mode": "full"}
-    if not str(cfg.optimizer._target_).startswith("bitsandbytes."):
-        candidates["optimizer=adamw_8bit"] = {"optimizer._target_": "bitsandbytes.optim.AdamW8bit"}
+    if not is_8bit_optimizer(cfg.optimizer.name):
+        candidates["optimizer=adamw_8bit"] = {"optimizer.name": "adamw_8bit"}
     if cfg.get("pruning") and cfg.pruning.method != "none":
         candidates["pruning=none"] = {"pruning.method": "none"}
     if not cfg.optimizer.step_in_backward:

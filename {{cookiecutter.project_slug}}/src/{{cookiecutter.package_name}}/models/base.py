@@ -3,12 +3,13 @@ tokenizer stored inside each checkpoint."""
 
 from __future__ import annotations
 
-import hydra
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
 
+from ..assets import fetch_model_files
 from ..optim import build_optimizer, lightning_allows_fused
+from ..utils.secrets import mask
 from .inputs import ModelInputs, model_inputs
 from .levers import apply_levers
 
@@ -77,9 +78,10 @@ class HFModule(L.LightningModule):
             self.tokenizer = self.inputs.tokenizer
 
     def prepare_data(self) -> None:
-        """Install the model files once (``model.fetch``), before anything reads them."""
+        """Install the model files once (``model.fetch``: a fetcher of the project's table, by
+        name), before anything reads them."""
         if self.hparams.model.get("fetch"):
-            hydra.utils.instantiate(self.hparams.model["fetch"])()
+            fetch_model_files(self.hparams.model["fetch"])
 
     def setup_optimization(self) -> None:
         """Call after ``save_hyperparameters``: manual optimization when the optimizer steps
@@ -233,6 +235,8 @@ class HFModule(L.LightningModule):
         return type(result)([], result.unexpected_keys)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if "hyper_parameters" in checkpoint:  # the stored groups, with secrets masked (utils/secrets.py)
+            checkpoint["hyper_parameters"] = mask(dict(checkpoint["hyper_parameters"]))
         checkpoint["model_inputs"] = self.inputs.state_dict()
         checkpoint["skipped_steps"] = self.skipped_steps
         checkpoint["start_metrics"] = dict(self.start_metrics)

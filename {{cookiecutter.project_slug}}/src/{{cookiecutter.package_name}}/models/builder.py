@@ -27,6 +27,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..data.tokenization import use_eos_as_pad
 from ..utils.config import ConfigError
+from ..utils.stored import tokenizer_file_problems
 
 
 def build_sequence_classifier(
@@ -101,11 +102,21 @@ def tokenizer_to_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
 
 
 def tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
-    """Inverse of :func:`tokenizer_to_files`."""
+    """Inverse of :func:`tokenizer_to_files`: the files written into a temporary folder (each name
+    checked to be a bare file name before the first is written) and loaded from there, with no
+    remote code.
+
+    Raises:
+        ConfigError: a name that is not a bare file name, a value that is not text, a class path
+            (``auto_map``) in a JSON file.
+    """
+    found = tokenizer_file_problems(files, "the stored tokenizer")
+    if found:
+        raise ConfigError(f"refused: {'; '.join(found)}; fix: a checkpoint written by this project's train")
     with tempfile.TemporaryDirectory() as folder:
         for name, text in files.items():
             Path(folder, name).write_text(text, encoding="utf-8")
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
 # Architectures whose position ids start after the padding index (RoBERTa's embeddings): the

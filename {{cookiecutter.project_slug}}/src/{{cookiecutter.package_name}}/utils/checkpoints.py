@@ -9,7 +9,11 @@ systems), so ``last.ckpt`` is always either the previous complete checkpoint or 
 
 from __future__ import annotations
 
+import errno
+import inspect
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +22,51 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from . import stored
 from .config import ConfigError
 from .run import atomic_write_path
 
 log = logging.getLogger(__name__)
 
+# The errors of a write that found no room: a full disk (ENOSPC), a full quota (EDQUOT).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFull(OSError):
+    """A checkpoint did not fit on its disk.  ``path``: the checkpoint; ``needed``: its size in
+    bytes (the tensors' bytes, a lower bound of the file); ``free``: bytes free on that disk then.
+    The checkpoint that was there before is intact (the write went to a temporary file)."""
+
+    def __init__(self, path: Path, needed: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, f"no space left on the disk of {path}")
+        self.path, self.needed, self.free = path, needed, free
+
+
+def checkpoint_bytes(checkpoint: object) -> int:
+    """The bytes of every tensor in ``checkpoint`` (nested dicts and lists walked; a tensor's
+    storage counted once)."""
+    seen, total, stack = set(), 0, [checkpoint]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            key = (node.untyped_storage().data_ptr(), node.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += node.untyped_storage().nbytes()
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return total
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are all-or-nothing (see the module docstring): written
     through :func:`.run.atomic_write_path`.  Set through ``trainer.plugins``; remote paths
-    (``s3://``...) fall back to Lightning's save.
+    (``s3://``...) fall back to Lightning's save.  A save that finds the disk full raises
+    :class:`DiskFull` (its size and the free bytes; the previous file is intact).
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
@@ -38,8 +75,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not isinstance(get_filesystem(path), type(get_filesystem("."))):
             super().save_checkpoint(checkpoint, path)
             return
-        with atomic_write_path(Path(path)) as partial, partial.open("wb") as file:
-            self.write(checkpoint, file)
+        try:
+            with atomic_write_path(Path(path)) as partial, partial.open("wb") as file:
+                self.write(checkpoint, file)
+        except OSError as error:
+            if error.errno not in NO_SPACE:
+                raise
+            raise DiskFull(Path(path), checkpoint_bytes(checkpoint), shutil.disk_usage(Path(path).parent).free) from error
+
+    def load_checkpoint(self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, always with ``weights_only=True`` (a resume unpickles no code, whatever
+        Lightning or the caller asks; train has checked the file first: :func:`trained_checkpoint`)."""
+        placement = {} if map_location is None else {"map_location": map_location}  # (else Lightning's default)
+        return super().load_checkpoint(path, weights_only=True, **placement)
 
     def write(self, checkpoint: dict[str, Any], file: Any) -> None:
         """Serialise ``checkpoint`` into the open temporary ``file`` (a seam for fault-injection tests)."""
@@ -72,21 +120,6 @@ def save_final_checkpoint(trainer: L.Trainer) -> Path | None:
     return None
 
 
-def resolve_ckpt_path(cfg: DictConfig) -> Path | None:
-    """The checkpoint ``ckpt_path`` names: ``null`` -> none; ``last`` -> this run's ``last.ckpt``,
-    or none (a fresh start, logged) when the run has not saved one yet; else that file
-    (``validate_config`` has checked that it exists; :func:`read_checkpoint` checks that it is
-    readable)."""
-    value = cfg.get("ckpt_path")
-    if value is None:
-        return None
-    path = last_checkpoint(cfg) if str(value) == "last" else Path(str(value))
-    if str(value) == "last" and not path.is_file():
-        log.warning("ckpt_path=last: no %s yet, so training starts from scratch", path)
-        return None
-    return path
-
-
 def read_checkpoint(path: Path, key: str) -> Any:
     """One top-level entry of a checkpoint, read memory-mapped with ``weights_only=True`` (so a
     multi-GB checkpoint is not read whole, and no pickled code runs).
@@ -105,13 +138,16 @@ def read_checkpoint(path: Path, key: str) -> Any:
 
 
 def trained_checkpoint(path: str | Path) -> dict:
-    """A checkpoint ``train`` wrote, checked before eval, predict, generate, export or quantize
-    load it: read memory-mapped with ``weights_only=True`` (the weights are not read here).
+    """A checkpoint ``train`` wrote, checked before train (resuming), eval, predict, generate,
+    export or quantize use it: read memory-mapped with ``weights_only=True`` (the weights are not
+    read here), migrated from the previous format and checked as data (:mod:`.stored`: no class
+    path anywhere, bare tokenizer file names, checkpoint-callback paths inside their folder).
 
     Raises:
         ConfigError: the file is not a readable torch checkpoint (a CSV, a safetensors file, one
-            cut short), or not one of ``train``'s (no ``state_dict``, ``hyper_parameters`` or
-            ``model_inputs``: e.g. a checkpoint of another Lightning project).
+            cut short), not one of ``train``'s (no ``state_dict``, ``hyper_parameters`` or
+            ``model_inputs``: e.g. a checkpoint of another Lightning project), or it holds what a
+            checkpoint may not (one line, naming every key).
     """
     fix = "fix: ckpt_path=RUN/checkpoints/last.ckpt (or a best-*.ckpt next to it) of a run of this project's train"
     try:
@@ -123,4 +159,70 @@ def trained_checkpoint(path: str | Path) -> dict:
     ]
     if missing:
         raise ConfigError(f"ckpt_path={str(path)!r} is not a checkpoint written by train (no {', '.join(missing)}); {fix}")
+    for note in stored.migrate(checkpoint):
+        log.info("ckpt_path=%s, written before checkpoints named their optimizer and fetcher: read as %s", path, note)
+    found = stored.problems(checkpoint)
+    if found:
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} is refused: {'; '.join(found)}. A checkpoint holds plain values only, and this one would "
+            "make us import code or write files outside their folder; nothing was loaded or written. "
+            "fix: a checkpoint written by this project's train (re-train if it came from elsewhere)"
+        )
     return checkpoint
+
+
+def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, path: str | Path, **overrides: object) -> L.LightningModule:
+    """The module of a checkpoint of ``train`` (for eval, predict, generate, export, quantize),
+    built without instantiating anything the checkpoint names.
+
+    ``module_class`` comes from the caller (the user's config, ``task.module``); its arguments are
+    the checkpoint's stored groups, checked by :func:`trained_checkpoint`, with ``overrides`` on
+    top.  The stored ``model.fetch`` is never run: it is replaced by the user's config's
+    ``model.fetch`` when that config installs the same ``model.name_or_path`` (an adapter
+    checkpoint's frozen base is re-read from there), else by none.  Then, as Lightning's
+    ``load_from_checkpoint`` does: ``configure_model``, ``on_load_checkpoint``, and the weights
+    (``strict``).
+
+    Raises:
+        ConfigError: see :func:`trained_checkpoint`; an adapter checkpoint whose base model folder
+            is not on this machine and that the config does not install.
+    """
+    checkpoint = trained_checkpoint(path)
+    parameters = inspect.signature(module_class.__init__).parameters
+    stored = {key: value for key, value in checkpoint["hyper_parameters"].items() if key in parameters}
+    model = dict(stored.get("model") or {})
+    model["fetch"] = fetch_of_same_base(cfg, model)
+    base = model.get("name_or_path")
+    peft = overrides.get("peft", stored.get("peft")) or {}
+    if peft.get("method", "none") != "none" and model["fetch"] is None and _local_path(base) and not Path(str(base)).exists():
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} holds LoRA adapters whose frozen base model.name_or_path={base!r} (stored in the checkpoint) "
+            "is not on this machine, and the config does not install it; fix: run with the model/experiment config the "
+            "checkpoint was trained with (its model.fetch installs the base), or put the base model folder there"
+        )
+    module = module_class(**{**stored, "model": model, **overrides})
+    module.configure_model()
+    module.on_load_checkpoint(checkpoint)
+    module.load_state_dict(checkpoint["state_dict"], strict=True)
+    return module
+
+
+def fetch_of_same_base(cfg: DictConfig, stored_model: dict) -> dict | None:
+    """The user's ``model.fetch`` (plain) when their config's ``model.name_or_path`` is the stored
+    one (the same folder, compared after resolving), else ``None``."""
+    if cfg.get("model") is None or not cfg.model.get("fetch"):
+        return None
+    mine, theirs = cfg.model.get("name_or_path"), stored_model.get("name_or_path")
+    if mine is None or theirs is None:
+        return None
+    same = str(mine) == str(theirs) or (
+        _local_path(mine) and _local_path(theirs) and Path(str(mine)).resolve() == Path(str(theirs)).resolve()
+    )
+    return OmegaConf.to_container(cfg.model.fetch, resolve=True) if same else None
+
+
+def _local_path(name: object) -> bool:
+    """Whether a ``name_or_path`` is a local path (absolute, relative with a separator, or
+    existing) rather than a Hub name (``org/name``)."""
+    text = str(name)
+    return os.path.isabs(text) or text.startswith((".", "~")) or os.path.exists(text)

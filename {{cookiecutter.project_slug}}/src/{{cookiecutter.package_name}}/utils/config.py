@@ -13,10 +13,14 @@ import os
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from .config_keys import unknown_key_problems
+from .named import is_8bit_optimizer
+from .secrets import credential_problems
+from .secrets import register as register_secrets
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 DECAYS = ("linear", "cosine", "constant")
@@ -182,7 +186,9 @@ def register_resolvers() -> None:
 
 
 def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: bool = True, resumes: bool = True) -> None:
-    """Check a composed train/eval/predict/plan config before anything is loaded.
+    """Check a composed train/eval/predict/plan config before anything is loaded, and record its
+    secret values (``${oc.env:...}`` of a secret-named variable: masked in everything written,
+    :mod:`.secrets`).
 
     Reads raw values (no interpolation is resolved that could itself fail first).
 
@@ -192,13 +198,14 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
             (``16-mixed`` and ``loss=liger`` need CUDA; flash-attn, liger-kernel and bitsandbytes
             must be installed).  ``plan`` passes ``False``: it plans for ``hardware``, not for
             the machine it runs on.
-        resumes: ``ckpt_path=last`` names this run's ``last.ckpt`` (``train``); the entry points that
+        resumes: ``ckpt_path=last``/``auto`` name this run's ``last.ckpt`` (``train``); the entry points that
             read a finished checkpoint (eval, predict, generate, export, quantize) pass ``False``.
 
     Raises:
         ConfigError: with every problem found, one per line.
     """
-    problems: list[str] = unknown_key_problems(cfg)
+    problems: list[str] = unknown_key_problems(cfg) + credential_problems(cfg)
+    register_secrets(cfg, HydraConfig.get() if HydraConfig.initialized() else None)  # masked in all we write (utils/secrets.py)
     try:
         seed = cfg.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -290,11 +297,11 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         for key in missing:
             problems.append(f"{key} is required; fix: {key}={REQUIRED_EXAMPLES[key]}")
         ckpt_path = cfg.get("ckpt_path")
-        resumes_last = ckpt_path == "last" and resumes and "ckpt_path" not in required  # train: this run's last.ckpt, if any
+        resumes_last = ckpt_path in ("last", "auto") and resumes and "ckpt_path" not in required  # train: this run's last.ckpt
         if ckpt_path is not None and not resumes_last and not Path(ckpt_path).is_file():
             problems.append(
                 f"ckpt_path={ckpt_path!r} is not a file; fix: point it at a .ckpt written by train (RUN/checkpoints/*.ckpt)"
-                + ("" if "ckpt_path" in required or not resumes else ", or ckpt_path=last to resume the run in hydra.run.dir")
+                + ("" if "ckpt_path" in required or not resumes else ", or ckpt_path=last (or auto) to resume the run in hydra.run.dir")
             )
 
     except (ConfigAttributeError, ConfigKeyError) as error:  # a key the shipped group files have was removed (~key)
@@ -362,10 +369,8 @@ def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
     if "loss" in cfg:
         problems += _loss_problems(cfg, runs_here)
     optimizer = cfg.get("optimizer") or {}
-    if runs_here and str(optimizer.get("_target_", "")).startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
-        problems.append(
-            f"optimizer._target_={optimizer._target_} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw"
-        )
+    if runs_here and is_8bit_optimizer(optimizer.get("name")) and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(f"optimizer.name={optimizer.name} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw")
     if optimizer.get("step_in_backward"):
         problems += _step_in_backward_problems(cfg)
     from ..optim import lightning_allows_fused  # (optim imports this module)
@@ -455,7 +460,7 @@ def config_warnings(cfg: DictConfig) -> list[str]:
         unused = [
             lever
             for lever, on in (
-                ("optimizer=adamw_8bit", str(optimizer.get("_target_", "")).startswith("bitsandbytes.")),
+                ("optimizer=adamw_8bit", is_8bit_optimizer(optimizer.get("name"))),
                 ("checkpointing=full", (cfg.get("checkpointing") or {}).get("mode") == "full"),
                 ("optimizer.step_in_backward=true", bool(optimizer.get("step_in_backward"))),
             )

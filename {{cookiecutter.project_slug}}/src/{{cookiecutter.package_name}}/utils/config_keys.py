@@ -31,12 +31,14 @@ from collections.abc import Iterator
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from .named import MODEL_FETCHERS, OPTIMIZERS, class_path_of
+
 # Keys Hydra's instantiate reads itself.
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
 
 # Keys of a _target_ group that are ours: read by this project, not passed to the callable.
 OWN_KEYS: dict[str, frozenset[str]] = {
-    "optimizer": frozenset({"fused", "step_in_backward"}),  # optim.py: fused=null -> CUDA only; step inside backward
+    "optimizer": frozenset({"name", "fused", "step_in_backward"}),  # optim.py: the class by name; fused=null; step inside backward
 }
 
 # Groups (and the top level) without a _target_: every key they may hold.
@@ -87,17 +89,23 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
 }
 # Top-level keys that only one entry config reads (by task_name; train and eval read none extra).
 ENTRY_KEYS: dict[str, frozenset[str]] = {
-    "eval": frozenset({"model_dir"}),
+    "eval": frozenset({"model_dir", "overwrite"}),
     "inspect_data": frozenset({"split", "rows", "first_row", "color"}),
-    "predict": frozenset({"input", "output"}),
-    "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation"}),
-    "export": frozenset({"output_dir", "dtype"}),
-    "quantize": frozenset({"model_dir", "output_dir", "variants", "variants_by_task", "unavailable", "group_size", "latency"}),
+    "predict": frozenset({"input", "output", "overwrite"}),
+    "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation", "overwrite"}),
+    "export": frozenset({"output_dir", "dtype", "overwrite"}),
+    "quantize": frozenset({"model_dir", "output_dir", "variants", "variants_by_task", "unavailable", "group_size", "latency", "overwrite"}),
 }
 # Arguments of a _target_ that this project passes itself: never from the config.
 SET_BY_PROJECT: dict[str, frozenset[str]] = {
     "lightning.pytorch.Trainer": frozenset({"callbacks", "logger"}),  # from the callbacks and logger groups
     "optimizer": frozenset({"params"}),  # the parameter groups (optim.param_groups)
+}
+# Nodes that name what they build by a key of one of the project's tables (utils/named.py), never by
+# a class path (checkpoints store them): node -> (the naming key, the table, where to add an entry).
+NAMED_NODES: dict[str, tuple[str, dict[str, str], str]] = {
+    "optimizer": ("name", OPTIMIZERS, "OPTIMIZERS"),
+    "model.fetch": ("kind", MODEL_FETCHERS, "MODEL_FETCHERS"),
 }
 # Free-form nodes that hold a transformers config's fields (checked by its class), with the keys
 # of ours they may hold besides.
@@ -148,7 +156,12 @@ def unknown_key_problems(cfg: DictConfig) -> list[str]:
     plain = OmegaConf.to_container(cfg, resolve=False)
     problems = []
     for path, node in _nodes(plain, ""):
-        problem = _target_problem(path, node) if "_target_" in node else _group_problem(path, node, plain.get("task_name"))
+        if path in NAMED_NODES:
+            problem = _named_problem(path, node)
+        elif "_target_" in node:
+            problem = _target_problem(path, node)
+        else:
+            problem = _group_problem(path, node, plain.get("task_name"))
         if problem:
             problems.append(problem)
     for path in HF_CONFIG_NODES:
@@ -259,6 +272,41 @@ def _target_problem(path: str, node: dict) -> str | None:
     if clash:
         return f"{_name(path, clash[0])} is set by this project, not by the config; fix: remove it (valid keys: {', '.join(sorted(valid))})"
     return _unknown(path, set(node) - HYDRA_KEYS - valid, valid, f"arguments of {target}")
+
+
+def _named_problem(path: str, node: dict) -> str | None:
+    """A :data:`NAMED_NODES` node: its name must be a key of its table, and its other keys
+    arguments of what that key names (plus the group's own keys)."""
+    key, table, table_name = NAMED_NODES[path]
+    if "_target_" in node:
+        return (
+            f"{_name(path, '_target_')}={node['_target_']!r}: {path} names what it builds by {key}, not by a class path "
+            f"(checkpoints store it); fix: {_name(path, key)}=<one of {sorted(table)}> (add yours to {table_name} in utils/named.py)"
+        )
+    name = node.get(key)
+    if isinstance(name, str) and name.startswith("${"):
+        return None
+    if name not in table:
+        close = difflib.get_close_matches(str(name), table, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return f"{_name(path, key)}={name!r} is not one of {sorted(table)}: {hint}fix: one of those, or add yours to {table_name} in utils/named.py"
+    target = class_path_of(table, name)
+    try:
+        accepted, complete = accepted_keys(target)
+    except ImportError:
+        if target.split(".")[0] in OPTIONAL_PACKAGES and importlib.util.find_spec(target.split(".")[0]) is None:
+            return None  # (another check names its install line)
+        return f"{_name(path, key)}={name!r}: {target} is not in this project (a single-task bake?); fix: one of the others"
+    if not complete:
+        return None
+    group = path.split(".")[0]
+    own = OWN_KEYS.get(group, frozenset()) if path == group else frozenset({key})
+    set_here = SET_BY_PROJECT.get(group, frozenset()) if path == group else frozenset()
+    valid = (accepted | own | {key}) - set_here
+    clash = sorted(set(node) & set_here)
+    if clash:
+        return f"{_name(path, clash[0])} is set by this project, not by the config; fix: remove it (valid keys: {', '.join(sorted(valid))})"
+    return _unknown(path, set(node) - valid, valid, f"arguments of {target}")
 
 
 def _group_problem(path: str, node: dict, entry: str | None = None) -> str | None:

@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from .run import atomic_write_path
+from .secrets import MaskedHyperparameters
 
 
 def _contains(row: dict, part: dict) -> bool:
@@ -93,9 +94,10 @@ class _AtomicWriter(ExperimentWriter):
         self.metrics = []
 
 
-class ResumableCSVLogger(CSVLogger):
+class ResumableCSVLogger(MaskedHyperparameters, CSVLogger):
     """``lightning.pytorch.loggers.CSVLogger`` writing one file per launch, each kill-safe (see
-    the module docstring); :func:`.metrics_csv.read_metrics` reads a run's launches as one log.  Same
+    the module docstring); :func:`.metrics_csv.read_metrics` reads a run's launches as one log; its
+    ``hparams.yaml`` with secrets masked (:mod:`.secrets`).  Same
     arguments; ``save_dir`` must be a local path, and ``version`` should stay ``None`` (a fixed
     version would make every launch overwrite the same file).
 

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig
 
 from .config import to_plain, uses_cuda
+from .secrets import mask
 from .sweeps import is_multirun
 
 
@@ -90,6 +91,10 @@ LIGHTNING_WANDB_ARGS = (
 )
 
 
+# wandb.init settings that W&B writes into the run (its name, notes, tags, group, config): secrets masked.
+MASKED_WANDB_SETTINGS = ("name", "notes", "tags", "group", "config", "job_type", "project")
+
+
 def start_wandb_run(node: DictConfig, fields: dict):
     """Start this job's W&B run with ``wandb.init`` and hand it to ``WandbLogger(experiment=...)``
     (a public argument), as Lightning would, less the ``anonymous=None`` it always passes (wandb
@@ -104,6 +109,7 @@ def start_wandb_run(node: DictConfig, fields: dict):
 
     settings = {key: value for key, value in to_plain(node).items() if key not in LIGHTNING_WANDB_ARGS and value is not None}
     settings.update(fields)
+    settings = {key: mask(value) if key in MASKED_WANDB_SETTINGS else value for key, value in settings.items()}
     if node.get("offline"):
         settings["mode"] = "offline"
     run = wandb.init(dir=node.get("save_dir") or node.get("dir"), id=node.get("version") or node.get("id"), **settings)

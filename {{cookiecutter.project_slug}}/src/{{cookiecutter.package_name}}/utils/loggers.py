@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardL
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 
 from .config import ConfigError
+from .secrets import MaskedHyperparameters
 
 # What the modules and the LR schedule log in every optimizer step's row (see
 # ``HFModule.log_step_metric``); a row holding anything else is never skipped.
@@ -59,15 +60,16 @@ class StepThinning:
             super().log_metrics(metrics, step)
 
 
-class WandbLogger(StepThinning, LightningWandbLogger):
+class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
     """``lightning.pytorch.loggers.WandbLogger`` that logs the per-step training rows of every
     ``log_every_n_steps``-th optimizer step only (see the module docstring and
-    :class:`StepThinning`); other arguments as Lightning's."""
+    :class:`StepThinning`), and its config with secrets masked (:mod:`.secrets`); other arguments
+    as Lightning's."""
 
     config_name = "wandb"
 
 
-class TensorBoardLogger(StepThinning, LightningTensorBoardLogger):
+class TensorBoardLogger(MaskedHyperparameters, StepThinning, LightningTensorBoardLogger):
     """``lightning.pytorch.loggers.TensorBoardLogger`` with the same ``log_every_n_steps`` as
     :class:`WandbLogger`."""
 

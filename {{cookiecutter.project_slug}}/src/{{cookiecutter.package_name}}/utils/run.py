@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from rich.console import Console
 
 from ..data.loading import DataError
 from .config import ConfigError
+from .secrets import mask
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +31,44 @@ TREE_ORDER = ("task", "model", "data", "batch", "optimizer", "scheduler", "train
 
 
 def print_config_tree(cfg: DictConfig, save_to: Path) -> None:
-    """Print the resolved config as a rich tree and save the same text to ``save_to``."""
+    """Print the resolved config as a rich tree and save the same text to ``save_to``, secrets
+    masked (:func:`.secrets.mask`)."""
     tree = rich.tree.Tree("CONFIG", style="dim")
     keys = [k for k in TREE_ORDER if k in cfg] + sorted(k for k in cfg if k not in TREE_ORDER and k != "hydra")
     for key in keys:
         node = cfg[key]
-        text = OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node)
+        text = mask(OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node))
         tree.add(key, style="bold").add(rich.syntax.Syntax(text, "yaml"))
     Console().print(tree)
     save_to.parent.mkdir(parents=True, exist_ok=True)
     with save_to.open("w") as file:
         Console(file=file, width=120, color_system=None).print(tree)
+
+
+# The copy of the composed config Hydra would write (hydra.output_subdir): written by us instead
+# (configs/hydra/default.yaml turns Hydra's off), after the run folder is checked and secrets masked.
+RUN_CONFIG_DIR = ".hydra"
+RUN_CONFIG_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
+    """Write ``.hydra/config.yaml`` (the task's config as composed, interpolations unresolved),
+    ``hydra.yaml`` and ``overrides.yaml`` into ``run_dir``, as Hydra does, with secrets masked
+    (:func:`.secrets.mask`); nothing outside a Hydra app (tests composing configs)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    folder = run_dir / RUN_CONFIG_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    contents = {
+        "config.yaml": OmegaConf.to_container(cfg, resolve=False),
+        "hydra.yaml": {"hydra": OmegaConf.to_container(hydra_cfg, resolve=False)},
+        "overrides.yaml": list(hydra_cfg.overrides.task),
+    }
+    for name, content in contents.items():
+        OmegaConf.save(OmegaConf.create(mask(content)), folder / name)
 
 
 def write_metrics(path: Path, metrics: dict) -> Path:
@@ -90,7 +119,8 @@ def exit_on_bad_input() -> Iterator[None]:
     """Around an entry point's work: a :class:`ConfigError` or :class:`DataError` (bad input; its
     message names the field, the value and the fix) is printed alone and exits with code 1,
     instead of under the traceback Hydra prints for other errors.  Also when Hydra's
-    ``instantiate`` wrapped it (a callback refusing its arguments)."""
+    ``instantiate`` wrapped it (a callback refusing its arguments).  A full disk (``ENOSPC``,
+    ``EDQUOT``) is one line too, with the fix."""
     try:
         yield
     except (ConfigError, DataError, InstantiationException) as error:
@@ -98,6 +128,16 @@ def exit_on_bad_input() -> Iterator[None]:
         if not isinstance(cause, (ConfigError, DataError)):
             raise
         print(f"Error: {cause}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {error.filename}" if error.filename else ""
+        print(
+            f"Error: the disk is full{where} ({error.strerror}); fix: free space on that disk and run the command again",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(1)
 
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from ..callbacks.guards import RunStopped
 from ..data.loading import DataError
 from .config import ConfigError
+from .secrets import mask
 
 log = logging.getLogger(__name__)
 
@@ -119,5 +120,5 @@ def failure_message(error: Exception, job_dir: Path) -> str:
         text = "".join(traceback.format_exception(error))
         print(text, file=sys.stderr, flush=True)
     job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / "error.txt").write_text(text)
+    (job_dir / "error.txt").write_text(mask(text))
     return message
