@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import lightning as L
 import torch
@@ -36,6 +37,19 @@ class KillAt(L.Callback):
         if not self.sent and trainer.global_step == self.step and _micro_batch_of_step(trainer, batch_idx) == self.micro_batch:
             self.sent = True
             os.kill(os.getpid(), self.signum)
+
+
+class WaitForFile(L.Callback):
+    """Hold the run at the start of its first training batch until ``path`` exists (at most
+    ``timeout_s``): a test can act on a run that is known to be in progress."""
+
+    def __init__(self, path: str, timeout_s: float = 240.0) -> None:
+        self.path, self.timeout_s = path, timeout_s
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(self.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class SignalWhileTesting(L.Callback):

@@ -4,9 +4,10 @@ real process shows)."""
 
 from __future__ import annotations
 
-{% if cookiecutter.tasks != "causal_lm" %}import json
+import json
+import os
 
-import pytest
+{% if cookiecutter.tasks != "causal_lm" %}import pytest
 {% endif %}import torch
 
 from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
@@ -59,6 +60,9 @@ def test_ddp_cpu_trains_with_two_processes_which_stop_together_on_a_signal_to_on
         cwd=tmp_path,
     )
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in stopped.stdout + stopped.stderr  # a second process joined
+    # Rank 0 took the run folder's lock; rank 1, started by Lightning with the same command, neither
+    # locked nor refused the folder (it holds rank 0's run).
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] not in (None, os.getpid())
     assert stopped.returncode == 143, stopped.stderr[-3000:]  # no rank left waiting: both stopped, rank 0 exits 128 + 15
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["global_step"] == 2  # the step in progress when SIGTERM came was finished

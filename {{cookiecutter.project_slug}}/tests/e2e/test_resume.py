@@ -8,7 +8,8 @@ Each run is ``python -m {{ cookiecutter.package_name }}.train ... hydra.run.dir=
 from __future__ import annotations
 
 {% if cookiecutter.tasks != "causal_lm" %}import csv
-{% endif %}import random
+{% endif %}import json
+import random
 import signal
 import subprocess
 from pathlib import Path
@@ -46,8 +47,10 @@ def kill_and_resume(base: list[str], tmp_path: Path, fault: list[str], expect_co
     assert killed.returncode == expect_code, f"expected exit {expect_code}, got {killed.returncode}:\n{killed.stderr[-3000:]}"
     assert (run_dir / "checkpoints" / "last.ckpt").is_file(), "no last.ckpt to resume from"
     checkpoint_step(run_dir / "checkpoints" / "last.ckpt")  # loads with weights_only=True
+    killed_owner = json.loads((run_dir / "run.lock").read_text())["pid"]  # its lock went with it (a kernel lock)
     resumed = run_train(run_dir, base + ["ckpt_path=last"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] != killed_owner  # the resume held it
     return run_dir, resumed
 {%- if cookiecutter.tasks != "causal_lm" %}
 

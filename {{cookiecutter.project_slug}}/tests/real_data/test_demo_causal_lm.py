@@ -27,3 +27,17 @@ def test_lora_demo_cuts_validation_perplexity_by_a_fifth(tmp_path):
     assert metrics["tokens"]["validation"] >= 8000
     assert (cache / "models" / "SmolLM2-135M-Instruct" / "model.safetensors").is_file()
     assert "=== step 20 |" in (run_dir / "samples.txt").read_text()
+
+    # Each work is one packed document, longer than a piece: tokenised in pieces (bounded memory),
+    # with exactly the ids of the whole text (data/tokenization.py).
+    from transformers import AutoTokenizer
+
+    from {{ cookiecutter.package_name }}.data.tokenization import piece_chars, splits_at_whitespace, tokenize_in_pieces
+
+    tokenizer = AutoTokenizer.from_pretrained(cache / "models" / "SmolLM2-135M-Instruct")
+    assert splits_at_whitespace(tokenizer)
+    works = [json.loads(line)["text"] for line in (cache / "data" / "shakespeare" / "validation.jsonl").read_text().splitlines()]
+    works += [json.loads(line)["text"] for line in (cache / "data" / "shakespeare" / "train.jsonl").read_text().splitlines()[:3]]
+    for work in works:
+        assert len(work) > piece_chars(0)
+        assert tokenize_in_pieces(work, tokenizer, piece_chars(0)) == tokenizer(work, add_special_tokens=False)["input_ids"]

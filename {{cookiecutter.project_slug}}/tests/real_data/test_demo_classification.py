@@ -48,6 +48,27 @@ def test_demo_fetches_model_and_data_and_reaches_80_percent(demo):
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "the W&B offline run was not written"
 
 
+def test_a_long_review_is_cut_before_tokenisation_to_the_same_first_ids(demo):
+    """The demo's WordPiece tokenizer and reviews, joined into texts far longer than a piece: the
+    cut text gives the demo's max_length (128) first ids of the whole text, and a bounded call."""
+    import csv
+
+    from transformers import AutoTokenizer
+
+    from {{ cookiecutter.package_name }}.data.tokenization import cut_for_tokens, piece_chars
+
+    _, cache, _ = demo
+    tokenizer = AutoTokenizer.from_pretrained(cache / "models" / "all-MiniLM-L6-v2")
+    with (cache / "data" / "vader_movie_reviews" / "test.csv").open(newline="") as file:
+        reviews = [row["text"] for row in csv.DictReader(file)]
+    for start in range(0, 1000, 250):
+        text = "  ".join(reviews[start : start + 250])
+        assert len(text) > piece_chars(128)
+        cut = cut_for_tokens(text, tokenizer, 128, piece_chars(128))
+        assert len(cut) <= piece_chars(128)
+        assert tokenizer(cut, truncation=True, max_length=128)["input_ids"] == tokenizer(text, truncation=True, max_length=128)["input_ids"]
+
+
 def test_int8_variants_of_the_demo_keep_its_accuracy_at_a_third_of_the_size(demo, tmp_path):
     run_dir, cache, metrics = demo
     output = tmp_path / "compressed"

@@ -115,7 +115,7 @@ def tokenizer_file_problems(files: object, key: str) -> list[str]:
             except ValueError:
                 found.append(f"{key}[{name!r}] is not valid JSON")
                 continue
-            found += [f"{key}[{name!r}]{inner} holds a class path ({_short(value)})" for inner, value in _class_path_keys(content, "")]
+            found += [f"{key}[{name!r}].{inner} holds a class path ({_short(value)})" for inner, value in _class_path_keys(content, "")]
     return found
 
 
