@@ -327,7 +327,9 @@ def case_throughput(name: str, steps: int = 30) -> list[dict]:
             note = f"MFU {utilisation:.3f} (peak {peak} TFLOP/s: {source})" if utilisation is not None else f"no peak for {device_name!r}"
             rows.append(row("throughput", shape, project, "tokens/s train", loop, note=note))
             if shape == "smollm2_135m_full_ft":  # the data loader default (num_workers: 0), measured here
-                workers = _train_tokens_per_s(compose([*run_overrides, "data.num_workers=2"]), steps)
+                # (a run folder of its own: train refuses one that holds a run)
+                workers_run = f"paths.output_dir={Path(folder) / shape / 'run_workers'}"
+                workers = _train_tokens_per_s(compose([*run_overrides, "data.num_workers=2", workers_run]), steps)
                 rows.append(row("throughput", f"{shape}, data.num_workers=2", workers, "tokens/s train", project, note="vs 0 workers"))
     return rows
 

@@ -177,6 +177,18 @@ def tiny_overrides(tokenizer_dir: Path, toy_data: dict[str, Path], run_dir: Path
     ]
 
 
+@pytest.fixture(scope="session")
+def classifier_ckpt(tokenizer_dir, toy_data, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A tiny BERT trained for 2 epochs on the toy data; returns (its last.ckpt, the overrides of
+    its run).  Shared: tests read it and write elsewhere (``paths.output_dir=`` of their own)."""
+    from {{ cookiecutter.package_name }}.train import train
+
+    run_dir = tmp_path_factory.mktemp("classifier") / "run"
+    base = tiny_overrides(tokenizer_dir, toy_data, run_dir)
+    train(compose_config("train", base + ["trainer.max_epochs=2", "optimizer.lr=2e-3", "callbacks.progress_bar=null"]))
+    return run_dir / "checkpoints" / "last.ckpt", base
+
+
 @pytest.fixture
 def make_cfg(tokenizer_dir, toy_data, tmp_path):
     """``make_cfg(*overrides, config_name="train")`` -> a tiny offline config in ``tmp_path/run``."""

@@ -84,17 +84,6 @@ def test_weight_bytes_counts_weight_files_only(tmp_path):
 
 # ----------------------------------------------------------------------------- classifier
 @pytest.fixture(scope="module")
-def classifier_ckpt(tokenizer_dir, toy_data, tmp_path_factory) -> tuple[Path, list[str]]:
-    """A tiny BERT trained for 2 epochs on the toy data; returns (checkpoint, overrides for quantize)."""
-    from .conftest import tiny_overrides
-
-    run_dir = tmp_path_factory.mktemp("classifier") / "run"
-    base = tiny_overrides(tokenizer_dir, toy_data, run_dir)
-    train(compose_config("train", base + ["trainer.max_epochs=2", "optimizer.lr=2e-3", "test_after_fit=false"]))
-    return run_dir / "checkpoints" / "last.ckpt", base
-
-
-@pytest.fixture(scope="module")
 def classifier_report(classifier_ckpt, tmp_path_factory) -> dict:
     ckpt, base = classifier_ckpt
     out = tmp_path_factory.mktemp("quantized") / "compressed"

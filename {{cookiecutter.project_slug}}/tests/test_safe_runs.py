@@ -7,7 +7,6 @@ a checkpoint: each must refuse in one line, naming the key, before anything load
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
@@ -23,14 +22,11 @@ import pytest
 import torch
 from packaging.version import Version
 
-from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_DISK_FULL, RunStopped
 from {{ cookiecutter.package_name }}.data.tokenization import cut_for_tokens, piece_chars, splits_at_whitespace, text_pieces, tokenize_in_pieces
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils import secrets
-from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO, trained_checkpoint
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, validate_config
+from {{ cookiecutter.package_name }}.utils.config import ConfigError
 from {{ cookiecutter.package_name }}.utils.outputs import staging_folder
-from {{ cookiecutter.package_name }}.utils.run_folder import LOCK_FILE, run_lock
+from {{ cookiecutter.package_name }}.utils.run_folder import run_lock
 from {{ cookiecutter.package_name }}.utils.stored import is_bare_name
 
 from .conftest import compose_config
@@ -128,27 +124,70 @@ def assert_each_kind_refused(source: Path, tmp: Path, entries: dict) -> None:
 def test_is_bare_name():
     assert all(is_bare_name(name) for name in ("tokenizer.json", "vocab.txt", ".hidden", "a..b"))
     assert not any(is_bare_name(name) for name in ("", ".", "..", "../x", "/etc/x", "a/b", "a\\b", "C:x", "x\0", 3, None))
+
+
+def test_the_lock_goes_with_its_process(tmp_path):
+    """A process holding the lock is killed: the kernel releases it, the next launch takes it."""
+    script = "from {{ cookiecutter.package_name }}.utils.run_folder import run_lock; from pathlib import Path; import time\n"
+    script += f"with run_lock(Path({str(tmp_path)!r})):\n    print('locked', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(ConfigError, match=f"pid {holder.pid} on"):
+        with run_lock(tmp_path):
+            pass
+    holder.kill()
+    holder.wait()
+    with run_lock(tmp_path) as existed:
+        assert existed
+
+
+def test_staging_folders_carry_their_owner_and_only_dead_ones_of_the_kind_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    left = {
+        "dead_mine": tmp_path / f".export-staging-{host}-{dead.pid}-abc",
+        "alive": tmp_path / f".export-staging-{host}-{os.getpid()}-def",
+        "other_host": tmp_path / f".export-staging-elsewhere-{dead.pid}-ghi",
+        "other_kind": tmp_path / f".quantize-staging-{host}-{dead.pid}-jkl",
+        "not_ours": tmp_path / f".export-staging-{host}-notapid",
+    }
+    for folder in left.values():
+        folder.mkdir()
+    with staging_folder(tmp_path / "hf_model", "export") as folder:
+        assert Path(folder).name.startswith(f".export-staging-{host}-{os.getpid()}-")
+    assert [name for name, folder in left.items() if not folder.exists()] == ["dead_mine"]
+
+
+def assert_pieces_give_the_ids_of_the_whole_text(tokenizer) -> None:
+    """Random texts of words, punctuation, scripts and whitespace runs: the pieces tokenised one by
+    one give the ids of the whole text, and a cut text the same first ``max_length`` ids."""
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "king", "good", "fool.", "naïve", "12", "!!", "'s", "东京", "a\u200bb"]
+    spaces = ["", " ", "  ", "\n", "\t", "\u00a0", "\r\n", "     "]
+    assert splits_at_whitespace(tokenizer)
+    for _ in range(60):
+        text = "".join(rng.choice(words) + rng.choice(spaces) for _ in range(rng.randint(50, 600)))
+        for size in (40, 97):
+            assert "".join(text_pieces(text, size)) == text
+            assert tokenize_in_pieces(text, tokenizer, size) == tokenizer(text, add_special_tokens=False)["input_ids"]
+            cut = cut_for_tokens(text, tokenizer, 24, size)
+            assert len(cut) <= len(text)
+            assert (
+                tokenizer(cut, truncation=True, max_length=24)["input_ids"] == tokenizer(text, truncation=True, max_length=24)["input_ids"]
+            )
 {%- if cookiecutter.tasks != "causal_lm" %}
 
 
 # ------------------------------------------------------------------------- classification
-@pytest.fixture(scope="module")
-def classifier(tokenizer_dir, toy_data, tmp_path_factory) -> tuple[Path, list[str]]:
-    """A tiny BERT trained for 2 epochs; returns (its last.ckpt, the overrides of its run minus the folder)."""
-    from .conftest import tiny_overrides
-
-    run_dir = tmp_path_factory.mktemp("classifier") / "run"
-    base = tiny_overrides(tokenizer_dir, toy_data, run_dir)
-    train(compose_config("train", base + ["trainer.max_epochs=2", "optimizer.lr=2e-3", "callbacks.progress_bar=null"]))
-    return run_dir / "checkpoints" / "last.ckpt", base
-
-
-def test_crafted_classifier_checkpoints_are_refused_by_every_entry_point(classifier, toy_data, tmp_path):
+def test_crafted_classifier_checkpoints_are_refused_by_every_entry_point(classifier_ckpt, toy_data, tmp_path):
     from {{ cookiecutter.package_name }}.eval import evaluate
     from {{ cookiecutter.package_name }}.predict import predict
     from {{ cookiecutter.package_name }}.quantize import quantize
 
-    source, base = classifier
+    source, base = classifier_ckpt
     counter = iter(range(1000))
 
     def config(name: str, ckpt: Path, *more: str):
@@ -171,6 +210,7 @@ def test_a_checkpoint_of_the_previous_format_is_migrated_and_evaluates_as_main_d
     It is read as ``optimizer.name: adamw`` and ``model.fetch.kind: wheel_folder``, its stored fetch
     is not run, and eval gives the test loss main's own eval gave (0.693153977394104)."""
     from {{ cookiecutter.package_name }}.eval import evaluate
+    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
 
     from .conftest import tiny_overrides
 
@@ -187,8 +227,8 @@ def test_a_checkpoint_of_the_previous_format_is_migrated_and_evaluates_as_main_d
 
 
 # ------------------------------------------------------------------------------ run folders
-def test_a_fresh_train_into_a_folder_that_holds_a_run_is_refused_and_the_run_kept(classifier, make_cfg):
-    ckpt, _ = classifier
+def test_a_fresh_train_into_a_folder_that_holds_a_run_is_refused_and_the_run_kept(classifier_ckpt, make_cfg):
+    ckpt, _ = classifier_ckpt
     run_dir = ckpt.parent.parent
     before = {path: path.read_bytes() for path in (ckpt, run_dir / "metrics.json")}
     with pytest.raises(ConfigError) as refusal:
@@ -200,6 +240,9 @@ def test_a_fresh_train_into_a_folder_that_holds_a_run_is_refused_and_the_run_kep
 
 
 def test_ckpt_path_last_with_no_run_names_the_folder_and_auto_starts_then_resumes(make_cfg, tmp_path):
+    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
+    from {{ cookiecutter.package_name }}.utils.run_folder import LOCK_FILE
+
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match=rf"ckpt_path=last: no run to resume in hydra.run.dir='{run_dir}'.*fix: hydra.run.dir="):
         train(make_cfg("ckpt_path=last"))
@@ -218,35 +261,20 @@ def test_a_locked_run_folder_is_refused_naming_its_owner(make_cfg, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_the_lock_goes_with_its_process(tmp_path):
-    """A process holding the lock is killed: the kernel releases it, the next launch takes it."""
-    script = "from {{ cookiecutter.package_name }}.utils.run_folder import run_lock; from pathlib import Path; import time\n"
-    script += f"with run_lock(Path({str(tmp_path)!r})):\n    print('locked', flush=True); time.sleep(60)"
-    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
-    with pytest.raises(ConfigError, match=f"pid {holder.pid} on"):
-        with run_lock(tmp_path):
-            pass
-    holder.kill()
-    holder.wait()
-    with run_lock(tmp_path) as existed:
-        assert existed
-
-
-def test_a_checkpoint_from_elsewhere_is_not_resumed_over_another_run(classifier, make_cfg, tmp_path):
-    ckpt, _ = classifier
+def test_a_checkpoint_from_elsewhere_is_not_resumed_over_another_run(classifier_ckpt, make_cfg, tmp_path):
+    ckpt, _ = classifier_ckpt
     train(make_cfg("trainer.max_steps=2", "test_after_fit=false"))
     with pytest.raises(ConfigError, match="is not a checkpoint of the run in hydra.run.dir"):
         train(make_cfg(f"ckpt_path={ckpt}", "trainer.max_epochs=3"))
 
 
 # --------------------------------------------------------------------------------- outputs
-def test_predict_never_writes_over_its_input_or_a_checkpoint(classifier, toy_data, tmp_path):
+def test_predict_never_writes_over_its_input_or_a_checkpoint(classifier_ckpt, toy_data, tmp_path):
     import pandas as pd
 
     from {{ cookiecutter.package_name }}.predict import predict
 
-    ckpt, base = classifier
+    ckpt, base = classifier_ckpt
     csv_input = tmp_path / "reviews.csv"
     csv_input.write_bytes(toy_data["test"].read_bytes())
     parquet_input = tmp_path / "reviews.parquet"
@@ -291,10 +319,10 @@ def test_predict_never_writes_over_its_input_or_a_checkpoint(classifier, toy_dat
     assert not inside.exists()
 
 
-def test_eval_into_a_folder_that_holds_a_run_refuses_to_replace_its_metrics(classifier):
+def test_eval_into_a_folder_that_holds_a_run_refuses_to_replace_its_metrics(classifier_ckpt):
     from {{ cookiecutter.package_name }}.eval import evaluate
 
-    ckpt, base = classifier
+    ckpt, base = classifier_ckpt
     run_dir = ckpt.parent.parent
     metrics = (run_dir / "metrics.json").read_bytes()
     with pytest.raises(ConfigError, match=r"metrics.json=.* exists; fix: a new run folder"):
@@ -308,6 +336,8 @@ def test_eval_into_a_folder_that_holds_a_run_refuses_to_replace_its_metrics(clas
     ["+logger.wandb.api_key=sk-typed-1234", "+model.config.my_password=hunter2hunter2", "+logger.wandb.settings.secret=abcdefgh"],
 )
 def test_a_credential_typed_into_the_config_is_refused_with_the_fix(make_cfg, override):
+    from {{ cookiecutter.package_name }}.utils.config import validate_config
+
     key = override[1:].split("=")[0]
     with pytest.raises(ConfigError) as refusal:
         validate_config(make_cfg(override))
@@ -317,6 +347,9 @@ def test_a_credential_typed_into_the_config_is_refused_with_the_fix(make_cfg, ov
 
 
 def test_a_url_password_is_refused_typed_and_masked_when_read_from_the_environment(make_cfg, monkeypatch):
+    from {{ cookiecutter.package_name }}.utils import secrets
+    from {{ cookiecutter.package_name }}.utils.config import validate_config
+
     with pytest.raises(ConfigError, match=r"carries a password in its URL"):
         validate_config(make_cfg("+logger.wandb.notes=postgresql://me:s3cretpw@db.example/optuna"))
     assert secrets.mask_url_passwords("postgresql://me:s3cretpw@db/x and sqlite:///a.db") == "postgresql://me:***@db/x and sqlite:///a.db"
@@ -324,6 +357,8 @@ def test_a_url_password_is_refused_typed_and_masked_when_read_from_the_environme
 
 def test_secrets_read_from_the_environment_are_masked_in_every_file_and_line(make_cfg, tmp_path, monkeypatch, capsys):
     """The config tree, hparams.yaml and the checkpoints hold no secret; a key named like a tokenizer is untouched."""
+    from {{ cookiecutter.package_name }}.utils import secrets
+
     secret = f"sk-{uuid.uuid4().hex}"
     monkeypatch.setenv("MY_SERVICE_API_KEY", secret)
     secrets.forget()
@@ -377,32 +412,19 @@ def test_long_texts_reach_the_tokenizer_in_bounded_pieces_with_the_same_ids(make
     assert expected in ids
 
 
-def test_pieces_give_the_ids_of_the_whole_text_for_wordpiece_and_byte_level_bpe(tokenizer_dir, lm_tokenizer_dir):
-    import random
-
+def test_pieces_give_the_ids_of_the_whole_text_for_wordpiece(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    rng = random.Random(0)
-    words = ["the", "king", "good", "fool.", "naïve", "12", "!!", "'s", "东京", "a\u200bb"]
-    spaces = ["", " ", "  ", "\n", "\t", "\u00a0", "\r\n", "     "]
-    for folder in (tokenizer_dir, lm_tokenizer_dir):
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        assert splits_at_whitespace(tokenizer)
-        for _ in range(60):
-            text = "".join(rng.choice(words) + rng.choice(spaces) for _ in range(rng.randint(50, 600)))
-            for size in (40, 97):
-                assert "".join(text_pieces(text, size)) == text
-                assert tokenize_in_pieces(text, tokenizer, size) == tokenizer(text, add_special_tokens=False)["input_ids"]
-                cut = cut_for_tokens(text, tokenizer, 24, size)
-                assert len(cut) <= len(text)
-                assert (
-                    tokenizer(cut, truncation=True, max_length=24)["input_ids"]
-                    == tokenizer(text, truncation=True, max_length=24)["input_ids"]
-                )
+    assert_pieces_give_the_ids_of_the_whole_text(AutoTokenizer.from_pretrained(tokenizer_dir))
 
 
 # --------------------------------------------------------------------------------- disk full
 def test_a_full_disk_during_a_checkpoint_write_stops_with_the_bytes_and_the_resume_command(make_cfg, tmp_path, monkeypatch):
+    import errno
+
+    from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_DISK_FULL, RunStopped
+    from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO, trained_checkpoint
+
     write = AtomicCheckpointIO.write
     calls = []
 
@@ -424,23 +446,6 @@ def test_a_full_disk_during_a_checkpoint_write_stops_with_the_bytes_and_the_resu
     assert not list(last.parent.glob(".*.partial"))
 
 
-# ----------------------------------------------------------------------------- staging folders
-def test_staging_folders_carry_their_owner_and_only_dead_ones_of_the_kind_are_removed(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    host = socket.gethostname()
-    left = {
-        "dead_mine": tmp_path / f".export-staging-{host}-{dead.pid}-abc",
-        "alive": tmp_path / f".export-staging-{host}-{os.getpid()}-def",
-        "other_host": tmp_path / f".export-staging-elsewhere-{dead.pid}-ghi",
-        "other_kind": tmp_path / f".quantize-staging-{host}-{dead.pid}-jkl",
-        "not_ours": tmp_path / f".export-staging-{host}-notapid",
-    }
-    for folder in left.values():
-        folder.mkdir()
-    with staging_folder(tmp_path / "hf_model", "export") as folder:
-        assert Path(folder).name.startswith(f".export-staging-{host}-{os.getpid()}-")
-    assert [name for name, folder in left.items() if not folder.exists()] == ["dead_mine"]
 {%- endif %}
 {%- if cookiecutter.tasks != "classification" %}
 
@@ -529,6 +534,12 @@ def test_generate_never_writes_over_its_prompts_file(lora_lm, tmp_path):
             )
         )
     assert prompts.read_text() == "the king\n"
+
+
+def test_pieces_give_the_ids_of_the_whole_text_for_byte_level_bpe(lm_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    assert_pieces_give_the_ids_of_the_whole_text(AutoTokenizer.from_pretrained(lm_tokenizer_dir))
 
 
 def test_a_long_document_is_packed_from_pieces_with_the_ids_of_the_whole(make_lm_cfg, lm_text, tmp_path, monkeypatch):

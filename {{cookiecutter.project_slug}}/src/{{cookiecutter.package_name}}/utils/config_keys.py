@@ -10,8 +10,11 @@ once per group below.
 
 What is declared here, and only here:
 
-- :data:`OWN_KEYS`: keys of a ``_target_`` group that this project reads itself and strips before
-  the call (``optimizer.step_in_backward``).
+- :data:`OWN_KEYS`: keys of a group that this project reads itself and strips before the call
+  (``optimizer.step_in_backward``).
+- :data:`NAMED_NODES`: nodes that name what they build by a word of one of the project's tables
+  (``optimizer.name``, ``model.fetch.kind``: :mod:`.named`), checked against that callable's
+  signature as a ``_target_`` node would be (checkpoints store these nodes: no class path).
 - :data:`GROUP_KEYS`: the keys of each group that has no ``_target_`` (``model``, ``batch``, ...),
   and of the top level of the entry configs.
 - :data:`FREE_FORM`: nodes whose keys belong to someone else and are not checked here
@@ -26,12 +29,12 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .named import MODEL_FETCHERS, OPTIMIZERS, class_path_of
+from .named import OPTIMIZERS, class_path_of, model_fetchers
 
 # Keys Hydra's instantiate reads itself.
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
@@ -102,10 +105,10 @@ SET_BY_PROJECT: dict[str, frozenset[str]] = {
     "optimizer": frozenset({"params"}),  # the parameter groups (optim.param_groups)
 }
 # Nodes that name what they build by a key of one of the project's tables (utils/named.py), never by
-# a class path (checkpoints store them): node -> (the naming key, the table, where to add an entry).
-NAMED_NODES: dict[str, tuple[str, dict[str, str], str]] = {
-    "optimizer": ("name", OPTIMIZERS, "OPTIMIZERS"),
-    "model.fetch": ("kind", MODEL_FETCHERS, "MODEL_FETCHERS"),
+# a class path (checkpoints store them): node -> (the naming key, the table, how to add an entry).
+NAMED_NODES: dict[str, tuple[str, Callable[[], dict[str, str]], str]] = {
+    "optimizer": ("name", lambda: OPTIMIZERS, "add yours to OPTIMIZERS in utils/named.py"),
+    "model.fetch": ("kind", model_fetchers, "declare yours as MODEL_FETCHER in a module of assets/"),
 }
 # Free-form nodes that hold a transformers config's fields (checked by its class), with the keys
 # of ours they may hold besides.
@@ -277,11 +280,12 @@ def _target_problem(path: str, node: dict) -> str | None:
 def _named_problem(path: str, node: dict) -> str | None:
     """A :data:`NAMED_NODES` node: its name must be a key of its table, and its other keys
     arguments of what that key names (plus the group's own keys)."""
-    key, table, table_name = NAMED_NODES[path]
+    key, table_of, how_to_add = NAMED_NODES[path]
+    table = table_of()
     if "_target_" in node:
         return (
             f"{_name(path, '_target_')}={node['_target_']!r}: {path} names what it builds by {key}, not by a class path "
-            f"(checkpoints store it); fix: {_name(path, key)}=<one of {sorted(table)}> (add yours to {table_name} in utils/named.py)"
+            f"(checkpoints store it); fix: {_name(path, key)}=<one of {sorted(table)}> ({how_to_add})"
         )
     name = node.get(key)
     if isinstance(name, str) and name.startswith("${"):
@@ -289,7 +293,7 @@ def _named_problem(path: str, node: dict) -> str | None:
     if name not in table:
         close = difflib.get_close_matches(str(name), table, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
-        return f"{_name(path, key)}={name!r} is not one of {sorted(table)}: {hint}fix: one of those, or add yours to {table_name} in utils/named.py"
+        return f"{_name(path, key)}={name!r} is not one of {sorted(table)}: {hint}fix: one of those, or {how_to_add}"
     target = class_path_of(table, name)
     try:
         accepted, complete = accepted_keys(target)

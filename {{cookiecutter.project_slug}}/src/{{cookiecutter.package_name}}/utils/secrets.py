@@ -8,7 +8,8 @@ and log line the project writes.
 - **Masked**: a value interpolated from an environment variable whose name contains KEY, TOKEN,
   SECRET or PASSWORD (``${oc.env:WANDB_API_KEY}``) is replaced by ``***`` wherever this project
   writes the config or prints it (``config_tree.log`` and the terminal, ``.hydra/``, the CSV,
-  TensorBoard and W&B hyperparameters, checkpoints' stored settings); so is the password of any
+  TensorBoard and W&B hyperparameters, checkpoints' stored settings, log lines: the terminal and
+  Hydra's ``<job>.log``); so is the password of any
   URL (``scheme://user:***@host``, e.g. an Optuna storage URL).  Masking is by value: a secret that
   reached another key through an interpolation is masked there too.
 
@@ -20,6 +21,7 @@ config; :func:`mask` masks a string, mapping or list with them.  Keys such as
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 
@@ -75,7 +77,20 @@ def register(*configs: DictConfig | None) -> set[str]:
                 secret = os.environ.get(name)
                 if SECRET_ENV_NAME.search(name) and secret and len(secret) >= 4:
                     _SECRET_VALUES.add(secret)
+    for handler in logging.getLogger().handlers:  # the terminal and Hydra's <job>.log in the run folder
+        if not any(isinstance(existing, MaskingFilter) for existing in handler.filters):
+            handler.addFilter(MaskingFilter())
     return set(_SECRET_VALUES)
+
+
+class MaskingFilter(logging.Filter):
+    """A logging filter that writes each record's message with :func:`mask` applied (installed on
+    the root logger's handlers by :func:`register`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _SECRET_VALUES or "://" in str(record.msg):
+            record.msg, record.args = mask(record.getMessage()), ()
+        return True
 
 
 def mask(value: object) -> object:

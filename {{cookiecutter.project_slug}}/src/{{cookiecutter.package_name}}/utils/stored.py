@@ -23,7 +23,7 @@ and a stored file name joined to a folder would write where the file likes.  So:
 **Migration** (:func:`migrate`): checkpoints written before this format stored the optimizer as
 ``optimizer._target_`` and the model fetcher as ``model.fetch._target_`` with ``_partial_: true``.
 Exactly those nodes, holding exactly the class paths this project shipped (:data:`OLD_OPTIMIZERS`,
-:data:`OLD_FETCHERS`), are rewritten in memory to the names of today's tables; the file is not
+:func:`old_fetchers`), are rewritten in memory to the names of today's tables; the file is not
 changed.  Any other class path is refused ("re-train").
 """
 
@@ -34,7 +34,7 @@ import os
 from collections.abc import Iterator
 from pathlib import PurePosixPath, PureWindowsPath
 
-from .named import MODEL_FETCHERS, OPTIMIZERS, class_path_of
+from .named import OPTIMIZERS, class_path_of, model_fetchers
 
 # Keys whose value names code to import: Hydra's instantiate keys, Lightning's checkpoint
 # instantiator (CVE-2026-58659), transformers' remote-code map.
@@ -45,7 +45,13 @@ CLASS_PATH_KEYS = frozenset(
 TENSOR_ENTRIES = ("state_dict", "optimizer_states")
 # The class paths the previous checkpoint format stored, and today's name for each (see migrate).
 OLD_OPTIMIZERS = {path: name for name, path in OPTIMIZERS.items()}
-OLD_FETCHERS = {class_path_of(MODEL_FETCHERS, kind): kind for kind in MODEL_FETCHERS}
+
+
+def old_fetchers() -> dict[str, str]:
+    """The previous format's ``model.fetch._target_`` of each fetcher -> its kind today."""
+    return {class_path_of(model_fetchers(), kind): kind for kind in model_fetchers()}
+
+
 # The ModelCheckpoint state entries that hold checkpoint paths Lightning may later delete.
 CALLBACK_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
@@ -64,11 +70,11 @@ def migrate(checkpoint: dict) -> list[str]:
         notes.append(f"hyper_parameters.optimizer._target_={target!r} -> optimizer.name={optimizer['name']!r}")
     model = hparams.get("model")
     fetch = model.get("fetch") if isinstance(model, dict) else None
-    if isinstance(fetch, dict) and set(fetch) & {"_target_", "_partial_"} and fetch.get("_target_") in OLD_FETCHERS:
+    if isinstance(fetch, dict) and set(fetch) & {"_target_", "_partial_"} and fetch.get("_target_") in old_fetchers():
         if fetch.get("_partial_") is True and not set(fetch) & (CLASS_PATH_KEYS - {"_target_", "_partial_"}):
             target = fetch.pop("_target_")
             fetch.pop("_partial_")
-            fetch["kind"] = OLD_FETCHERS[target]
+            fetch["kind"] = old_fetchers()[target]
             notes.append(f"hyper_parameters.model.fetch._target_={target!r} -> model.fetch.kind={fetch['kind']!r}")
     return notes
 
@@ -85,8 +91,8 @@ def problems(checkpoint: dict) -> list[str]:
             found.append(f"hyper_parameters.optimizer.name={_short(optimizer['name'])} is not one of {sorted(OPTIMIZERS)}")
         model = hparams.get("model")
         fetch = model.get("fetch") if isinstance(model, dict) else None
-        if isinstance(fetch, dict) and "kind" in fetch and fetch["kind"] not in MODEL_FETCHERS:
-            found.append(f"hyper_parameters.model.fetch.kind={_short(fetch['kind'])} is not one of {sorted(MODEL_FETCHERS)}")
+        if isinstance(fetch, dict) and "kind" in fetch and fetch["kind"] not in model_fetchers():
+            found.append(f"hyper_parameters.model.fetch.kind={_short(fetch['kind'])} is not one of {sorted(model_fetchers())}")
     inputs = checkpoint.get("model_inputs")
     files = inputs.get("tokenizer_files") if isinstance(inputs, dict) else None
     if files is not None:
