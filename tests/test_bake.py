@@ -145,7 +145,8 @@ def test_default_bake_installs_exactly_the_tested_versions(default_project, tmp_
         "`python -m <package>.doctor --write-tested-versions src/<package>/tested_versions.txt` in a fresh environment, "
         "and copy it into the template (package name as {{ cookiecutter.package_name }} in its header)"
     )
-    assert not [line for line in pins(shipped) if line.split("==")[0] in ("torch", "triton") or line.startswith("nvidia-")]
+    unpinned = [line for line in pins(shipped) if line.split("==")[0] in ("torch", "triton") or line.startswith("nvidia-")]
+    assert unpinned == ["nvidia-ml-py==" + next(line.split("==")[1] for line in pins(shipped) if line.startswith("nvidia-ml-py=="))]
 
 
 def test_generated_workflow_runs_the_fast_tier_on_push_and_the_rest_on_a_schedule(default_project):
@@ -156,6 +157,28 @@ def test_generated_workflow_runs_the_fast_tier_on_push_and_the_rest_on_a_schedul
     assert steps["Fast tier"]["run"].startswith("pytest") and "-m" not in steps["Fast tier"]["run"]
     assert 'pytest -m "not gpu"' in steps["Every tier but gpu (slow, e2e, ddp, real_data included)"]["run"]
     assert "-c src/*/tested_versions.txt" in steps["Install (CPU torch first, so pip does not pull the CUDA build)"]["run"]
+    # The nightly job without the pins: the tests must pass inside pyproject's ranges; it never gates.
+    unpinned = workflow["jobs"]["unpinned"]
+    assert unpinned["continue-on-error"] is True and unpinned["if"] == "github.event_name == 'schedule' || github.event_name == 'workflow_dispatch'"
+    install = next(step["run"] for step in unpinned["steps"] if step.get("name", "").startswith("Install"))
+    assert "tested_versions" not in install and '-e ".[dev]"' in install
+    assert any(step.get("run", "").startswith("pytest") for step in unpinned["steps"])
+
+
+PYTHON_CHOICES = json.loads((TEMPLATE / "cookiecutter.json").read_text())["python_version"]
+
+
+@pytest.mark.parametrize("python", PYTHON_CHOICES)
+def test_every_python_choice_resolves_the_tested_versions_and_lints(python, default_project, tmp_path):
+    """Each offered minimum Python can install the tested set (pip resolves every pin for that
+    Python: a numpy with no release for it fails here), and its bake passes ruff at that target."""
+    pins = default_project / "src" / "my_4090_project" / "tested_versions.txt"
+    if python != f"{sys.version_info.major}.{sys.version_info.minor}":  # this Python: the default bake installed them
+        command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--no-deps"]
+        run([*command, "--python-version", python, "--target", str(tmp_path / "target"), "-r", str(pins)], cwd=tmp_path, timeout=600)
+    project = bake(tmp_path, project_name=f"py {python}", python_version=python)
+    assert f'requires-python = ">={python}"' in (project / "pyproject.toml").read_text()
+    run([str(Path(sys.executable).with_name("ruff")), "check", "."], cwd=project, timeout=300)
 
 
 # What only one task uses: none of it may be left in a project generated for the other task.

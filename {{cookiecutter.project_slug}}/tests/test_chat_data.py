@@ -316,6 +316,17 @@ def test_validation_uses_the_answer_only_mask(tokenizer, chat_data):
         ("positive, mostly", "positive", False),
         ("pos", "positive", False),
         ("NEGATIVE!", "negative", True),
+        # The same verdict in every script: non-ASCII punctuation, full-width forms, other cases.
+        ("positive", "positive…", True),
+        ("positive", "positive！", True),
+        ("positive", "positive。", True),
+        ("positive", "「positive」", False),  # leading punctuation is kept
+        ("ｐｏｓｉｔｉｖｅ", "positive", True),
+        ("positive ！", "Positive", True),
+        ("STRASSE", "straße", True),
+        ("positive  mostly", "positive mostly", True),
+        ("positiv", "positive…", False),
+        ("positive✓", "positive", False),  # a symbol is content, not punctuation
     ],
 )
 def test_exact_match_is_whole_answer_after_normalising(prediction, reference, same):

@@ -211,6 +211,14 @@ def test_a_derived_batch_key_set_by_hand_is_refused_with_the_batch_setting_it_me
         "peft=lora peft.dropout=1.0",
         "optimizer.lr=0",
         "seed=abc",
+        "optimizer.lr=nan",
+        "optimizer.lr=inf",
+        "optimizer.weight_decay=-inf",
+        "trainer.gradient_clip_val=nan",
+        "trainer.max_steps=0",
+        "trainer.max_steps=-5",
+        "trainer.max_steps=1.5",
+        "trainer.max_epochs=0",
     ],
 )
 def test_every_out_of_range_value_is_refused_naming_field_value_and_a_fix(tmp_path, override):

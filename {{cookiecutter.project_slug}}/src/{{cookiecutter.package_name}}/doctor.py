@@ -41,22 +41,26 @@ REQUIRED = {
     "torchmetrics": ("torchmetrics", "1.4"),
     "rich": ("rich", "13.0"),
     "peft": ("peft", "0.15"),  # LoRA/QLoRA (peft group, both tasks)
+    "bitsandbytes": ("bitsandbytes", "0.45"),  # 8-bit optimizers, 4-bit NF4 weights (peft=qlora)
+    "wandb": ("wandb", "0.19"),  # logger=wandb (the default)
+    "pynvml": ("nvidia-ml-py", "12.0"),  # the driver and GPU checks here; GPU utilisation logging
+    "pandas": ("pandas", "2.0"),
+    "matplotlib": ("matplotlib", "3.7"),  # `plot`
 }
 # A classification-only project has no causal-LM task, and its pyproject.toml none of the
 # causal-LM dependencies (the task config lists them: `task.requires`, read below).
 TASK_CONFIGS = Path(__file__).parent / "configs" / "task"
-# Import name -> (distribution name, what it enables, how to install it). Reported, never a
-# failure. "pip install -e ." where pyproject.toml lists the package among the dependencies.
+# Import name -> (distribution name, what it enables, how to install it): packages outside
+# pyproject.toml's dependencies (an optional-dependencies extra, or a separate install). Reported,
+# never a failure; a dependency belongs in REQUIRED (tests/test_doctor.py checks both ways).
 EXTRAS = {
-    "bitsandbytes": ("bitsandbytes", "8-bit optimizers (optimizer=adamw_8bit); 4-bit NF4 weights (peft=qlora)", "pip install -e ."),
     "flash_attn": (
         "flash-attn",
         "attention=flash_attention_2 (CUDA, Ampere or newer, bf16/fp16)",
         "pip install flash-attn --no-build-isolation",
     ),
     "liger_kernel": ("liger-kernel", "fused Triton kernels (RMSNorm, RoPE, cross-entropy)", "pip install liger-kernel"),
-    "wandb": ("wandb", "logger=wandb (the default; logger=csv works without it)", "pip install -e ."),
-    "pynvml": ("nvidia-ml-py", "the driver and GPU checks here; GPU utilisation logging", "pip install -e ."),
+    "tensorboard": ("tensorboard", "logger=tensorboard", 'pip install -e ".[tensorboard]"'),
     "optuna": ("optuna", "Optuna sweeps (hparams_search=...)", 'pip install -e ".[sweep]"'),
     "hydra_plugins.hydra_submitit_launcher": (
         "hydra-submitit-launcher",

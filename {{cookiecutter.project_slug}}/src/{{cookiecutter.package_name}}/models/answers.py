@@ -2,27 +2,39 @@
 
 ``test/exact_match`` is the fraction of the test rows (the first ``data.answer_rows``, or all)
 whose greedy answer, up to the end-of-turn token, equals the reference answer after
-:func:`normalize_answer` (whitespace stripped, lower-cased, trailing punctuation removed): the
-whole answer, never a prefix or a substring, so "positive, mostly" does not count as "positive".
+:func:`normalize_answer` (Unicode NFKC, case-folded, whitespace runs made one space, trailing
+punctuation of any script removed): the whole answer, never a prefix or a substring, so "positive, mostly" does not count as "positive".
 Each answer is written to ``predictions.jsonl`` with its reference and verdict.
 """
 
 from __future__ import annotations
 
 import json
-import string
+import unicodedata
 from pathlib import Path
 
 import torch
 
 from ..utils.run import atomic_write_path
 
-TRAILING = string.punctuation + string.whitespace
-
 
 def normalize_answer(text: str) -> str:
-    """``text`` stripped of surrounding whitespace and trailing punctuation, lower-cased."""
-    return text.strip().lower().rstrip(TRAILING)
+    """``text`` as exact match compares it, the same in every script:
+
+    1. Unicode NFKC (compatibility forms folded: full-width ``ｐｏｓｉｔｉｖｅ！`` reads as
+       ``positive!``, the ellipsis ``…`` as ``...``);
+    2. case-folded (``str.casefold``: ``Straße`` equals ``STRASSE``);
+    3. every whitespace run made one space, surrounding whitespace dropped;
+    4. trailing characters of the Unicode punctuation categories (``P*``: ``.!?…。！、」``...)
+       and whitespace dropped.
+
+    Leading punctuation and symbols (``S*``: ``$``, ``✓``, emoji) are kept: they are content.
+    """
+    text = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    end = len(text)
+    while end and (unicodedata.category(text[end - 1]).startswith("P") or text[end - 1].isspace()):
+        end -= 1
+    return text[:end]
 
 
 def exact_match(prediction: str, reference: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -164,6 +165,73 @@ def precision_is_auto(cfg: DictConfig) -> bool:
     return trainer is not None and "machine_precision" in str(OmegaConf.to_container(trainer, resolve=False).get("precision", ""))
 
 
+def epochs_unless_steps(max_steps: object, epochs: int) -> int:
+    """``trainer.max_epochs`` as the shipped trainer config derives it: ``-1`` (no epoch limit)
+    when ``max_steps`` is a positive number of optimizer steps, so that ``max_steps`` binds
+    (Lightning stops at whichever limit comes first), else ``epochs``."""
+    return -1 if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0 else epochs
+
+
+def stopping_problems(trainer: DictConfig) -> list[str]:
+    """What is wrong with ``trainer.max_steps``/``trainer.max_epochs`` (read raw).
+
+    The rule: ``max_steps > 0`` binds (the derived ``max_epochs`` is then -1, no epoch limit);
+    ``-1`` leaves the stop to ``max_epochs``.  Both set by hand (command line, experiment, debug
+    group) is refused, naming both: Lightning would stop at the first limit reached and exit 0
+    with fewer steps than asked.
+    """
+    problems = []
+    steps = trainer.get("max_steps")
+    if not _is_int(steps) or (steps != -1 and steps <= 0):
+        problems.append(
+            f"trainer.max_steps={steps!r} must be -1 (no step limit: max_epochs ends the run) or a positive number of "
+            "optimizer steps; fix: e.g. trainer.max_steps=100, or trainer.max_steps=-1"
+        )
+    if "max_epochs" not in trainer or OmegaConf.is_interpolation(trainer, "max_epochs"):
+        return problems
+    epochs = trainer.max_epochs
+    if not _is_int(epochs) or (epochs != -1 and epochs <= 0):
+        problems.append(
+            f"trainer.max_epochs={epochs!r} must be a positive number of epochs (or -1 with trainer.max_steps > 0); "
+            "fix: e.g. trainer.max_epochs=3"
+        )
+    elif _is_int(steps) and steps > 0:
+        problems.append(
+            f"trainer.max_steps={steps} and trainer.max_epochs={epochs} are both set (command line, experiment or debug group): "
+            "Lightning stops at whichever comes first, so the run could end short of either; fix: keep one: "
+            f"trainer.max_steps={steps} alone (max_epochs is then lifted), or trainer.max_steps=-1 to stop after {epochs} epoch(s)"
+        )
+    return problems
+
+
+def non_finite_problems(cfg: DictConfig) -> list[str]:
+    """One line for each number in the config (read raw) that is NaN or infinite: no setting of
+    this project takes one, and ``optimizer.lr=inf`` would otherwise train NaN weights and exit 0."""
+    problems = []
+
+    def visit(node: object, key: str) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                visit(value, f"{key}.{name}" if key else str(name))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                visit(value, f"{key}[{index}]")
+        elif isinstance(node, float) and not math.isfinite(node):
+            problems.append(f"{key}={node!r} is not a finite number; fix: give {key} a finite value (see its config file)")
+
+    visit(OmegaConf.to_container(cfg, resolve=False), "")
+    return problems
+
+
+def _finite_or_not_a_number(value: object) -> bool:
+    """False for a NaN/infinite float (:func:`non_finite_problems` reports it once)."""
+    return not (isinstance(value, float) and not math.isfinite(value))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def register_resolvers() -> None:
     """Register ``${accumulate:global,micro,devices,nodes}``, ``${device_batch:...}`` (same arguments), ``${pid:}`` and ``${or:value,default}``
     (idempotent).  ``or`` gives ``default`` where ``value`` is null (``oc.select`` only does so
@@ -181,6 +249,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("pid", os.getpid, use_cache=True)
     if not OmegaConf.has_resolver("machine_precision"):
         OmegaConf.register_new_resolver("machine_precision", machine_precision)
+    if not OmegaConf.has_resolver("epochs_unless_steps"):
+        OmegaConf.register_new_resolver("epochs_unless_steps", epochs_unless_steps)
     if not OmegaConf.has_resolver("or"):
         OmegaConf.register_new_resolver("or", lambda value, default: default if value is None else value)
 
@@ -204,7 +274,7 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
     Raises:
         ConfigError: with every problem found, one per line.
     """
-    problems: list[str] = unknown_key_problems(cfg) + credential_problems(cfg)
+    problems: list[str] = unknown_key_problems(cfg) + credential_problems(cfg) + non_finite_problems(cfg)
     register_secrets(cfg, HydraConfig.get() if HydraConfig.initialized() else None)  # masked in all we write (utils/secrets.py)
     try:
         seed = cfg.get("seed")
@@ -235,13 +305,14 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         problems += _lever_problems(cfg, runs_here)
         if "trainer" in cfg:
             problems += _distributed_problems(cfg.trainer, runs_here)
+            problems += stopping_problems(cfg.trainer)
 
         if "optimizer" in cfg:
             lr = cfg.optimizer.get("lr")
-            if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+            if _finite_or_not_a_number(lr) and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0):
                 problems.append(f"optimizer.lr={lr!r} must be a positive number, e.g. optimizer.lr=5e-5")
             weight_decay = cfg.optimizer.get("weight_decay")
-            if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+            if _finite_or_not_a_number(weight_decay) and (not isinstance(weight_decay, (int, float)) or weight_decay < 0):
                 problems.append(
                     f"optimizer.weight_decay={weight_decay!r} must be a number >= 0; fix: e.g. optimizer.weight_decay=0.01 (0: none)"
                 )

@@ -25,7 +25,9 @@ from packaging.utils import canonicalize_name
 
 TESTED_VERSIONS = Path(__file__).resolve().parents[1] / "tested_versions.txt"
 TESTED_EXTRAS = ("dev",)  # what CI installs: tests, lint, sweeps, SLURM, tensorboard
-NOT_PINNED = re.compile(r"^(torch|triton|nvidia-.*)$")
+# torch and the CUDA runtime it pulls (triton, nvidia-cublas-cu12, ...): a range only, so a GPU
+# machine keeps its own build.  nvidia-ml-py is a direct dependency (NVML), and pinned.
+NOT_PINNED = re.compile(r"^(torch|triton|nvidia-(?!ml-py$).+)$")
 
 
 def project_distribution() -> str:
