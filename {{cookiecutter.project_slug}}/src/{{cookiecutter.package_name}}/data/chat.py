@@ -20,8 +20,16 @@ Otherwise each assistant turn ``i`` is found by rendering the conversation prefi
 prompt ``messages[:i]`` with the generation prompt, then ``messages[:i+1]``; each must render as
 an exact prefix of the whole conversation, or the template is refused with the turn that broke
 it (a template that rewrites earlier turns, e.g. one that drops old reasoning, cannot be
-masked this way).  The tokens starting inside the turn's characters are the answer; the run is
+masked this way).  The text is tokenised in pieces cut at those boundaries, the way
+``generate`` tokenises a prompt before the model answers (one rule for training and inference,
+:func:`assistant_token_mask`), so the answer is exactly the tokens of the turn's piece; the run is
 cut after its last end-of-turn token.
+
+**Special tokens are the template's alone.**  A message whose content spells one of the
+tokenizer's special tokens (``<|im_end|>``, ``<|im_start|>``...) would be tokenised as that control
+token: a quoted end of turn trained as a real one, a user message forging extra turns.  Such a
+row is refused, naming the row, the turn and the token (:func:`special_token_problem`).  A row
+whose trained tokens are end-of-turn tokens only (an empty answer) is counted in a warning.
 
 **Truncation** (``truncation``): ``right`` keeps a row's first ``max_length`` tokens, ``left``
 its last ones (the prompt is cut from the left, the answer kept).  A row left with no trained
@@ -62,6 +70,9 @@ ROLES = ("system", "user", "assistant")
 # Named templates shipped with the project (data.chat_template=<name>), for tokenizers without one.
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+# The labelling rule, in the tokenised cache's key (datasets hashes the map function, not the
+# functions it calls): a cache written under an earlier rule is not read back.
+LABEL_RULE = "pieces-at-answer-boundaries-2"
 
 
 class TemplateError(DataError):
@@ -155,33 +166,61 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dic
 
 
 def assistant_token_mask(
-    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]
+    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int], generation_prompt: bool = False
 ) -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and, per token, the assistant turn it belongs to
     (its index in ``messages``) or -1.  Only the turns in ``turns`` are marked.
 
+    **One boundary rule, for training and for generation.**  Each assistant turn ``i`` starts
+    where ``messages[:i]`` rendered with the generation prompt ends: exactly the text that
+    ``generate`` and the exact-match pass tokenise alone before the model answers.  So the text
+    is tokenised in pieces cut at those points (and where each turn's rendering ends): no token
+    straddles a boundary, each token belongs to the one piece it covers, and the answer's first
+    token is the one the model must emit after that prompt at inference.  (Tokenised whole, a
+    generation prompt ending in a space, ``Assistant: ``, merges the space into the answer's
+    first token: that token starts before the answer, was masked, and the answer trained nothing.)
+
+    ``generation_prompt``: the conversation ends with the generation prompt (a prompt for the
+    next answer, cut as training cuts it: :func:`chat_prompt_ids`).
+
     Raises:
         TemplateError: a prefix of the conversation does not render as a prefix of the whole.
     """
-    whole = render(tokenizer, template, messages)
-    encoding = tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
-    spans = []
-    for turn in turns:
+    whole = render(tokenizer, template, messages, generation_prompt=generation_prompt)
+    pieces, position = [], 0  # (text, owner)
+    for turn in [index for index, message in enumerate(messages) if message["role"] == "assistant"]:
         prompt = render(tokenizer, template, messages[:turn], generation_prompt=True) if turn else ""
         with_answer = render(tokenizer, template, messages[: turn + 1])
-        if not (whole.startswith(with_answer) and with_answer.startswith(prompt)):
+        if not (whole.startswith(with_answer) and with_answer.startswith(prompt)) or len(prompt) < position:
             raise TemplateError(
                 f"the chat template does not render the conversation up to turn {turn} as a prefix of the whole "
                 "conversation, so the answer's tokens cannot be told from the rendering; fix: a template with "
                 "{% generation %} markers around assistant content (data.chat_template=...), or data.train_on=all"
             )
-        spans.append((len(prompt), len(with_answer), turn))
-    owner = [-1] * len(encoding["input_ids"])
-    for index, (start, _end) in enumerate(encoding["offset_mapping"]):
-        for first, last, turn in spans:
-            if first <= start < last:
-                owner[index] = turn
-    return encoding["input_ids"], owner
+        pieces += [(whole[position : len(prompt)], -1), (whole[len(prompt) : len(with_answer)], turn if turn in turns else -1)]
+        position = len(with_answer)
+    pieces.append((whole[position:], -1))
+    ids, owner = [], []
+    for text, turn in pieces:
+        if text:
+            piece_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece_ids
+            owner += [turn] * len(piece_ids)
+    return ids, owner
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered with the generation prompt, tokenised as a training row
+    is up to its answer (earlier answers cut at their boundaries, :func:`assistant_token_mask`),
+    so the model sees at inference the ids it was trained on.  For one user turn this is the
+    whole prompt tokenised at once.  A template with ``{% generation %}`` markers tokenises its
+    rows whole (:func:`generation_token_mask`), and so its prompts."""
+    if not GENERATION_MARKER.search(template):
+        try:
+            return assistant_token_mask(tokenizer, template, messages, [], generation_prompt=True)[0]
+        except TemplateError:
+            pass  # training refused such a template already; the prompt alone still renders
+    return tokenizer(render(tokenizer, template, messages, generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
 def generation_token_mask(
@@ -233,6 +272,26 @@ def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str) -> li
     return labels
 
 
+def special_token_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The text of every special token of ``tokenizer`` (EOS, BOS, pad, the chat markers...),
+    longest first: text that tokenisation reads as one control token."""
+    texts = set(tokenizer.all_special_tokens) | {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return sorted((text for text in texts if text), key=len, reverse=True)
+
+
+def special_token_problem(messages: list[dict], specials: list[str], where: str) -> str | None:
+    """A line naming the first turn whose content spells a special token, or ``None``."""
+    for number, turn in enumerate(messages):
+        found = sorted((token for token in specials if token in turn["content"]), key=turn["content"].index)
+        if found:
+            return (
+                f"{where}: turn {number} ({turn['role']}) spells the special token(s) {', '.join(map(repr, found))} in its content, which "
+                "tokenisation would read as that control token (a quoted end of turn trained as a real one, a user message "
+                "forging turns); fix: remove or escape it in the data (e.g. write it with spaces inside), or drop the row"
+            )
+    return None
+
+
 def tokenize_conversations(
     batch: dict[str, list],
     indices: list[int],
@@ -244,20 +303,25 @@ def tokenize_conversations(
     max_length: int,
     truncation: str,
     split: str,
+    rule: str = "",
 ) -> dict[str, list]:
-    """Render, tokenise and label a batch of rows (a ``datasets`` map function).
+    """Render, tokenise and label a batch of rows (a ``datasets`` map function).  ``rule`` is
+    :data:`LABEL_RULE`, passed so that ``datasets``' cache key changes with the labelling code.
 
     Returns per row: ``input_ids``, ``labels`` (-100 where not trained), ``length`` (tokens after
     truncation), ``n_trained`` (labels that are not -100; 0 = the row would be dropped),
+    ``n_content`` (trained labels other than the end-of-turn token; 0 = no answer text trained),
     ``truncated`` (tokens cut) and ``row`` (the row's index in the split, for messages).
 
     Raises:
         DataError: a malformed row (named), ``train_on=completion`` on a messages row, a row
-            with no assistant turn to train on.  TemplateError: see :func:`answer_labels`.
+            with no assistant turn to train on, a turn whose content spells a special token
+            (:func:`special_token_problem`).  TemplateError: see :func:`answer_labels`.
     """
     columns = list(batch)
-    out = {"input_ids": [], "labels": [], "length": [], "n_trained": [], "truncated": [], "row": []}
+    out = {"input_ids": [], "labels": [], "length": [], "n_trained": [], "n_content": [], "truncated": [], "row": []}
     use_markers = bool(GENERATION_MARKER.search(template))
+    specials = special_token_texts(tokenizer)
     for offset, index in enumerate(indices):
         where = f"data.splits.{split} row {index}"
         messages, completion_row = conversation({c: batch[c][offset] for c in columns}, system_prompt, where)
@@ -265,6 +329,9 @@ def tokenize_conversations(
             raise DataError(
                 f"{where} is a messages row, but data.train_on=completion needs prompt/completion rows; fix: data.train_on=assistant"
             )
+        problem = special_token_problem(messages, specials, where)
+        if problem:
+            raise DataError(problem)
         try:
             ids, labels = label_conversation(tokenizer, template, messages, train_on, eot_id, use_markers, where)
         except jinja2.TemplateError as error:  # the template itself raised (e.g. roles out of the order it accepts)
@@ -281,6 +348,7 @@ def tokenize_conversations(
         out["labels"].append(labels)
         out["length"].append(len(ids))
         out["n_trained"].append(sum(label != IGNORE_INDEX for label in labels[1:]))  # position 0 is never a target
+        out["n_content"].append(sum(label not in (IGNORE_INDEX, eot_id) for label in labels[1:]))
         out["truncated"].append(cut)
         out["row"].append(index)
     return out
@@ -504,6 +572,7 @@ class ChatDataModule(TokenizedDataModule):
             "max_length": self.max_length,
             "truncation": self.truncation,
             "split": split,
+            "rule": LABEL_RULE,
         }
         return dataset.map(
             tokenize_conversations,
@@ -529,6 +598,15 @@ class ChatDataModule(TokenizedDataModule):
                 len(dataset),
                 self.max_length,
                 self.dropped[split][:10],
+            )
+        answerless = [row for row, n, content in zip(tokenized["row"], trained, tokenized["n_content"]) if n and not content]
+        if answerless:
+            log.warning(
+                "data.splits.%s: %d rows train no answer text, only the end-of-turn token (an empty answer, or one truncated "
+                "away; rows %s): they teach the model to stop at once; fix: the rows' answers, or a larger data.max_length",
+                split,
+                len(answerless),
+                answerless[:10],
             )
         kept = tokenized.filter(lambda n: n > 0, input_columns="n_trained", desc=f"Dropping untrained rows of {split}")
         if len(kept) == 0:
@@ -578,8 +656,7 @@ class ChatDataModule(TokenizedDataModule):
             if messages[-1]["role"] != "assistant":
                 unanswered += 1
                 continue
-            prompt = render(self.tokenizer, self.template, messages[:-1], generation_prompt=True)
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            prompt_ids = chat_prompt_ids(self.tokenizer, self.template, messages[:-1])
             rows.append({"row": index, "prompt_ids": prompt_ids, "reference": messages[-1]["content"]})
             if self.answer_rows is not None and len(rows) >= self.answer_rows:
                 break
