@@ -146,7 +146,7 @@ def test_a_row_with_more_cells_than_the_header_is_refused_naming_its_line(tmp_pa
         path.write_text(
             f"{header}\n{row.replace(sep, '') if cells == 1 else 'good' + sep + 'positive'}\n{row}\n"
         )  # pandas: an index, or a parse error
-        with pytest.raises(DataError, match=rf"data.splits.predict=.*: line 3 has 3 cells but the header has {cells} .*fix: quote cells"):
+        with pytest.raises(DataError, match=rf"input=.*: line 3 has 3 cells but the header has {cells} .*fix: quote cells"):
             load_split("predict", str(path), None, None, str(tmp_path / "cache"))
 
 

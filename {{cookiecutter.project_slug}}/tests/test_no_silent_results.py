@@ -6,11 +6,19 @@ The task-specific kinds (chat masks, saved weights, tied outputs) sit beside the
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }}.data.loading import DataError, load_split
 from {{ cookiecutter.package_name }}.train import train
 from {{ cookiecutter.package_name }}.utils.config import ConfigError, validate_config
+from {{ cookiecutter.package_name }}.utils.run import command_line_problems
+
+from .processes import run_module
 
 
 @pytest.fixture
@@ -53,3 +61,283 @@ def test_max_steps_and_max_epochs_both_set_are_refused_naming_both(tiny_cfg, ove
         validate_config(tiny_cfg(*overrides))
     (line,) = [line for line in str(error.value).splitlines() if "max_steps" in line]
     assert "trainer.max_epochs=" in line and "fix:" in line
+
+
+# ------------------------------------------------------------- bad values: field, value, fix
+BAD_COMMAND_LINE = [
+    ("trainer.max_steps=[1,", r"'trainer.max_steps=\[1,': the value of trainer.max_steps is not valid override syntax .*fix: quote"),
+    ("data.text_column='unclosed", r"the value of data.text_column is not valid override syntax"),
+    ("+optimizer.betas=[0.9,", r"the value of optimizer.betas is not valid"),
+    ("hydra.run.dir={file}", r"hydra.run.dir='.*a_file' is a file, not a folder; fix: hydra.run.dir=<a folder path>"),
+    ("paths.output_dir={file}", r"paths.output_dir='.*a_file' is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize(("arg", "expected"), BAD_COMMAND_LINE)
+def test_a_bad_override_is_named_by_its_key(arg, expected, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    (problem,) = command_line_problems([arg.format(file=tmp_path / "a_file")])
+    assert re.search(expected, problem), problem
+
+
+def test_a_bad_command_line_exits_1_with_every_problem_before_hydra_runs(tmp_path):
+    """Through the real entry point: Hydra's own parser message names no key, and a run folder
+    that is a file was a FileExistsError traceback after composing."""
+    (tmp_path / "a_file").write_text("not a folder")
+    result = run_module("train", [arg.format(file=tmp_path / "a_file") for arg, _ in BAD_COMMAND_LINE], cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for _, expected in BAD_COMMAND_LINE:
+        assert re.search(expected, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "logs").exists()
+
+
+def test_command_line_problems_leave_valid_overrides_and_flags_alone(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    valid = ["-m", "--cfg", "job", "optimizer.lr=1e-3,3e-3", "data.text_column='a b'", f"hydra.run.dir={tmp_path}", "~logger", "+x.y=[1,2]"]
+    assert command_line_problems(valid) == []
+
+
+def test_a_folder_given_as_a_data_file_is_named_a_folder(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "part1.csv").write_text("text,label\nhi,a\n")
+    with pytest.raises(DataError, match=r"data.splits.train='.*texts' is a folder, not a file; fix: .* \(it holds part1.csv\)"):
+        load_split("train", str(tmp_path / "texts"), None, None, str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"^input='.*texts' is a folder"):  # predict's file is typed as input=
+        load_split("predict", str(tmp_path / "texts"), None, None, str(tmp_path / "cache"))
+
+
+{%- if cookiecutter.tasks != "causal_lm" %}
+
+
+# ------------------------------------------------------- weights the base files do not hold
+@pytest.fixture(scope="module")
+def encoder_without_pooler(tmp_path_factory, tokenizer_dir) -> Path:
+    """A "pretrained" tiny BERT folder saved without its pooler (as encoder checkpoints often are)."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    tokenizer = BertTokenizer.from_pretrained(tokenizer_dir)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("encoder_without_pooler")
+    BertModel(config, add_pooling_layer=False).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("rows", "suffix", "expected"),
+    [
+        (
+            [{"text": "a good film", "label": 1}, {"text": "a bad film", "label": "negative"}] * 4,
+            ".jsonl",
+            r"data.label_column='label' in data.splits.train='.*' holds values of mixed types \(int, str\), not one label per row; fix: every label",
+        ),
+        (
+            [{"text": ["a", "good", "film"], "label": "positive"}, {"text": ["bad"], "label": "negative"}] * 4,
+            ".parquet",
+            r"data.text_column='text' in data.splits.train='.*' holds List\(.*\) values, not text; fix: one string per row",
+        ),
+        (
+            [{"text": 7, "label": "positive"}, {"text": 3, "label": "negative"}] * 4,
+            ".jsonl",
+            r"data.text_column='text' .* holds Value\('int64'\) values, not text",
+        ),
+    ],
+    ids=["mixed-label-types", "text-lists", "text-numbers"],
+)
+def test_columns_of_the_wrong_kind_are_refused_naming_field_file_and_fix(make_cfg, tmp_path, rows, suffix, expected):
+    import pandas as pd
+
+    path = tmp_path / f"train{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+    with pytest.raises(DataError) as error:
+        train(make_cfg(f"data.splits.train={path}", "~data.splits.validation", "callbacks.progress_bar=null"))
+    assert re.search(expected, str(error.value)), str(error.value)
+
+
+def test_predictions_for_10000_classes_are_joined_at_once_and_keep_the_input_cells():
+    import warnings
+
+    import pandas as pd
+
+    from {{ cookiecutter.package_name }}.predict import prediction_frame
+
+    rows = pd.DataFrame({"text": ["a", "b", "c"], "id": ["007", "1.50", "NA"]})
+    names = [f"class{i}" for i in range(10_000)]
+    probabilities = torch.softmax(torch.randn(3, len(names)), dim=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pandas' PerformanceWarning, once per inserted column before
+        frame = prediction_frame(rows, probabilities, names)
+    assert list(frame.columns[:3]) == ["text", "id", "predicted_label"] and frame.shape == (3, 3 + len(names))
+    assert frame["id"].tolist() == ["007", "1.50", "NA"]
+    assert frame["predicted_label"].tolist() == [names[i] for i in probabilities.argmax(dim=-1).tolist()]
+    with pytest.raises(DataError, match=r"input has column\(s\) \['predicted_label'\] that predict writes; fix: rename"):
+        prediction_frame(rows.assign(predicted_label="x"), probabilities, names)
+
+
+def test_weights_the_base_lacks_are_saved_with_the_adapters_and_two_evals_agree(make_cfg, encoder_without_pooler, tmp_path):
+    """LoRA on an encoder folder without pooler weights: the pooler (and the new head) are drawn
+    at random when the base loads, so the adapter checkpoint keeps them; two evals of it agree
+    exactly, and a checkpoint without them is refused instead of drawing them anew."""
+    from {{ cookiecutter.package_name }}.eval import evaluate
+
+    lora = [f"model.name_or_path={encoder_without_pooler}", "model.config=null", "peft=lora", "peft.r=4"]
+    train(make_cfg(*lora, "trainer.max_epochs=1", "callbacks.progress_bar=null", "test_after_fit=false"))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    pooler = [key for key in checkpoint["state_dict"] if ".pooler." in key and "lora_" not in key]
+    assert pooler, sorted(checkpoint["state_dict"])[:20]
+
+    def evaluated(path: Path, folder: str) -> dict:
+        return evaluate(make_cfg(*lora, f"ckpt_path={path}", f"paths.output_dir={tmp_path / folder}", config_name="eval"))
+
+    first, second = evaluated(ckpt, "eval_1"), evaluated(ckpt, "eval_2")
+    assert first["test/loss"] == second["test/loss"] and first["test/acc"] == second["test/acc"]
+
+    for key in pooler:  # the format before: trained weights only
+        del checkpoint["state_dict"][key]
+    torch.save(checkpoint, tmp_path / "without_pooler.ckpt")
+    with pytest.raises(ConfigError, match=r"would draw them at random.*pooler.*fix: retrain"):
+        evaluated(tmp_path / "without_pooler.ckpt", "eval_3")
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
+
+
+# ------------------------------------------------------------ LoRA on a tied output layer
+@pytest.fixture(scope="module")
+def tied_lm_dir(lm_tokenizer_dir, tmp_path_factory) -> Path:
+    """A "pretrained" tiny Llama whose lm_head shares the input embedding (tie_word_embeddings)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .conftest import tiny_llama_config
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    config = tiny_llama_config(
+        len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tied_lm")
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_lora_on_a_tied_output_layer_is_refused_before_the_weights_load(make_lm_cfg, tied_lm_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the refusal")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    cfg = make_lm_cfg(
+        f"model.name_or_path={tied_lm_dir}", "model.config=null", "peft=lora", "peft.r=4", "peft.target_modules=[q_proj,lm_head]"
+    )
+    with pytest.raises(ConfigError, match=r"'lm_head' adapts the output layer 'lm_head', which shares its weight .* fix: drop 'lm_head'"):
+        train(cfg)
+
+
+def test_a_tied_model_exported_after_lora_scores_as_its_checkpoint(make_lm_cfg, tied_lm_dir, tmp_path):
+    """Adapters on the other layers of a tied model: the merged export gives the checkpoint's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from {{ cookiecutter.package_name }}.export import export
+    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+    from {{ cookiecutter.package_name }}.utils.checkpoints import load_trained_module
+
+    lora = [f"model.name_or_path={tied_lm_dir}", "model.config=null", "peft=lora", "peft.r=4", "callbacks.progress_bar=null"]
+    train(make_lm_cfg(*lora, "trainer.max_steps=4", "optimizer.lr=1e-2", "callbacks.sample_generation=null"))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    export(
+        make_lm_cfg(f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'exported'}", f"paths.output_dir={tmp_path / 'x'}", config_name="export")
+    )
+    module = load_trained_module(CausalLMModule, make_lm_cfg(*lora, config_name="export"), ckpt).eval()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    ids = module.tokenizer("the king speaks to a fool.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, module.model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("generation.max_new_tokens=0", "generation.max_new_tokens=0"),
+        ("generation.max_new_tokens=-3", "generation.max_new_tokens=-3"),
+        ("generation.top_p=0", "generation.top_p=0"),
+        ("generation.temperature=0", "generation.temperature=0"),
+    ],
+)
+def test_bad_generation_settings_are_refused_before_the_weights_load(make_lm_cfg, tmp_path, monkeypatch, override, field):
+    from {{ cookiecutter.package_name }} import generate as entry
+
+    monkeypatch.setattr(entry, "load_generator", lambda cfg: pytest.fail("the weights were loaded before the refusal"))
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported" / "config.json").write_text("{}")
+    cfg = make_lm_cfg(f"model_dir={tmp_path / 'exported'}", "prompts=[hello]", override, config_name="generate")
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)} must be .*fix:"):
+        entry.generate(cfg)
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named_with_the_byte_and_the_fix(make_lm_cfg, tmp_path, monkeypatch):
+    from {{ cookiecutter.package_name }} import generate as entry
+
+    monkeypatch.setattr(entry, "load_generator", lambda cfg: pytest.fail("the weights were loaded before the refusal"))
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported" / "config.json").write_text("{}")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("café au lait\n".encode("latin-1"))
+    cfg = make_lm_cfg(f"model_dir={tmp_path / 'exported'}", f"prompts_file={prompts}", config_name="generate")
+    with pytest.raises(ConfigError, match=r"prompts_file=.* is not UTF-8 text \(byte 3: b'\\xe9'\); fix: re-encode it"):
+        entry.generate(cfg)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64", "fp16"])
+def test_export_to_a_dtype_it_cannot_write_is_refused_before_the_checkpoint_is_read(make_lm_cfg, tmp_path, dtype):
+    from {{ cookiecutter.package_name }}.export import export
+
+    fake = tmp_path / "not_read.ckpt"
+    fake.write_bytes(b"never unpickled")
+    cfg = make_lm_cfg(f"ckpt_path={fake}", f"output_dir={tmp_path / 'out'}", f"dtype={dtype}", config_name="export")
+    with pytest.raises(ConfigError, match=rf"dtype='{dtype}' is not one of \('float32', 'bfloat16', 'float16'\).*fix:"):
+        export(cfg)
+    assert not (tmp_path / "out").exists()
+{%- endif %}
+{%- if cookiecutter.tasks == "both" %}
+
+
+# ------------------------------------------------------------ a checkpoint of the other task
+def test_a_checkpoint_of_the_other_task_is_refused_naming_both_tasks(classifier_ckpt, make_cfg, make_lm_cfg, tmp_path):
+    from {{ cookiecutter.package_name }}.eval import evaluate
+    from {{ cookiecutter.package_name }}.export import export
+
+    train(make_lm_cfg("trainer.max_steps=2", "callbacks.sample_generation=null", "callbacks.progress_bar=null"))
+    lm_ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(ConfigError, match=r"holds a model of task=causal_lm .* this config runs task=classification; fix: task=causal_lm"):
+        evaluate(make_cfg(f"ckpt_path={lm_ckpt}", f"paths.output_dir={tmp_path / 'e1'}", config_name="eval"))
+    classifier, _ = classifier_ckpt
+    with pytest.raises(ConfigError, match=r"holds a model of task=classification .* this config runs task=causal_lm"):
+        export(
+            make_lm_cfg(
+                f"ckpt_path={classifier}", f"output_dir={tmp_path / 'x'}", f"paths.output_dir={tmp_path / 'e2'}", config_name="export"
+            )
+        )
+    # a checkpoint from before the task was stored: told by its settings
+    checkpoint = torch.load(lm_ckpt, map_location="cpu", weights_only=True)
+    del checkpoint["task"]
+    torch.save(checkpoint, tmp_path / "older.ckpt")
+    with pytest.raises(ConfigError, match=r"holds a model of task=another task \(its stored settings include loss\)"):
+        evaluate(make_cfg(f"ckpt_path={tmp_path / 'older.ckpt'}", f"paths.output_dir={tmp_path / 'e3'}", config_name="eval"))
+{%- endif %}

@@ -22,7 +22,7 @@ from .utils.checkpoints import load_trained_module
 from .utils.config import ConfigError, to_plain, validate_config
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.outputs import claim_outputs
-from .utils.run import close_loggers, exit_cleanly_on_sigterm, exit_on_bad_input, print_config_tree, write_metrics
+from .utils.run import close_loggers, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree, write_metrics
 
 
 def full_precision_overrides(hparams: dict) -> dict:
@@ -89,7 +89,7 @@ def evaluate(cfg: DictConfig) -> dict:
         close_loggers(loggers, failed=failed)
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="eval")
+@hydra_main("eval")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input(), exit_cleanly_on_sigterm("no metrics.json is written"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
@@ -27,7 +26,9 @@ from .models.causal_lm import CHAT_FILE, CausalLMModule
 from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.config import ConfigError, validate_config
 from .utils.outputs import claim_outputs, replace_folder, staging_folder
-from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input
+from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def export(cfg: DictConfig) -> Path:
@@ -37,11 +38,16 @@ def export(cfg: DictConfig) -> Path:
     so it is complete or absent; such folders of dead exports are removed at start.
 
     Raises:
-        ConfigError: a missing or refused checkpoint, a non-causal-LM checkpoint, an output folder
+        ConfigError: a ``dtype`` not in :data:`DTYPES`, a missing or refused checkpoint, a non-causal-LM checkpoint, an output folder
             that exists (without ``overwrite=true``; with it, only a folder export wrote is
             replaced) or that lies inside another run's folder.
     """
     validate_config(cfg, required=("ckpt_path",), resumes=False)
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(
+            f"dtype={cfg.dtype!r} is not one of {DTYPES} (the saved weights' floating-point type; int8/int4 weights are "
+            f"quantize's job); fix: dtype=bfloat16, or python -m {__package__}.quantize for integer weights"
+        )
     output = Path(cfg.output_dir)
     # Memory-mapped: only the hyperparameters are read here, not the weights (loaded once, below).
     checkpoint = trained_checkpoint(cfg.ckpt_path)
@@ -70,7 +76,7 @@ def export(cfg: DictConfig) -> Path:
     return output
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="export")
+@hydra_main("export")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input(), exit_cleanly_on_sigterm():

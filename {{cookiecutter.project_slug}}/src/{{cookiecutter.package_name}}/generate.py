@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
 from .utils.config import ConfigError, to_plain, validate_config
 from .utils.outputs import claim_outputs
-from .utils.run import atomic_write_path, exit_on_bad_input
+from .utils.run import atomic_write_path, exit_on_bad_input, hydra_main
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -26,18 +25,43 @@ def read_prompts(cfg: DictConfig) -> list[str]:
     characters ``\n`` stand for a newline (a shell passes them literally in single quotes).
 
     Raises:
-        ConfigError: no prompt at all, or a prompts file that does not exist.
+        ConfigError: no prompt at all, or a prompts file that does not exist or is not UTF-8.
     """
     prompts = [str(p).replace("\\n", "\n") for p in (cfg.prompts or [])]
     if cfg.prompts_file is not None:
         path = Path(cfg.prompts_file)
         if not path.is_file():
             raise ConfigError(f"prompts_file={cfg.prompts_file!r} is not a file; fix: a text file, one prompt per line")
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
+        try:
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"prompts_file={cfg.prompts_file!r} is not UTF-8 text (byte {error.start}: {data[error.start : error.start + 1]!r}); "
+                f"fix: re-encode it, e.g. iconv -f latin1 -t utf-8 {path.name} > prompts.txt"
+            ) from error
         prompts += [line.replace("\\n", "\n") for line in lines if line.strip()]
     if not prompts or not all(prompts):
         raise ConfigError("no prompts; fix: 'prompts=[\"Once upon a time\"]' or prompts_file=path/to/prompts.txt")
     return prompts
+
+
+def generation_problems(generation: DictConfig) -> list[str]:
+    """What is wrong with the ``generation`` settings (checked before any weights load)."""
+    problems = []
+    tokens = generation.get("max_new_tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        problems.append(f"generation.max_new_tokens={tokens!r} must be a positive number of tokens; fix: e.g. generation.max_new_tokens=64")
+    if not isinstance(generation.get("do_sample"), bool):
+        problems.append(
+            f"generation.do_sample={generation.get('do_sample')!r} must be true or false; fix: generation.do_sample=false (greedy)"
+        )
+    temperature, top_p = generation.get("temperature"), generation.get("top_p")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        problems.append(f"generation.temperature={temperature!r} must be a number > 0; fix: e.g. generation.temperature=0.7")
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        problems.append(f"generation.top_p={top_p!r} must be in (0, 1]; fix: e.g. generation.top_p=0.9 (1.0: off)")
+    return problems
 
 
 def load_generator(cfg: DictConfig):
@@ -68,7 +92,8 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     """Complete every prompt; write ``cfg.output`` (jsonl, atomically) and return the rows.
 
     Raises:
-        ConfigError: neither or both of ``ckpt_path``/``model_dir``, a missing file, no prompts, a
+        ConfigError: neither or both of ``ckpt_path``/``model_dir``, a missing file, no prompts,
+            bad ``generation`` settings (:func:`generation_problems`), a
             refused checkpoint, an ``output`` that is an input or that exists without ``overwrite=true``.
     """
     validate_config(cfg, resumes=False)
@@ -76,6 +101,9 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
         raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<exported folder>")
     if cfg.model_dir is not None and not Path(cfg.model_dir, "config.json").is_file():
         raise ConfigError(f"model_dir={cfg.model_dir!r} has no config.json; fix: a folder written by the export entry point")
+    problems = generation_problems(cfg.generation)
+    if problems:
+        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
     prompts = read_prompts(cfg)
     output = Path(cfg.output)
     inputs = {"prompts_file": cfg.prompts_file, "ckpt_path": cfg.ckpt_path, "model_dir": cfg.model_dir}
@@ -97,7 +125,7 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     return rows
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="generate")
+@hydra_main("generate")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input():

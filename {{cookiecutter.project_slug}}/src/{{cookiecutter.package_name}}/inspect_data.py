@@ -26,7 +26,7 @@ from rich.text import Text
 
 from .data.text import IGNORE_INDEX
 from .utils.config import ConfigError, validate_config
-from .utils.run import exit_on_bad_input
+from .utils.run import exit_on_bad_input, hydra_main
 
 EXIT_ROWS_DROPPED = 2
 OPEN, CLOSE = "[[", "]]"  # around trained tokens when there is no colour
@@ -103,7 +103,7 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
     return dropped
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="inspect_data")
+@hydra_main("inspect_data")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: exit codes as in the module docstring."""
     with exit_on_bad_input():

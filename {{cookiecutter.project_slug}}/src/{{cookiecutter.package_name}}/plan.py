@@ -14,17 +14,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import hydra
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from .memory.planner import for_the_card, plan_memory, write_plan
 from .utils.config import config_warnings, validate_config
 from .utils.outputs import claim_outputs
-from .utils.run import exit_on_bad_input
+from .utils.run import exit_on_bad_input, hydra_main
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="plan")
+@hydra_main("plan")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry."""
     with exit_on_bad_input():

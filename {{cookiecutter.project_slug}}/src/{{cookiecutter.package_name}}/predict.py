@@ -13,14 +13,35 @@ from __future__ import annotations
 from pathlib import Path
 
 import hydra
+import pandas as pd
 import torch
 from omegaconf import DictConfig, open_dict
 
+from .data.loading import DataError
 from .utils.checkpoints import load_trained_module
 from .utils.config import ConfigError, to_plain, validate_config, world_size
 from .utils.instantiate import instantiate_trainer
 from .utils.outputs import claim_outputs
-from .utils.run import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input
+from .utils.run import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
+
+
+def prediction_frame(rows: pd.DataFrame, probabilities: torch.Tensor, names: list[str]) -> pd.DataFrame:
+    """The input's rows (their cells as read), then ``predicted_label`` and ``prob_<label>`` for
+    each of the ``len(names)`` classes; ``probabilities`` is (N, num_labels).  The columns are
+    joined at once: inserted one by one, 10,000 classes took minutes and a pandas warning each.
+
+    Raises:
+        DataError: the input already has a column of those names (it would be overwritten or doubled).
+    """
+    added = ["predicted_label", *(f"prob_{name}" for name in names)]
+    taken = [column for column in added if column in rows.columns]
+    if taken:
+        raise DataError(
+            f"input has column(s) {taken[:5]} that predict writes; fix: rename them in the input (its cells are copied as they are)"
+        )
+    predicted = pd.DataFrame({"predicted_label": [names[i] for i in probabilities.argmax(dim=-1).tolist()]}, index=rows.index)
+    scores = pd.DataFrame(probabilities.float().numpy(), columns=[f"prob_{name}" for name in names], index=rows.index)
+    return pd.concat([rows, predicted, scores], axis=1)
 
 
 def predict(cfg: DictConfig) -> Path:
@@ -55,10 +76,7 @@ def predict(cfg: DictConfig) -> Path:
     probabilities = torch.cat(trainer.predict(module, datamodule=datamodule))  # (N, num_labels)
 
     names = [module.inputs.id2label[i] for i in range(probabilities.shape[1])]
-    frame = datamodule.predict_rows.to_pandas()
-    frame["predicted_label"] = [names[i] for i in probabilities.argmax(dim=-1).tolist()]
-    for index, name in enumerate(names):
-        frame[f"prob_{name}"] = probabilities[:, index].numpy()
+    frame = prediction_frame(datamodule.predict_rows.to_pandas(), probabilities, names)
 
     with atomic_write_path(output) as partial:
         frame.to_csv(partial, index=False)
@@ -66,7 +84,7 @@ def predict(cfg: DictConfig) -> Path:
     return output
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="predict")
+@hydra_main("predict")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input(), exit_cleanly_on_sigterm("no predictions file is written"):

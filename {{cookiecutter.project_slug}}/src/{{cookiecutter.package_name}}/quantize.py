@@ -59,7 +59,7 @@ from .eval import full_precision_overrides
 from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.config import ConfigError, validate_config
 from .utils.outputs import claim_outputs, replace_folder, staging_folder
-from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, print_config_tree
+from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree
 
 UNAVAILABLE = ("skip", "error")
 DEVICES = ("auto", "cpu", "cuda")
@@ -390,7 +390,7 @@ def time_forward(forward: Callable[[dict], torch.Tensor], inputs: dict[str, torc
     return samples
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="quantize")
+@hydra_main("quantize")
 def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry: bad config or data exits 1 with its message alone."""
     with exit_on_bad_input(), exit_cleanly_on_sigterm():

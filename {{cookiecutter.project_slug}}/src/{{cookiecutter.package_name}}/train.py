@@ -41,7 +41,7 @@ from .utils.checkpoints import DiskFull, last_checkpoint, save_final_checkpoint,
 from .utils.config import config_warnings, precision_is_auto, to_plain, validate_config
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
-from .utils.run import close_loggers, exit_on_bad_input, print_config_tree, save_run_config, write_metrics
+from .utils.run import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
 from .utils.run_folder import owned_run_folder
 from .utils.secrets import mask
 from .utils.sweeps import is_multirun, objective, run_multirun_job
@@ -169,7 +169,7 @@ def disk_full_message(cfg: DictConfig, error: DiskFull) -> str:
     )
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+@hydra_main("train")
 def run(cfg: DictConfig) -> float | None:
     """One Hydra job: train, return ``optimized_metric`` (for sweeps).  Alone, bad input exits 1
     with its message and a :class:`RunStopped` with its exit code (see the module docstring); in

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
-from .loading import DataError, drop_blank_rows, is_blank, load_split, require_columns
+from .loading import DataError, drop_blank_rows, is_blank, load_split, require_column_types, require_columns
 from .tokenization import load_tokenizer, tokenize_batch, use_eos_as_pad
 
 log = logging.getLogger(__name__)
@@ -206,12 +206,9 @@ class ClassificationDataModule(TokenizedDataModule):
         """One split, with its columns checked and its blank-text rows dropped (with a warning)."""
         source = self.splits[split]
         dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
-        require_columns(
-            dataset,
-            split,
-            source,
-            {"text_column": self.text_column, "text_pair_column": self.text_pair_column, "label_column": self.label_column},
-        )
+        text = {"text_column": self.text_column, "text_pair_column": self.text_pair_column}
+        require_columns(dataset, split, source, {**text, "label_column": self.label_column})
+        require_column_types(dataset, split, source, text, {"label_column": self.label_column})
         return drop_blank_rows(dataset, split, self.text_columns)
 
     def _setup_train_and_validation(self) -> None:
@@ -305,6 +302,7 @@ class ClassificationDataModule(TokenizedDataModule):
         rows = load_split("predict", self.predict_file, None, None, self.cache_dir)
         fields = {"text_column": self.text_column, "text_pair_column": self.text_pair_column}
         require_columns(rows, "predict", self.predict_file, fields)
+        require_column_types(rows, "predict", self.predict_file, fields, {})
         self.predict_rows = rows
         self.datasets["predict"] = self._tokenize("predict", rows, keep=[])
 

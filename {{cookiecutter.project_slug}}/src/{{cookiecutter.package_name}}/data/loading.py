@@ -35,6 +35,12 @@ class DataError(ValueError):
     """The data does not match the data config; the message names the field and the fix."""
 
 
+def split_field(split: str) -> str:
+    """The setting a user typed for ``split``, for messages: ``input`` for predict's file,
+    ``data.splits.<split>`` otherwise."""
+    return "input" if split == "predict" else f"data.splits.{split}"
+
+
 def load_split(
     split: str,
     source: str,
@@ -52,10 +58,14 @@ def load_split(
         DataError: the file is missing, has an unknown suffix, is empty, has no rows, is not
             UTF-8 or cannot be parsed (the reader's message is included).
     """
-    field = f"data.splits.{split}"
+    field = split_field(split)
     if hub_name is not None:
         return datasets.load_dataset(hub_name, hub_config, split=source, cache_dir=cache_dir)
     path = Path(source)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in BUILDERS)[:3]
+        example = f" (it holds {', '.join(inside)})" if inside else ""
+        raise DataError(f"{field}={source!r} is a folder, not a file; fix: point {field} at one file in it{example}")
     if path.suffix.lower() not in BUILDERS:
         raise DataError(f"{field}={source!r}: unknown file type {path.suffix!r}; fix: a file ending in one of {sorted(BUILDERS)}")
     if not path.is_file():
@@ -136,10 +146,42 @@ def require_columns(dataset: datasets.Dataset, split: str, source: str, fields: 
     missing = [(field, column) for field, column in fields.items() if column is not None and column not in dataset.column_names]
     if missing:
         lines = [
-            f"data.{field}={column!r} is not a column of the {split} split ({source}); "
+            f"data.{field}={column!r} is not a column of {split_field(split)}={source!r}; "
             f"its columns are {dataset.column_names}; fix: data.{field}=<one of them>"
             for field, column in missing
         ]
+        raise DataError("\n".join(lines))
+
+
+def require_column_types(
+    dataset: datasets.Dataset, split: str, source: str, text: dict[str, str | None], labels: dict[str, str | None]
+) -> None:
+    """Raise if a text column does not hold text, or a label column holds lists, records or
+    values of mixed types (JSON lines read one column as several types, e.g. ``1`` and ``"negative"``).
+
+    Args:
+        text, labels: config field name (``"text_column"``) -> the column it names (``None`` = unused).
+
+    Raises:
+        DataError: one line per such column, naming the field, the file, what it holds and the fix.
+    """
+    lines = []
+    for field, column, wants_text in [(f, c, True) for f, c in text.items()] + [(f, c, False) for f, c in labels.items()]:
+        if column is None or column not in dataset.column_names:
+            continue
+        feature = dataset.features[column]
+        if isinstance(feature, datasets.ClassLabel) and not wants_text:
+            continue
+        dtype = getattr(feature, "dtype", None) if isinstance(feature, datasets.Value) else None
+        if (wants_text and dtype in ("string", "large_string")) or (not wants_text and dtype is not None):
+            continue
+        seen = sorted({type(value).__name__ for value in dataset[column][:1000]})
+        holds = f"values of mixed types ({', '.join(seen)})" if len(seen) > 1 else f"{feature!r} values"
+        fix = "one string per row" if wants_text else "every label written the same way (all text, or all integers)"
+        lines.append(
+            f"data.{field}={column!r} in {split_field(split)}={source!r} holds {holds}, not {'text' if wants_text else 'one label per row'}; fix: {fix}"
+        )
+    if lines:
         raise DataError("\n".join(lines))
 
 
@@ -173,13 +215,13 @@ def drop_blank_rows(dataset: datasets.Dataset, split: str, columns: list[str]) -
     kept = dataset.filter(keep, desc=f"Dropping blank rows of {split}")
     if len(kept) == 0:
         raise DataError(
-            f"data.splits.{split}: all {len(dataset)} row(s) have empty or whitespace-only text in {columns}; "
+            f"{split_field(split)}: all {len(dataset)} row(s) have empty or whitespace-only text in {columns}; "
             "fix: point it at a file with text, or data.text_column=<the column that holds it>"
         )
     if len(kept) < len(dataset):
         log.warning(
-            "data.splits.%s: dropped %d of %d rows whose %s is empty, whitespace or missing",
-            split,
+            "%s: dropped %d of %d rows whose %s is empty, whitespace or missing",
+            split_field(split),
             len(dataset) - len(kept),
             len(dataset),
             " / ".join(columns),

@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .batching import TokenizedDataModule
-from .loading import DataError, first_non_utf8, load_split, require_columns
+from .loading import DataError, first_non_utf8, load_split, require_column_types, require_columns
 from .tokenization import cut_for_tokens, load_tokenizer, piece_chars, special_tokens_around, splits_at_whitespace, tokenize_in_pieces
 
 log = logging.getLogger(__name__)
@@ -289,6 +289,7 @@ class TextDataModule(TokenizedDataModule):
         else:
             dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
             require_columns(dataset, split, source, {"text_column": self.text_column})
+            require_column_types(dataset, split, source, {"text_column": self.text_column}, {})
             text_column = self.text_column
         dataset = dataset.select_columns([text_column])
         if text_column != "text":

@@ -45,9 +45,12 @@ class HFModule(L.LightningModule):
     as its files' text), so eval/predict/generate/export need nothing but the checkpoint.
     """
 
+    TASK_NAME = ""  # each task's module names its task (task.name)
+
     def __init__(self) -> None:
         super().__init__()
         self.model = None  # built in configure_model
+        self.fresh_ids: set[int] = set()  # ids of the parameters from_pretrained drew at random (remember_fresh)
         self.tokenizer = None
         self.inputs: ModelInputs | None = None
         self.skipped_steps = 0
@@ -208,16 +211,35 @@ class HFModule(L.LightningModule):
         self.optimizers().step()
 
     # ----------------------------------------------------------------------- checkpoints
+    def remember_fresh(self, model: torch.nn.Module, loading_info: dict) -> None:
+        """Record which parameters of ``model`` (before LoRA wraps it) ``from_pretrained`` drew at
+        random because the base files do not hold them (``loading_info["missing_keys"]``: a new
+        classifier head, a pooler the folder lacks...): an adapter checkpoint saves them, since a
+        rebuilt base would draw them anew (:meth:`state_dict`)."""
+        missing = set(loading_info.get("missing_keys") or ())
+        self.fresh_ids = {id(param) for name, param in model.named_parameters() if name in missing}
+
+    def fresh_prefixes(self, prefix: str = "") -> set[str]:
+        """State-dict prefixes of the modules holding a parameter drawn at random (:meth:`remember_fresh`)."""
+        return {prefix + name.rsplit(".", 1)[0] + "." for name, param in self.named_parameters() if id(param) in self.fresh_ids}
+
     def state_dict(self, *args, **kwargs) -> dict:
         """The full state, or with LoRA/QLoRA (``peft``) the trained weights of the model (the
-        adapters, and a classifier's head) plus the module's own state (metrics): the frozen
-        base is re-read from ``model.name_or_path`` when the checkpoint is loaded."""
+        adapters, and a classifier's head), every weight that is not in the base files (drawn at
+        random when the base was loaded, trained or not: :meth:`remember_fresh`), and the
+        module's own state (metrics): the frozen base is re-read from ``model.name_or_path`` when
+        the checkpoint is loaded, and the same load then finds every weight it would draw."""
         state = super().state_dict(*args, **kwargs)
         if self.peft_method == "none" or self.model is None:
             return state
         prefix = kwargs.get("prefix", "")
         trained = {prefix + name for name, param in self.named_parameters() if param.requires_grad}
-        return {key: value for key, value in state.items() if key in trained or not key.startswith(prefix + "model.")}
+        fresh = tuple(self.fresh_prefixes(prefix))
+        return {
+            key: value
+            for key, value in state.items()
+            if key in trained or not key.startswith(prefix + "model.") or (fresh and key.startswith(fresh))
+        }
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """Load a full state, or (LoRA/QLoRA) the state of :meth:`state_dict` onto the rebuilt base.
@@ -230,6 +252,14 @@ class HFModule(L.LightningModule):
         expected = set(self.state_dict())
         if strict and set(state_dict) != expected:
             missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+            fresh = tuple(self.fresh_prefixes())
+            drawn = [key for key in missing if fresh and key.startswith(fresh)]
+            if drawn:
+                raise RuntimeError(
+                    f"the adapter checkpoint lacks {len(drawn)} weight(s) that the base model.name_or_path does not hold either, "
+                    f"so this load would draw them at random and give other results at every load: {drawn[:5]}; "
+                    "fix: retrain the adapters (checkpoints of this version save such weights), or a full fine-tune (peft=none)"
+                )
             raise RuntimeError(f"adapter checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         return type(result)([], result.unexpected_keys)
@@ -237,6 +267,7 @@ class HFModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if "hyper_parameters" in checkpoint:  # the stored groups, with secrets masked (utils/secrets.py)
             checkpoint["hyper_parameters"] = mask(dict(checkpoint["hyper_parameters"]))
+        checkpoint["task"] = self.TASK_NAME  # which task's module reads it back (utils/checkpoints.load_trained_module)
         checkpoint["model_inputs"] = self.inputs.state_dict()
         checkpoint["skipped_steps"] = self.skipped_steps
         checkpoint["start_metrics"] = dict(self.start_metrics)

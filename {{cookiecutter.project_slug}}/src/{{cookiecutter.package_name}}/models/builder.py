@@ -37,6 +37,7 @@ def build_sequence_classifier(
     attn_implementation: str = "sdpa",
     dtype: torch.dtype = torch.float32,
     loading: dict | None = None,
+    loading_info: dict | None = None,
 ) -> PreTrainedModel:
     """An ``AutoModelForSequenceClassification`` with a fresh head of ``len(id2label)`` outputs.
 
@@ -53,6 +54,8 @@ def build_sequence_classifier(
         dtype: of the weights (see :func:`.precision.weights_dtype`).
         loading: more ``from_pretrained`` options: QLoRA's 4-bit base (:func:`.adapters.quantized_loading`);
             pretrained weights only.
+        loading_info: filled with ``from_pretrained``'s loading info (``missing_keys``: the
+            weights drawn at random, e.g. the new head), pretrained weights only.
 
     Raises:
         ValueError: the spec gives neither ``name_or_path`` nor ``config``.
@@ -71,9 +74,17 @@ def build_sequence_classifier(
         config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **fields, **labels)
         return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     if spec.get("name_or_path"):
-        return AutoModelForSequenceClassification.from_pretrained(
-            spec["name_or_path"], attn_implementation=attn_implementation, dtype=dtype, **(loading or {}), **labels
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            spec["name_or_path"],
+            attn_implementation=attn_implementation,
+            dtype=dtype,
+            output_loading_info=True,
+            **(loading or {}),
+            **labels,
         )
+        if loading_info is not None:
+            loading_info.update(info)
+        return model
     raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 
 

@@ -129,6 +129,8 @@ class CausalLMModule(HFModule):
             the chunked loss on a model that transforms its logits.
     """
 
+    TASK_NAME = "causal_lm"  # task.name of configs/task/causal_lm.yaml; stored in every checkpoint
+
     def __init__(
         self,
         model: dict,
@@ -245,7 +247,8 @@ class CausalLMModule(HFModule):
                 trainer = self.attached_trainer()
                 options.update(quantized_loading(peft_cfg, precision, trainer.strategy.root_device if trainer is not None else None))
             try:
-                model = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], **options)
+                model, info = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], output_loading_info=True, **options)
+                self.remember_fresh(model, info)
             except (ImportError, RuntimeError, ValueError) as error:
                 if method != "qlora":
                     raise

@@ -66,6 +66,8 @@ class SequenceClassificationModule(HFModule):
             pretrained weights, a LoRA target that matches no layer, QLoRA with bf16-true.
     """
 
+    TASK_NAME = "classification"  # task.name of configs/task/classification.yaml; stored in every checkpoint
+
     def __init__(
         self,
         model: dict,
@@ -155,6 +157,7 @@ class SequenceClassificationModule(HFModule):
         trainer = self.attached_trainer()
         device = trainer.strategy.root_device if trainer is not None else None
         loading = quantized_loading(self.hparams.peft, precision, device) if method == "qlora" and config is None else {}
+        info: dict = {}  # from_pretrained's loading info: which weights it drew at random
         if config is not None:
             model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attention, dtype=dtype)
         elif self.hparams.hf_config is not None and method == "none":
@@ -162,13 +165,20 @@ class SequenceClassificationModule(HFModule):
         elif self.hparams.hf_config is not None:  # an adapter checkpoint: the frozen base is re-read
             super().prepare_data()  # (model.fetch)
             stored = {key: self.hparams.hf_config[key] for key in ("id2label", "label2id", "pad_token_id")}
-            model = AutoModelForSequenceClassification.from_pretrained(
-                self.hparams.model["name_or_path"], attn_implementation=attention, dtype=dtype, **loading, **stored
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                self.hparams.model["name_or_path"],
+                attn_implementation=attention,
+                dtype=dtype,
+                output_loading_info=True,
+                **loading,
+                **stored,
             )
         else:
             model = build_sequence_classifier(
-                self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype, loading=loading
+                self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype, loading=loading, loading_info=info
             )
+        if config is None:
+            self.remember_fresh(model, info)
         if method != "none":
             model = wrap_with_lora(model, self.hparams.peft, self.lora_targets(config or self.architecture()), task_type="SEQ_CLS")
         self.prepare_qat(model)

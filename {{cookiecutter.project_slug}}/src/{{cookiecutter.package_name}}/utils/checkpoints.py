@@ -184,11 +184,21 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
     (``strict``).
 
     Raises:
-        ConfigError: see :func:`trained_checkpoint`; an adapter checkpoint whose base model folder
-            is not on this machine and that the config does not install.
+        ConfigError: see :func:`trained_checkpoint`; a checkpoint of another task than
+            ``module_class``'s; an adapter checkpoint whose base model folder is not on this
+            machine and that the config does not install; weights that do not fit the model
+            built (including an adapter checkpoint lacking a weight the base would draw at random).
     """
     checkpoint = trained_checkpoint(path)
     parameters = inspect.signature(module_class.__init__).parameters
+    task, wanted = checkpoint.get("task"), getattr(module_class, "TASK_NAME", "")
+    foreign = sorted(set(checkpoint["hyper_parameters"]) - set(parameters))  # (a checkpoint from before "task" was stored)
+    if (task is not None and task != wanted) or (task is None and foreign):
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} holds a model of task={task or 'another task'} (its stored settings "
+            f"{'name that task' if task else 'include ' + ', '.join(foreign)}), and this config runs task={wanted}; "
+            f"fix: {'task=' + task if task else 'the task'} and the experiment it was trained with (e.g. experiment=...)"
+        )
     stored = {key: value for key, value in checkpoint["hyper_parameters"].items() if key in parameters}
     model = dict(stored.get("model") or {})
     model["fetch"] = fetch_of_same_base(cfg, model)
@@ -203,7 +213,14 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
     module = module_class(**{**stored, "model": model, **overrides})
     module.configure_model()
     module.on_load_checkpoint(checkpoint)
-    module.load_state_dict(checkpoint["state_dict"], strict=True)
+    try:
+        module.load_state_dict(checkpoint["state_dict"], strict=True)
+    except RuntimeError as error:  # torch's size/key mismatch, or an adapter checkpoint's (models/base.py)
+        first = " ".join(line.strip() for line in str(error).strip().splitlines()[:2])[:800]
+        raise ConfigError(
+            f"ckpt_path={str(path)!r}: its weights do not fit the model this config builds ({first}); fix: the task, model "
+            "and experiment it was trained with"
+        ) from error
     return module
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -13,9 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import hydra
 import rich.syntax
 import rich.tree
-from hydra.errors import InstantiationException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import InstantiationException, OverrideParseException
 from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -28,6 +31,60 @@ log = logging.getLogger(__name__)
 
 # Printed first, in this order; the rest follow alphabetically.
 TREE_ORDER = ("task", "model", "data", "batch", "optimizer", "scheduler", "trainer", "callbacks", "logger", "paths")
+
+
+# Overrides whose value is a folder this run creates or writes into.
+FOLDER_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "paths.output_dir", "paths.log_dir", "paths.cache_dir")
+GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
+def command_line_problems(args: list[str]) -> list[str]:
+    """One line for each command-line override that Hydra would refuse with a parser message
+    naming no key, or whose folder is a file (Hydra would fail creating it, with a traceback).
+
+    Flags (``-m``, ``--cfg job``, ``--config-name=...``) are left to Hydra.  Only the typed value
+    is seen here: a folder that an interpolation builds is checked where it is used.
+    """
+    problems, parser = [], OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~")
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except OverrideParseException as error:
+            reason = str(error).strip().splitlines()[0]
+            problems.append(
+                f"{arg!r}: the value of {key} is not valid override syntax ({reason}); fix: quote a value holding spaces, "
+                f"brackets, commas or quotes, e.g. {key}='\"...\"' in the shell (grammar: {GRAMMAR})"
+            )
+            continue
+        value = override.value()
+        if key in FOLDER_KEYS and isinstance(value, str) and Path(value).exists() and not Path(value).is_dir():
+            problems.append(f"{key}={value!r} is a file, not a folder; fix: {key}=<a folder path> (it is created if missing)")
+    return problems
+
+
+def hydra_main(config_name: str):
+    """``hydra.main`` for an entry point of this package (its ``configs/``, version_base 1.3),
+    with the command line checked first (:func:`command_line_problems`): a bad override exits 1
+    with one line per problem naming the key, before Hydra composes or creates anything."""
+
+    def decorate(task_function):
+        hydra_entry = hydra.main(version_base="1.3", config_path="configs", config_name=config_name)(task_function)
+
+        @functools.wraps(task_function)
+        def main(cfg_passthrough: DictConfig | None = None):
+            if cfg_passthrough is None:
+                problems = command_line_problems(sys.argv[1:])
+                if problems:
+                    print("Error: invalid command line:\n  - " + "\n  - ".join(problems), file=sys.stderr, flush=True)
+                    sys.exit(1)
+            return hydra_entry(cfg_passthrough)
+
+        return main
+
+    return decorate
 
 
 def print_config_tree(cfg: DictConfig, save_to: Path) -> None:
