@@ -37,6 +37,97 @@ def run_module(module: str, args: list[str], cwd: Path | None = None, timeout: i
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
 
 
+def run_in_terminal(module: str, args: list[str], columns: int = 120, rows: int = 40, timeout: int = 300) -> tuple[int, str]:
+    """``python -m {{ cookiecutter.package_name }}.<module> ARGS`` on a real pseudo-terminal of
+    ``columns`` x ``rows`` (what progress bars and rich see on a user's screen); returns the exit
+    code and everything written to it (stdout and stderr, with the terminal's ``\\r\\n``)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    env = {key: value for key, value in subprocess_env().items() if key not in ("WANDB_SILENT", "COLUMNS", "LINES")}
+    command = [sys.executable, "-m", f"{{ cookiecutter.package_name }}.{module}", *args]
+    process = subprocess.Popen(
+        command, stdin=follower, stdout=follower, stderr=follower, env={**env, "TERM": "xterm-256color"}, close_fds=True
+    )
+    os.close(follower)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 1.0)
+        if ready:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the process closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif process.poll() is not None:
+            break
+    else:
+        process.kill()
+    os.close(leader)
+    return process.wait(timeout=30), b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def screen_lines(output: str, columns: int = 120) -> list[str]:
+    """The lines ``output`` leaves on a terminal ``columns`` wide (a minimal emulator): text
+    overwrites from the cursor and wraps at the edge, ``\\r`` returns to the line's start,
+    ``\\n`` goes down one line, ``ESC[nA``/``ESC[nB`` move up/down (tqdm's bars below the main
+    one), ``ESC[K``/``ESC[2K`` clear the line (a finished bar erasing itself); other escapes
+    (colours) change nothing.  Trailing blank lines are dropped."""
+    import re
+
+    lines: list[list[str]] = [[]]
+    row = col = 0
+    escape = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
+    index = 0
+    while index < len(output):
+        char = output[index]
+        if char == "\x1b":
+            match = escape.match(output, index)
+            if match:
+                argument, command = match.groups()
+                count = int(argument) if argument.isdigit() else 1
+                while len(lines) <= row:
+                    lines.append([])
+                if command == "A":
+                    row = max(0, row - count)
+                elif command == "B":
+                    row += count
+                elif command == "K":
+                    lines[row] = [] if argument == "2" else lines[row][:col]
+                elif command == "G":
+                    col = count - 1
+                index = match.end()
+                continue
+        elif char == "\r":
+            col = 0
+        elif char == "\n":
+            row += 1
+        elif char == "\b":
+            col = max(0, col - 1)
+        elif char >= " ":
+            if col >= columns:
+                row, col = row + 1, 0
+            while len(lines) <= row:
+                lines.append([])
+            line = lines[row]
+            line.extend(" " * (col + 1 - len(line)))
+            line[col] = char
+            col += 1
+        index += 1
+    text = ["".join(line).rstrip() for line in lines]
+    while text and not text[-1]:
+        text.pop()
+    return text
+
+
 def run_train(run_dir: Path, overrides: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     """``python -m {{ cookiecutter.package_name }}.train hydra.run.dir=RUN_DIR OVERRIDES``."""
     return run_module("train", [f"hydra.run.dir={run_dir}", *overrides], timeout=timeout)

@@ -63,6 +63,60 @@ def test_max_steps_and_max_epochs_both_set_are_refused_naming_both(tiny_cfg, ove
     assert "trainer.max_epochs=" in line and "fix:" in line
 
 
+# ----------------------------------------------------------- a Hub model on a machine without it
+def test_a_hub_model_this_machine_cannot_have_is_one_line_before_anything_runs(tiny_cfg, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cfg = tiny_cfg("model.name_or_path=no-such-org/no-such-model", "model.config=null")
+    with pytest.raises(ConfigError) as error:
+        train(cfg)
+    (line,) = str(error.value).splitlines()
+    assert line.startswith("model.name_or_path='no-such-org/no-such-model' is not a folder on this machine nor in its Hugging Face cache")
+    assert "(HF_HUB_OFFLINE is set); fix: on a machine with internet run `hf download no-such-org/no-such-model --local-dir" in line
+    assert line.endswith("then model.name_or_path=models/no-such-model")
+    assert not (tmp_path / "run").exists()  # nothing ran: no run folder, no tokenised data
+
+
+def test_a_local_folder_or_a_reachable_hub_is_not_a_problem(tiny_cfg, tmp_path, monkeypatch):
+    from {{ cookiecutter.package_name }}.utils import hub
+
+    monkeypatch.setattr(hub, "unreachable_reason", lambda: None)
+    assert hub.hub_problems(tiny_cfg("model.name_or_path=no-such-org/no-such-model", "model.config=null")) == []
+    monkeypatch.setattr(hub, "unreachable_reason", lambda: "no network")
+    assert hub.hub_problems(tiny_cfg(f"model.name_or_path={tmp_path}", "model.config=null")) == []
+
+
+# --------------------------------------------------------------------------- the terminal
+def test_the_config_tree_is_saved_always_and_printed_only_with_print_config(tiny_cfg, tmp_path, capsys):
+    from {{ cookiecutter.package_name }}.utils.run import print_config_tree
+
+    cfg = tiny_cfg()
+    assert cfg.print_config is False
+    print_config_tree(cfg, tmp_path / "quiet.log", show=cfg.print_config)
+    assert capsys.readouterr().out == "" and "CONFIG" in (tmp_path / "quiet.log").read_text()
+    cfg = tiny_cfg("print_config=true")
+    print_config_tree(cfg, tmp_path / "shown.log", show=cfg.print_config)
+    assert "CONFIG" in capsys.readouterr().out
+
+
+def test_the_results_show_each_figure_once_with_its_start_and_where_things_are():
+    from {{ cookiecutter.package_name }}.callbacks.terminal import results_lines
+
+    metrics = {
+        "val/loss": 0.5,
+        "val/loss_start": 2.0,
+        "test/acc": 0.91234,
+        "perf/tokens_per_sec": 5e3,
+        "seconds": 12.0,
+        "rows": {"train": 3},
+    }
+    lines = results_lines(metrics, [("metrics.json", "/run/metrics.json")])
+    assert lines[0] == "results"
+    assert [line.split()[0] for line in lines[1:]] == ["test/acc", "val/loss", "seconds", "metrics.json"]
+    assert "0.9123" in lines[1] and "0.5  (start 2)" in lines[2] and lines[-1].endswith("/run/metrics.json")
+
+
 # ------------------------------------------------------------- bad values: field, value, fix
 BAD_COMMAND_LINE = [
     ("trainer.max_steps=[1,", r"'trainer.max_steps=\[1,': the value of trainer.max_steps is not valid override syntax .*fix: quote"),

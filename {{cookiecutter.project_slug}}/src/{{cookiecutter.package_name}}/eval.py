@@ -71,7 +71,7 @@ def evaluate(cfg: DictConfig) -> dict:
     inputs = {"ckpt_path": cfg.ckpt_path, "model_dir": cfg.model_dir}
     claim_outputs(cfg, {}, inputs, run_files=("config_tree.log", "metrics.json", "predictions.jsonl"))
     module = load_module(cfg)  # (a refused checkpoint stops here, before the first output)
-    print_config_tree(cfg, save_to=run_dir / "config_tree.log")
+    print_config_tree(cfg, save_to=run_dir / "config_tree.log", show=bool(cfg.get("print_config")))
     datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
     loggers = instantiate_loggers(cfg)
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=loggers)

@@ -84,7 +84,7 @@ def quantize(cfg: DictConfig) -> dict:
     claim_outputs(
         cfg, {"output_dir": output}, {"ckpt_path": cfg.ckpt_path, "model_dir": cfg.model_dir}, folder_markers={"output_dir": REPORT_JSON}
     )
-    print_config_tree(cfg, save_to=Path(cfg.paths.output_dir) / "config_tree.log")
+    print_config_tree(cfg, save_to=Path(cfg.paths.output_dir) / "config_tree.log", show=bool(cfg.get("print_config")))
     for refusal in refusals:
         print(f"Skipped {refusal['variant']}: {refusal['reason']}; fix: {refusal['fix']}")
 

@@ -29,17 +29,20 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
 from .callbacks.guards import EXIT_DISK_FULL, EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped, StopOnSignal, signals_stop_the_run
 from .callbacks.pruning import Pruning
+from .callbacks.terminal import RunHeader, print_results
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
 from .models.answers import answer_metrics
 from .utils.checkpoints import DiskFull, last_checkpoint, save_final_checkpoint, trained_checkpoint
-from .utils.config import config_warnings, precision_is_auto, to_plain, validate_config
+from .utils.config import ConfigError, config_warnings, precision_is_auto, to_plain, validate_config, world_size
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
+from .utils.hub import hub_problems
 from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
 from .utils.run_folder import owned_run_folder
@@ -65,6 +68,9 @@ def train(cfg: DictConfig) -> dict:
             (``exit_code`` says which; a checkpoint to resume from is saved where it is safe).
     """
     validate_config(cfg)
+    unreachable = hub_problems(cfg)  # (a Hub id on a machine that cannot fetch it: one line, not a traceback later)
+    if unreachable:
+        raise ConfigError("\n".join(unreachable))
     # The run folder is this launch's (its lock held) before anything is written into it.
     with owned_run_folder(cfg, last_checkpoint(cfg)) as ckpt_path:
         return fit_and_test(cfg, ckpt_path)
@@ -77,14 +83,13 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     resumes_wandb_run = trained_checkpoint(ckpt_path).get("wandb_run_id") if ckpt_path else None
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
-    if precision_is_auto(cfg):
-        rank_zero_info(f"precision=auto: {cfg.trainer.precision} on this machine (name a precision to choose another)")
     run_dir = Path(cfg.paths.output_dir)
     main_process = rank_zero_only.rank == 0  # the other ranks of a DDP/FSDP run write nothing of their own
+    plan = "planned on rank 0"
     if main_process:
         save_run_config(cfg, run_dir)
-        print_config_tree(cfg, save_to=run_dir / "config_tree.log")
-        check_memory_plan(cfg, run_dir)
+        print_config_tree(cfg, save_to=run_dir / "config_tree.log", show=bool(cfg.get("print_config")))
+        plan = check_memory_plan(cfg, run_dir)
     if cfg.hardware.tf32:
         torch.set_float32_matmul_precision("high")  # fp32 matmuls (32-true, the fp32 parts of *-mixed) on TF32 tensor cores
     if cfg.seed is not None:
@@ -93,7 +98,8 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.get_class(cfg.task.module)(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
-    trainer = instantiate_trainer(cfg, instantiate_callbacks(cfg), loggers)
+    header = RunHeader(run_dir, model_line(cfg), batch_line(cfg), plan, auto_precision=precision_is_auto(cfg))
+    trainer = instantiate_trainer(cfg, [*instantiate_callbacks(cfg), header], loggers)
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: utils/secrets.py)
 
@@ -105,7 +111,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             if cfg.task.validate_before_fit and ckpt_path is None:
                 # The starting point, from the same validation loop as the final figures; kept
                 # in the checkpoints (module.start_metrics), so a resumed run reports it too.
-                trainer.validate(module, datamodule=datamodule)
+                trainer.validate(module, datamodule=datamodule, verbose=False)
                 start_metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
                 if answers_test(cfg, datamodule) and main_process:  # the untuned model's answers, same prompts
                     start_metrics.update(
@@ -124,7 +130,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 # Training stopped between validations (or a resumed run never validated): validate
                 # the final weights, so val/* never repeats the *_start figures (or an older pass)
                 # as if it were the result.  Its figures replace only the val/* ones read above.
-                trainer.validate(module, datamodule=datamodule)
+                trainer.validate(module, datamodule=datamodule, verbose=False)
                 metrics.update(scalar_metrics(trainer.callback_metrics))
             final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
             best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
@@ -132,7 +138,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             if pruning is not None and best and final is not None:  # the pruned model, not an early best
                 best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
             if cfg.test_after_fit and datamodule.has_test:
-                trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
+                trainer.test(module, datamodule=datamodule, ckpt_path=best or None, verbose=False)
                 metrics.update(scalar_metrics(trainer.callback_metrics))
                 if answers_test(cfg, datamodule) and main_process:  # the tested (best) weights' answers
                     metrics.update(answer_metrics(module, datamodule, run_dir / "predictions.jsonl", trainer))
@@ -144,7 +150,8 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             if hasattr(datamodule, "token_counts"):
                 metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
             if trainer.is_global_zero:
-                write_metrics(run_dir / "metrics.json", metrics)
+                write_metrics(run_dir / "metrics.json", metrics, announce=False)
+                print_results(metrics, result_lines(cfg, run_dir, best or (str(final) if final else None), loggers))
         failed = False
         return metrics
     except DiskFull as error:
@@ -154,13 +161,53 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
         finish_ranks(trainer)  # DDP: rank 0 ends after the ranks it started (its own exit code, also in a sweep)
 
 
+def model_line(cfg: DictConfig) -> str:
+    """The model as the header names it: its folder or Hub id, or the architecture built from a config."""
+    model = cfg.model
+    if model.get("name_or_path"):
+        return str(model.name_or_path)
+    config = model.get("config") or {}
+    return f"{config.get('model_type', 'a model')} from its config (random weights)"
+
+
+def batch_line(cfg: DictConfig) -> str:
+    """Global batch = micro-batch x accumulation x processes, as the header shows it."""
+    batch, (devices, nodes) = cfg.batch, world_size(cfg)
+    processes = f" x {devices * nodes} processes" if devices * nodes > 1 else ""
+    return (
+        f"global {batch.global_batch_size} = micro-batch {batch.device_batch_size} x {batch.accumulate_grad_batches} accumulated{processes}"
+    )
+
+
+def train_command(cfg: DictConfig, *more: str) -> str:
+    """The command line of this run, with ``more`` instead of its ``ckpt_path``/``hydra.run.dir`` (secrets masked)."""
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.run.dir="))]
+    return mask(" ".join([f"python -m {__package__}.train", *kept, *more]))
+
+
+def result_lines(cfg: DictConfig, run_dir: Path, checkpoint: str | None, loggers: list) -> list[tuple[str, str]]:
+    """Where the results are and what to run next: metrics.json, the W&B run (offline: its folder
+    and ``wandb sync`` command), the checkpoint, the commands that evaluate it and that resume the
+    run (after a kill, or with a larger step or epoch limit)."""
+    lines = [("metrics.json", str(run_dir / "metrics.json"))]
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger.experiment is not None and logger.experiment.dir:
+            run = logger.experiment  # (its dir: <save_dir>/wandb/<offline-run-...>/files)
+            lines.append(("W&B", f"wandb sync {Path(run.dir).parent}" if run.offline else str(run.url)))
+    if checkpoint:
+        lines.append(("checkpoint", checkpoint))
+        evaluate = train_command(cfg, f"ckpt_path={checkpoint}").replace(f"{__package__}.train", f"{__package__}.eval", 1)
+        lines.append(("evaluate", evaluate))
+    lines.append(("resume", train_command(cfg, "ckpt_path=last", f"hydra.run.dir={run_dir}")))
+    return lines
+
+
 def disk_full_message(cfg: DictConfig, error: DiskFull) -> str:
     """What a full disk during a checkpoint write says: the bytes needed and free, that the
     previous checkpoint is intact, and the command that resumes once there is room."""
-    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    kept = [o for o in overrides if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.run.dir="))]
     run_dir = Path(cfg.paths.output_dir)
-    command = " ".join([f"python -m {__package__}.train", *kept, "ckpt_path=last", f"hydra.run.dir={run_dir}"])
+    command = train_command(cfg, "ckpt_path=last", f"hydra.run.dir={run_dir}")
     gib = 2**30
     return (
         f"Disk full: the checkpoint {error.path} needs about {error.needed / gib:.2f} GiB ({error.needed:,} bytes) and "

@@ -59,7 +59,8 @@ def test_ddp_cpu_trains_with_two_processes_which_stop_together_on_a_signal_to_on
         ],
         cwd=tmp_path,
     )
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in stopped.stdout + stopped.stderr  # a second process joined
+    logs = "".join(path.read_text() for path in run_dir.glob("*.log"))  # Lightning's notices: the run's log files
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in stopped.stdout + stopped.stderr + logs  # a second process joined
     # Rank 0 took the run folder's lock; rank 1, started by Lightning with the same command, neither
     # locked nor refused the folder (it holds rank 0's run).
     assert json.loads((run_dir / "run.lock").read_text())["pid"] not in (None, os.getpid())

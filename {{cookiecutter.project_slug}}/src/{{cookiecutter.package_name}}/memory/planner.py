@@ -589,7 +589,7 @@ def write_plan(plan: MemoryPlan, run_dir: Path, hardware: str) -> None:
     (run_dir / "plan.txt").write_text(plan.table(hardware) + "\n")
 
 
-def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
+def check_memory_plan(cfg: DictConfig, run_dir: Path) -> str:
     """Before a GPU run (``plan_before_fit: true``), plan it and refuse one that will not fit.
 
     Writes ``plan.json``/``plan.txt`` into ``run_dir`` either way.  Skipped on the CPU (the
@@ -597,12 +597,18 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
     architecture cannot be read yet, and (with a warning) under FSDP: the plan is one GPU
     holding the whole training state, which FSDP shards.
 
+    Returns:
+        One line for the run's header: the planned peak in GiB and the budget, or why there is
+        no plan (``not planned (CPU)``...).
+
     Raises:
         ConfigError: the plan's total is above ``hardware.budget_gib``; the message holds the
             table and the levers to pull.
     """
-    if not cfg.get("plan_before_fit") or not uses_cuda(cfg):
-        return
+    if not cfg.get("plan_before_fit"):
+        return "not planned (plan_before_fit=false)"
+    if not uses_cuda(cfg):
+        return "not planned (CPU)"
     from ..utils.distributed import is_fsdp
 
     if is_fsdp(cfg.trainer):
@@ -610,12 +616,12 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
             "memory plan skipped: trainer=fsdp shards parameters, gradients and optimizer state over the GPUs, "
             "and the planner models one GPU holding all of them (plan the run without FSDP for an upper bound)"
         )
-        return
+        return "not planned (FSDP)"
     try:
         config = architecture(cfg)
     except ConfigError as error:  # e.g. a scratch model whose tokenizer is not fetched yet
         rank_zero_warn(f"memory plan skipped, the architecture is unknown before the first fetch: {error}")
-        return
+        return "not planned (architecture unknown before the first fetch)"
     plan = plan_memory(cfg, config=config, search=False)  # one trace when it fits (the usual case)
     if not plan.fits:
         plan = plan_memory(cfg, config=config)  # the search, for the advice
@@ -626,3 +632,4 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> None:
             f"this run will not fit in {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}):\n"
             f"{plan.table(cfg.hardware.name)}\nfix: {fix}; or plan_before_fit=false to run anyway"
         )
+    return f"planned peak {plan.total / 2**30:.2f} GiB of {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}; plan.txt)"

@@ -54,6 +54,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
             "optimized_metric",
             "plan_before_fit",
             "test_after_fit",
+            "print_config",
             "task",
             "model",
             "data",

@@ -6,18 +6,21 @@ Every entry must carry a ``_target_`` (checked in :func:`validate_config`); an e
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 from .config import to_plain, uses_cuda
 from .secrets import mask
 from .sweeps import is_multirun
+
+log = logging.getLogger(__name__)
 
 
 def instantiate_group(group: DictConfig | None) -> list:
@@ -40,7 +43,7 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
     if not uses_cuda(cfg):
         idle = [callback for callback in callbacks if getattr(callback, "needs_cuda", False)]
         if idle:
-            rank_zero_info(f"Not on a CUDA GPU: left out {', '.join(type(c).__name__ for c in idle)} (nothing to measure here)")
+            log.info("Not on a CUDA GPU: left out %s (nothing to measure here)", ", ".join(type(c).__name__ for c in idle))
         callbacks = [callback for callback in callbacks if callback not in idle]
     return [hydra.utils.instantiate(cfg.scheduler), *pruning, *callbacks]
 
@@ -88,6 +91,7 @@ LIGHTNING_WANDB_ARGS = (
     "experiment",
     "add_file_policy",
     "log_every_n_steps",  # ours (utils.loggers.WandbLogger)
+    "quiet",  # ours: W&B's quiet setting (below)
 )
 
 
@@ -112,6 +116,8 @@ def start_wandb_run(node: DictConfig, fields: dict):
     settings = {key: mask(value) if key in MASKED_WANDB_SETTINGS else value for key, value in settings.items()}
     if node.get("offline"):
         settings["mode"] = "offline"
+    if node.get("quiet", True) and "settings" not in settings:  # W&B prints nothing: train's results name its folder
+        settings["settings"] = wandb.Settings(silent=True)
     run = wandb.init(dir=node.get("save_dir") or node.get("dir"), id=node.get("version") or node.get("id"), **settings)
     run.define_metric("trainer/global_step")
     run.define_metric("*", step_metric="trainer/global_step", step_sync=True)

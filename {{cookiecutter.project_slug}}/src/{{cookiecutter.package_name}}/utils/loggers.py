@@ -64,9 +64,23 @@ class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
     """``lightning.pytorch.loggers.WandbLogger`` that logs the per-step training rows of every
     ``log_every_n_steps``-th optimizer step only (see the module docstring and
     :class:`StepThinning`), and its config with secrets masked (:mod:`.secrets`); other arguments
-    as Lightning's."""
+    as Lightning's.
+
+    Args:
+        quiet: W&B's ``silent`` setting (default here): W&B prints nothing, neither its start
+            lines nor its run history and summary (``train``'s results show the figures and the
+            W&B run folder with its ``wandb sync`` command).  ``False``: W&B's own output.  A
+            ``settings`` argument given wins.
+    """
 
     config_name = "wandb"
+
+    def __init__(self, *args, quiet: bool = True, log_every_n_steps: int = 1, **kwargs) -> None:
+        if quiet and "settings" not in kwargs:
+            import wandb
+
+            kwargs["settings"] = wandb.Settings(silent=True)
+        super().__init__(*args, log_every_n_steps=log_every_n_steps, **kwargs)
 
 
 class TensorBoardLogger(MaskedHyperparameters, StepThinning, LightningTensorBoardLogger):

@@ -65,6 +65,24 @@ def command_line_problems(args: list[str]) -> list[str]:
     return problems
 
 
+# Warnings a user can do nothing about, by the start of their message: Lightning's own use of a
+# torch API that torch 2.10 deprecated (lightning/pytorch/utilities/_pytree.py), once per run.
+IGNORED_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
+
+
+def quiet_terminal() -> None:
+    """What an entry point leaves off the terminal: the ``datasets`` progress bars ("Generating
+    train split", one per split and map) and :data:`IGNORED_WARNINGS`.  Log lines go by level
+    (``configs/hydra/default.yaml``); the config tree by ``print_config``."""
+    import warnings
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    for message in IGNORED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def hydra_main(config_name: str):
     """``hydra.main`` for an entry point of this package (its ``configs/``, version_base 1.3),
     with the command line checked first (:func:`command_line_problems`): a bad override exits 1
@@ -75,6 +93,7 @@ def hydra_main(config_name: str):
 
         @functools.wraps(task_function)
         def main(cfg_passthrough: DictConfig | None = None):
+            quiet_terminal()
             if cfg_passthrough is None:
                 problems = command_line_problems(sys.argv[1:])
                 if problems:
@@ -87,16 +106,17 @@ def hydra_main(config_name: str):
     return decorate
 
 
-def print_config_tree(cfg: DictConfig, save_to: Path) -> None:
-    """Print the resolved config as a rich tree and save the same text to ``save_to``, secrets
-    masked (:func:`.secrets.mask`)."""
+def print_config_tree(cfg: DictConfig, save_to: Path, show: bool = True) -> None:
+    """Save the resolved config as a rich tree to ``save_to`` and, with ``show``, print it
+    (``train`` shows it only with ``print_config=true``), secrets masked (:func:`.secrets.mask`)."""
     tree = rich.tree.Tree("CONFIG", style="dim")
     keys = [k for k in TREE_ORDER if k in cfg] + sorted(k for k in cfg if k not in TREE_ORDER and k != "hydra")
     for key in keys:
         node = cfg[key]
         text = mask(OmegaConf.to_yaml(node, resolve=True) if isinstance(node, DictConfig) else str(node))
         tree.add(key, style="bold").add(rich.syntax.Syntax(text, "yaml"))
-    Console().print(tree)
+    if show:
+        Console().print(tree)
     save_to.parent.mkdir(parents=True, exist_ok=True)
     with save_to.open("w") as file:
         Console(file=file, width=120, color_system=None).print(tree)
@@ -128,13 +148,15 @@ def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
         OmegaConf.save(OmegaConf.create(mask(content)), folder / name)
 
 
-def write_metrics(path: Path, metrics: dict) -> Path:
-    """Write ``metrics`` as JSON (NaN/inf become null, which JSON cannot hold) and say where."""
+def write_metrics(path: Path, metrics: dict, announce: bool = True) -> Path:
+    """Write ``metrics`` as JSON (NaN/inf become null, which JSON cannot hold) and, with
+    ``announce``, print where (``train`` shows it in its results instead)."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
     log.info("Metrics written to %s", path)
-    print(f"Metrics: {path}")
+    if announce:
+        print(f"Metrics: {path}")
     return path
 
 

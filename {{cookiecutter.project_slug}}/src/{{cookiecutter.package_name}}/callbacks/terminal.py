@@ -1,0 +1,111 @@
+"""What a run shows on the terminal: one header, one progress bar that fits, one results table.
+
+Everything else goes to the run folder: the full config to ``config_tree.log`` (printed too with
+``print_config=true``), log lines at INFO and Lightning's notices to ``train.log`` (the terminal
+shows warnings and errors: ``configs/hydra/default.yaml``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+# The first lines of the results table, in this order; every other metric follows alphabetically.
+LEADING = ("test/", "val/", "train/")
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's tqdm bar with a short postfix: only ``metrics`` (default the training loss),
+    shortened to the part after ``/`` (``loss=0.693``), so the bar keeps its width in an
+    80-120 column terminal (every logged metric and ``v_num`` squeezed it to nothing).
+
+    Args:
+        metrics: names of logged metrics to show when they exist (e.g. ``[train/loss, val/acc]``).
+        refresh_rate: redraw every that many batches (as Lightning's).
+    """
+
+    def __init__(self, metrics: list[str] | tuple[str, ...] = ("train/loss",), refresh_rate: int = 10) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self.shown = list(dict.fromkeys(metrics))
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        return {name.split("/", 1)[-1] if name.startswith("train/") else name: metrics[name] for name in self.shown if name in metrics}
+
+
+class RunHeader(L.Callback):
+    """Prints the run's header once, when the model and the data are set up (the first of
+    validate, fit and test): run folder, model and parameters, rows per split, batch, precision
+    and device, and the memory plan (``plan``: its peak in GiB, or why there is none)."""
+
+    def __init__(self, run_dir: Path, model: str, batch: str, plan: str, auto_precision: bool = False) -> None:
+        self.run_dir, self.model, self.batch, self.plan = run_dir, model, batch, plan
+        self.auto_precision = auto_precision
+        self.printed = False
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.print_once(trainer, pl_module)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.print_once(trainer, pl_module)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.print_once(trainer, pl_module)
+
+    def print_once(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.printed or not trainer.is_global_zero:
+            return
+        self.printed = True
+        total = sum(p.numel() for p in pl_module.parameters())
+        trained = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        sizes = getattr(trainer.datamodule, "split_sizes", {}) or {}
+        data = ", ".join(f"{split} {count:,}" for split, count in sizes.items()) or "not read yet"
+        device = str(trainer.strategy.root_device)
+        rows = [
+            ("run", str(self.run_dir)),
+            ("model", f"{self.model}: {count(total)} parameters, {count(trained)} trained"),
+            ("data", f"rows: {data}"),
+            ("batch", f"{self.batch}; precision {trainer.precision}{' (auto)' if self.auto_precision else ''} on {device}"),
+            ("memory", self.plan),
+        ]
+        print("\n".join(f"{name:<7} {value}" for name, value in rows), flush=True)
+
+
+def count(n: int) -> str:
+    """``n`` parameters as people write them: 135M, 1.24B, 105K."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def results_lines(metrics: Mapping[str, object], lines: list[tuple[str, str]]) -> list[str]:
+    """The run's figures, one per line (numbers to 4 significant digits; a figure with a
+    ``<name>_start`` beside it shows both), then ``lines`` (``metrics.json``, the best checkpoint,
+    the commands to resume and to evaluate).  Throughput (``perf/*``) stays in the logs and
+    ``metrics.json``.  Plain text, never wrapped by us: a path or a command copies whole."""
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    shown = [k for k in numbers if k.startswith(LEADING) and not k.endswith("_start")]
+    order = sorted(shown, key=lambda k: (next(i for i, p in enumerate(LEADING) if k.startswith(p)), k))
+    rows = [
+        (key, figure(numbers[key]) + (f"  (start {figure(numbers[key + '_start'])})" if key + "_start" in numbers else "")) for key in order
+    ]
+    if "seconds" in numbers:
+        rows.append(("seconds", figure(numbers["seconds"])))
+    rows += lines
+    width = max(len(name) for name, _ in rows) if rows else 0
+    return ["results"] + [f"  {name:<{width}}  {value}" for name, value in rows]
+
+
+def figure(value: object) -> str:
+    """A number to 4 significant digits (an integer, NaN or infinity as Python writes it)."""
+    return f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else str(value)
+
+
+def print_results(metrics: Mapping[str, object], lines: list[tuple[str, str]]) -> None:
+    """Print :func:`results_lines` to stdout."""
+    print("\n".join(results_lines(metrics, lines)), flush=True)
