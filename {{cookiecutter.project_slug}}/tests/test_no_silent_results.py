@@ -117,6 +117,34 @@ def test_the_results_show_each_figure_once_with_its_start_and_where_things_are()
     assert "0.9123" in lines[1] and "0.5  (start 2)" in lines[2] and lines[-1].endswith("/run/metrics.json")
 
 
+def test_the_importance_plot_has_one_title(tmp_path, monkeypatch):
+    import optuna
+
+    from {{ cookiecutter.package_name }} import plot
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}", sampler=optuna.samplers.RandomSampler(seed=0))
+    study.optimize(lambda trial: trial.suggest_float("lr", 1e-4, 1e-2) + trial.suggest_int("r", 1, 8), n_trials=6)
+    titles = {}
+
+    def keep_titles(fig, path):
+        titles[path.name] = [(loc, fig.axes[0].get_title(loc=loc)) for loc in ("left", "center", "right") if fig.axes[0].get_title(loc=loc)]
+        return path
+
+    monkeypatch.setattr(plot, "save", keep_titles)
+    plot.plot_study(f"sqlite:///{tmp_path / 'study.db'}", tmp_path / "plots")
+    (only,) = titles["importances.png"]  # Optuna's own title and ours were drawn over each other
+    assert only[1].startswith("Parameter importance (fANOVA)")
+
+
+def test_a_plan_table_uses_a_unit_in_which_no_row_reads_zero():
+    from {{ cookiecutter.package_name }}.memory.planner import table_unit
+
+    assert table_unit([20 * 2**30, 3 * 2**30]) == ("GiB", 2**30)
+    assert table_unit([2 * 2**20, 500 * 2**20, 0]) == ("MiB", 2**20)  # a tiny model: 0.00 GiB before
+    assert table_unit([3 * 2**10]) == ("KiB", 2**10)
+
+
 # ------------------------------------------------------------- bad values: field, value, fix
 BAD_COMMAND_LINE = [
     ("trainer.max_steps=[1,", r"'trainer.max_steps=\[1,': the value of trainer.max_steps is not valid override syntax .*fix: quote"),

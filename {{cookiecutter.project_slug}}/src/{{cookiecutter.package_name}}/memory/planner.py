@@ -66,6 +66,17 @@ NF4_SECOND_BLOCK = 256
 CHUNKED_LOSS_POSITIONS = 256
 
 
+def table_unit(sizes: list[int]) -> tuple[str, int]:
+    """The unit of a plan table (``GiB``, ``MiB`` or ``KiB``, with its bytes): the largest one in
+    which every non-zero size shows as at least 0.01 with two decimals, so that a small model's
+    rows do not all read 0.00 GiB.  ``plan.json`` keeps bytes and ``*_gib`` whatever is printed."""
+    smallest = min((size for size in sizes if size > 0), default=GIB)
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if smallest / scale >= 0.005:
+            return unit, scale
+    return "KiB", 2**10
+
+
 @dataclass
 class MemoryPlan:
     """What ``plan`` reports.  Byte fields are what is alive at the peak moment of a step (they
@@ -130,11 +141,12 @@ class MemoryPlan:
             f"Memory plan{each}: micro-batch {self.micro_batch} x {self.seq_len} tokens, accumulation {self.accumulate}",
             '  (what is alive at the peak moment; full sizes in plan.json "counts")',
         ]
-        lines += [f"  {name:<26}{size / GIB:>8.2f} GiB" for name, size in rows]
+        unit, scale = table_unit([size for _, size in rows] + [self.paged_optimizer])
+        lines += [f"  {name:<26}{size / scale:>10.2f} {unit}" for name, size in rows]
         if self.paged_optimizer:
-            lines.append(f"  (paged optimizer state      {self.paged_optimizer / GIB:.2f} GiB in unified memory, not counted)")
+            lines.append(f"  (paged optimizer state      {self.paged_optimizer / scale:.2f} {unit} in unified memory, not counted)")
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"Verdict: {self.total / GIB:.2f} GiB {verdict} in {self.budget / GIB:.2f} GiB ({hardware})")
+        lines.append(f"Verdict: {self.total / scale:.2f} {unit} {verdict} in {self.budget / GIB:.2f} GiB ({hardware})")
         if self.max_micro_batch and self.max_micro_batch_accumulate == 1:
             lines.append(
                 f"Largest micro-batch: {self.max_micro_batch}, the whole global batch (memory is left over: "
