@@ -122,6 +122,22 @@ def test_default_bake_full_test_suite_with_the_real_demo(default_project, capsys
     assert f"{gpu_tests} deselected" in summary, f"deselected should be the {gpu_tests} gpu test(s): {summary}"
 
 
+def test_gitignore_keeps_runs_out_and_every_source_file_in(tmp_path):
+    """`git add -A` (the cruft steps ask for it) stages the project, not GBs of run folders and
+    exported models; no source file is ignored (a bare `models/` pattern would drop src/<package>/models/)."""
+    project = bake(tmp_path, project_name="ignore check")
+    run(["git", "init", "-q"], cwd=project, timeout=60)
+    for folder in ("runs/demo/checkpoints", "models/exported", "logs/train"):
+        (project / folder).mkdir(parents=True, exist_ok=True)
+        (project / folder / "last.ckpt").write_bytes(b"x")
+    run(["git", "add", "-A"], cwd=project, timeout=60)
+    staged = run(["git", "diff", "--cached", "--name-only"], cwd=project, timeout=60).stdout.split()
+    assert not [path for path in staged if path.startswith(("runs/", "models/", "logs/train"))]
+    tracked = {str(path.relative_to(project)) for path in project.rglob("*") if path.is_file() and ".git" not in path.parts}
+    sources = {path for path in tracked if path.startswith(("src/", "tests/", "docs/", "bench/"))}
+    assert sources <= set(staged), sorted(sources - set(staged))[:5]
+
+
 def test_default_bake_passes_ruff(default_project):
     """ruff (installed by the dev extra, configured in pyproject.toml) finds nothing to fix or reformat."""
     ruff = str(Path(sys.executable).with_name("ruff"))
