@@ -244,13 +244,14 @@ def test_single_task_bake_holds_only_its_task_and_its_tests_pass(tasks, default_
         "        hydra.utils.get_object(target)\n"
     )
     run([sys.executable, "-c", check], cwd=project, timeout=300, env=env)
-    # Composition of every config file, and one fast_dev_run of the task (the CI budget; the
-    # default bake runs every test of both tasks).
+    # Composition of every config file, the task-agnostic checks of test_no_silent_results.py, and one
+    # fast_dev_run of the task (the CI budget; the default bake runs every test of both tasks).
     fast_dev_run = {
         "classification": "tests/test_train.py::test_fast_dev_run_writes_metrics",
         "causal_lm": "tests/test_causal_lm.py::test_scratch_fast_dev_run_writes_start_and_final_validation",
     }[tasks]
-    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py", fast_dev_run],
+    # test_no_silent_results.py holds a block per task: the bake's own variant must pass too.
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py", "tests/test_no_silent_results.py", fast_dev_run],
                  cwd=project, timeout=1200, env=env)
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary and "skipped" not in summary, summary

@@ -6,7 +6,6 @@ The task-specific kinds (chat masks, saved weights, tied outputs) sit beside the
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -235,6 +234,8 @@ def encoder_without_pooler(tmp_path_factory, tokenizer_dir) -> Path:
     ids=["mixed-label-types", "text-lists", "text-numbers"],
 )
 def test_columns_of_the_wrong_kind_are_refused_naming_field_file_and_fix(make_cfg, tmp_path, rows, suffix, expected):
+    import json
+
     import pandas as pd
 
     path = tmp_path / f"train{suffix}"
