@@ -175,7 +175,7 @@ def require_column_types(
         dtype = getattr(feature, "dtype", None) if isinstance(feature, datasets.Value) else None
         if (wants_text and dtype in ("string", "large_string")) or (not wants_text and dtype is not None):
             continue
-        seen = sorted({type(value).__name__ for value in dataset[column][:1000]})
+        seen = sorted({type(value).__name__ for value in dataset[:1000][column]})  # (the first rows only: not the whole column)
         holds = f"values of mixed types ({', '.join(seen)})" if len(seen) > 1 else f"{feature!r} values"
         fix = "one string per row" if wants_text else "every label written the same way (all text, or all integers)"
         lines.append(

@@ -69,17 +69,15 @@ class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
     Args:
         quiet: W&B's ``silent`` setting (default here): W&B prints nothing, neither its start
             lines nor its run history and summary (``train``'s results show the figures and the
-            W&B run folder with its ``wandb sync`` command).  ``False``: W&B's own output.  A
-            ``settings`` argument given wins.
+            W&B run folder with its ``wandb sync`` command).  ``False``: W&B's own output.
+            Applied where the project starts the run (:func:`.instantiate.start_wandb_run`,
+            which hands it in as ``experiment``); kept here so that the key is this logger's.
     """
 
     config_name = "wandb"
 
     def __init__(self, *args, quiet: bool = True, log_every_n_steps: int = 1, **kwargs) -> None:
-        if quiet and "settings" not in kwargs:
-            import wandb
-
-            kwargs["settings"] = wandb.Settings(silent=True)
+        self.quiet = quiet
         super().__init__(*args, log_every_n_steps=log_every_n_steps, **kwargs)
 
 
