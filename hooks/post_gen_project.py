@@ -15,6 +15,7 @@ CONFIGS = f"{SRC}/configs"
 # groups, LoRA adapters and the peft group) serves both tasks.
 ONLY_FOR = {
     "classification": [
+        f"{SRC}/tasks/classification",
         f"{SRC}/data/classification.py",
         f"{SRC}/models/classification.py",
         f"{SRC}/predict.py",
@@ -41,6 +42,7 @@ ONLY_FOR = {
         "bench/time_to_accuracy.py",
     ],
     "causal_lm": [
+        f"{SRC}/tasks/causal_lm",
         f"{SRC}/data/text.py",
         f"{SRC}/models/causal_lm.py",
         f"{SRC}/callbacks/sample_generation.py",

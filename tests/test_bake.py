@@ -251,7 +251,7 @@ def test_single_task_bake_holds_only_its_task_and_its_tests_pass(tasks, default_
         "causal_lm": "tests/test_causal_lm.py::test_scratch_fast_dev_run_writes_start_and_final_validation",
     }[tasks]
     # test_no_silent_results.py holds a block per task: the bake's own variant must pass too.
-    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py", "tests/test_no_silent_results.py", fast_dev_run],
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py", "tests/test_no_silent_results.py", "tests/test_imports.py", fast_dev_run],
                  cwd=project, timeout=1200, env=env)
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary and "skipped" not in summary, summary

@@ -12,12 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from {{ cookiecutter.package_name }}.data.text import TextDataModule
+from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.export import export
 from {{ cookiecutter.package_name }}.generate import generate, read_prompts
 from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule, token_loss_sum
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
 
 def test_scratch_fast_dev_run_writes_start_and_final_validation(make_lm_cfg, tmp_path):
@@ -356,7 +356,7 @@ def test_bad_peft_values_are_listed_together(make_lm_cfg):
 
 
 def test_a_misspelt_generation_option_is_refused_before_loading(tmp_path):
-    from {{ cookiecutter.package_name }}.utils.config import validate_config
+    from {{ cookiecutter.package_name }}.checks import validate_config
 
     from .conftest import compose_config
 

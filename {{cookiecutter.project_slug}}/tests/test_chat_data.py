@@ -22,11 +22,10 @@ from {{ cookiecutter.package_name }}.data.chat import (
     packed_block,
     tokenize_conversations,
 )
-from {{ cookiecutter.package_name }}.data.loading import DataError
 from {{ cookiecutter.package_name }}.data.text import IGNORE_INDEX
+from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.models.answers import exact_match, normalize_answer
 from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
 from .conftest import EOS, byte_level_bpe, compose_config, lm_documents, tiny_llama_config
 

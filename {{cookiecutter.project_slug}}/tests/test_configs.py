@@ -10,8 +10,12 @@ import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
+from {{ cookiecutter.package_name }}.checks import validate_config
+from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, {% if cookiecutter.tasks != "causal_lm" %}to_plain, {% endif %}validate_config
+{%- if cookiecutter.tasks != "causal_lm" %}
+from {{ cookiecutter.package_name }}.utils.config import to_plain
+{%- endif %}
 
 from .conftest import compose_config
 

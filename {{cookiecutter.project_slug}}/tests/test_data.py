@@ -9,7 +9,8 @@ import datasets
 import pytest
 
 from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule, build_label_map, label_key
-from {{ cookiecutter.package_name }}.data.loading import DataError, load_split
+from {{ cookiecutter.package_name }}.data.loading import load_split
+from {{ cookiecutter.package_name }}.errors import DataError
 
 from .conftest import toy_rows, write_csv
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from {{ cookiecutter.package_name }}.data.loading import DataError
+from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.models.adapters import target_modules
 from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier, linear_layer_names
 from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, to_plain
+from {{ cookiecutter.package_name }}.utils.config import to_plain
 
 from .conftest import NEGATIVE, NEUTRAL, POSITIVE, byte_level_bpe, compose_config, tiny_llama_config, tiny_overrides, write_csv
 

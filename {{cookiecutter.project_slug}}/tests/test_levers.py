@@ -13,11 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from {{ cookiecutter.package_name }}.callbacks.lr_schedule import lr_factor
+from {{ cookiecutter.package_name }}.checks import validate_config
+from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.models.causal_lm import causal_body, chunked_token_loss_sum, token_loss_sum
 from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
 from {{ cookiecutter.package_name }}.optim import StepInBackward, build_optimizer
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, config_warnings, validate_config
+from {{ cookiecutter.package_name }}.utils.config import config_warnings
 
 STEP_IN_BACKWARD = ("optimizer.step_in_backward=true", "trainer.gradient_clip_val=null")
 
@@ -147,9 +149,8 @@ class RecordLR(L.Callback):
 @pytest.mark.parametrize("path", [("optimizer=adamw",), ("optimizer=adamw_8bit",), STEP_IN_BACKWARD], ids=lambda p: p[0])
 def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypatch, path):
     recorder = RecordLR()
-    from {{ cookiecutter.package_name }}.utils import instantiate
+    from {{ cookiecutter.package_name }}.callbacks.build import instantiate_callbacks as build
 
-    build = instantiate.instantiate_callbacks
     monkeypatch.setattr("{{ cookiecutter.package_name }}.train.instantiate_callbacks", lambda cfg: [*build(cfg), recorder])
     cfg = make_lm_cfg(
         "trainer.max_steps=6",

@@ -8,9 +8,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 
+from {{ cookiecutter.package_name }}.callbacks.build import instantiate_callbacks
 from {{ cookiecutter.package_name }}.callbacks.gpu_stats import GPUStats
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
-from {{ cookiecutter.package_name }}.utils.instantiate import instantiate_callbacks, instantiate_loggers
+from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.utils.instantiate import instantiate_loggers
 from {{ cookiecutter.package_name }}.utils.loggers import TensorBoardLogger, WandbLogger, skips_row
 
 from .conftest import common_overrides, compose_config

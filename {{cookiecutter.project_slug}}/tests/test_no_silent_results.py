@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.data.loading import DataError, load_split
+from {{ cookiecutter.package_name }}.checks import validate_config
+from {{ cookiecutter.package_name }}.data.loading import load_split
+from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, validate_config
 from {{ cookiecutter.package_name }}.utils.run import command_line_problems
 
 from .processes import run_module

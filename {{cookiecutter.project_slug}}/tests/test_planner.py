@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from {{ cookiecutter.package_name }}.errors import ConfigError
 {% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.memory import planner
 from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, nf4_bytes, optimizer_state_bytes, plan_memory
 {% else %}from {{ cookiecutter.package_name }}.memory.planner import architecture
 {% endif %}from {{ cookiecutter.package_name }}.memory.tracer import CudaAutocastEmulation
 {% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.models.precision import compute_dtype, weights_dtype
-{% endif %}from {{ cookiecutter.package_name }}.utils.config import ConfigError
-
+{% endif %}
 from .conftest import compose_config
 
 EXPERIMENTS = resources.files("{{ cookiecutter.package_name }}") / "configs" / "experiment"

@@ -11,6 +11,9 @@ from torch.nn.utils import prune
 from transformers import BertConfig, BertForSequenceClassification, LlamaForCausalLM
 
 from {{ cookiecutter.package_name }}.callbacks.pruning import Pruning
+{%- if cookiecutter.tasks != "causal_lm" %}
+from {{ cookiecutter.package_name }}.checks import validate_config
+{%- endif %}
 from {{ cookiecutter.package_name }}.compress.pruning import (
     block_linears,
     ffn_blocks,
@@ -20,7 +23,7 @@ from {{ cookiecutter.package_name }}.compress.pruning import (
     shrink_ffn,
     to_semi_structured_sparse,
 )
-from {{ cookiecutter.package_name }}.utils.config import ConfigError{% if cookiecutter.tasks != "causal_lm" %}, validate_config{% endif %}
+from {{ cookiecutter.package_name }}.errors import ConfigError
 
 from .conftest import tiny_llama_config
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.compress.qat import convert_qat, prepare_qat, qat_problems
+from {{ cookiecutter.package_name }}.errors import ConfigError
 {%- if cookiecutter.tasks != "causal_lm" %}
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
 {%- endif %}
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
 QAT = {"scheme": "int8a_int4w", "group_size": 32}
 # Each conflict of qat with another choice, and the words its refusal must contain.
@@ -131,7 +131,7 @@ def test_a_causal_lm_trains_with_qat(make_lm_cfg):
 
 @pytest.mark.parametrize("lever", ["qat=int8a_int4w", "pruning=magnitude", "pruning=semi_structured_2_4"])
 def test_levers_of_linear_layers_refuse_gpt2s_conv1d_blocks_before_anything_loads(lm_tokenizer_dir, lm_text, tmp_path, lever):
-    from {{ cookiecutter.package_name }}.utils.config import validate_config
+    from {{ cookiecutter.package_name }}.checks import validate_config
 
     from .conftest import compose_config, lm_overrides
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.compress.report import Measurement, build_report, latency_summary, markdown_report, ratio, weight_bytes
+from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.quantize import quantize
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
 
 from .conftest import compose_config
 
@@ -221,7 +221,8 @@ def test_a_structured_pruned_checkpoint_is_quantized_without_its_dead_neurons(to
 
 
 def test_plot_draws_the_metric_against_size_and_latency(classifier_report, tmp_path):
-    from {{ cookiecutter.package_name }}.plot import NothingToPlot, plot
+    from {{ cookiecutter.package_name }}.errors import NothingToPlot
+    from {{ cookiecutter.package_name }}.plot import plot
 
     out = Path(classifier_report["variants"][0]["path"]).parent
     written = plot(out / "compress_report.json", tmp_path / "plots")
@@ -310,7 +311,7 @@ def test_onnx_for_a_causal_lm_is_refused_before_anything_is_written(lm_ckpt, tmp
     ckpt, base = lm_ckpt
     out = tmp_path / "compressed"
     with pytest.raises(
-        ConfigError, match=r"variants: 'onnx_int8' does not apply to task=causal_lm \(ONNX export is offered for classifiers\)"
+        ConfigError, match=r"variants: 'onnx_int8' does not apply to task=causal_lm \(it offers \['fp32', .*'nf4'\]\); fix: drop it"
     ):
         quantize(
             compose_config(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_NON_FINITE_LOSS, RunStopped
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.errors import EXIT_NON_FINITE_LOSS, RunStopped
 from {{ cookiecutter.package_name }}.train import train
 {% endif %}from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
 from {{ cookiecutter.package_name }}.utils.csv_log import ResumableCSVLogger

@@ -23,8 +23,8 @@ import torch
 from packaging.version import Version
 
 from {{ cookiecutter.package_name }}.data.tokenization import cut_for_tokens, piece_chars, splits_at_whitespace, text_pieces, tokenize_in_pieces
+from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
 from {{ cookiecutter.package_name }}.utils.outputs import staging_folder
 from {{ cookiecutter.package_name }}.utils.run_folder import run_lock
 from {{ cookiecutter.package_name }}.utils.stored import is_bare_name
@@ -352,7 +352,7 @@ def test_eval_into_a_folder_that_holds_a_run_refuses_to_replace_its_metrics(clas
     ["+logger.wandb.api_key=sk-typed-1234", "+model.config.my_password=hunter2hunter2", "+logger.wandb.settings.secret=abcdefgh"],
 )
 def test_a_credential_typed_into_the_config_is_refused_with_the_fix(make_cfg, override):
-    from {{ cookiecutter.package_name }}.utils.config import validate_config
+    from {{ cookiecutter.package_name }}.checks import validate_config
 
     key = override[1:].split("=")[0]
     with pytest.raises(ConfigError) as refusal:
@@ -363,8 +363,8 @@ def test_a_credential_typed_into_the_config_is_refused_with_the_fix(make_cfg, ov
 
 
 def test_a_url_password_is_refused_typed_and_masked_when_read_from_the_environment(make_cfg, monkeypatch):
+    from {{ cookiecutter.package_name }}.checks import validate_config
     from {{ cookiecutter.package_name }}.utils import secrets
-    from {{ cookiecutter.package_name }}.utils.config import validate_config
 
     with pytest.raises(ConfigError, match=r"carries a password in its URL"):
         validate_config(make_cfg("+logger.wandb.notes=postgresql://me:s3cretpw@db.example/optuna"))
@@ -438,7 +438,7 @@ def test_pieces_give_the_ids_of_the_whole_text_for_wordpiece(tokenizer_dir):
 def test_a_full_disk_during_a_checkpoint_write_stops_with_the_bytes_and_the_resume_command(make_cfg, tmp_path, monkeypatch):
     import errno
 
-    from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_DISK_FULL, RunStopped
+    from {{ cookiecutter.package_name }}.errors import EXIT_DISK_FULL, RunStopped
     from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO, trained_checkpoint
 
     write = AtomicCheckpointIO.write

@@ -14,10 +14,11 @@ import torch
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
+from {{ cookiecutter.package_name }}.checks import validate_config
 from {{ cookiecutter.package_name }}.data.sampling import ResumableSampler
-from {{ cookiecutter.package_name }}.utils.config import ConfigError, config_warnings, validate_config
+from {{ cookiecutter.package_name }}.errors import ConfigError, MetricNotLogged, TrialFailed
+from {{ cookiecutter.package_name }}.utils.config import config_warnings
 from {{ cookiecutter.package_name }}.utils.distributed import JOB_ENV, ddp_child_argv
-from {{ cookiecutter.package_name }}.utils.sweeps import MetricNotLogged, TrialFailed
 
 from .conftest import METRIC, TASK, compose_config
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from {{ cookiecutter.package_name }}.data.loading import DataError
 from {{ cookiecutter.package_name }}.data.text import CausalLMCollator, TextDataModule, pack_documents
+from {{ cookiecutter.package_name }}.errors import DataError
 
 
 @pytest.fixture

@@ -12,13 +12,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from {{ cookiecutter.package_name }}.data.loading import DataError
+from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.models import builder
 from {{ cookiecutter.package_name }}.models.inputs import ModelInputs
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import ConfigError
 from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 

@@ -17,9 +17,11 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from .models.answers import answer_metrics
+from .checks import validate_config
+from .errors import ConfigError
+from .tasks import task_of
 from .utils.checkpoints import load_trained_module
-from .utils.config import ConfigError, to_plain, validate_config
+from .utils.config import to_plain
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.outputs import claim_outputs
 from .utils.run import close_loggers, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree, write_metrics
@@ -37,6 +39,24 @@ def full_precision_overrides(hparams: dict) -> dict:
     return overrides
 
 
+def exported_folder_problem(cfg: DictConfig) -> None:
+    """``model_dir`` must be a folder written by ``export`` (its ``config.json``), for a task that
+    reads such folders (``Task.reads_exported_folders``).
+
+    Raises:
+        ConfigError: naming ``model_dir`` and the fix.
+    """
+    task = task_of(cfg)
+    if not task.reads_exported_folders:
+        raise ConfigError(
+            f"model_dir={cfg.model_dir!r}: task={task.name} is evaluated from its checkpoint; fix: ckpt_path=RUN/checkpoints/last.ckpt"
+        )
+    if not Path(cfg.model_dir, "config.json").is_file():
+        raise ConfigError(
+            f"model_dir={cfg.model_dir!r} is not a folder written by export (no config.json); fix: ckpt_path=RUN/checkpoints/last.ckpt"
+        )
+
+
 def load_module(cfg: DictConfig) -> L.LightningModule:
     """The task module of ``cfg.ckpt_path``, or (causal LM) one that loads the exported folder
     ``cfg.model_dir`` as pretrained weights, with the config's other groups.
@@ -47,10 +67,7 @@ def load_module(cfg: DictConfig) -> L.LightningModule:
     module_class = hydra.utils.get_class(cfg.task.module)  # (the user's config names the class, never the checkpoint)
     if cfg.ckpt_path is not None:
         return load_trained_module(module_class, cfg, cfg.ckpt_path)
-    if cfg.task.name != "causal_lm" or not Path(cfg.model_dir, "config.json").is_file():
-        raise ConfigError(
-            f"model_dir={cfg.model_dir!r} is not a causal LM folder written by export; fix: ckpt_path=RUN/checkpoints/last.ckpt"
-        )
+    exported_folder_problem(cfg)
     args = {group: to_plain(cfg[group]) for group in cfg.task.module_args}
     args["model"] = {**args["model"], "name_or_path": str(cfg.model_dir), "tokenizer": str(cfg.model_dir), "config": None, "fetch": None}
     args["peft"] = {"method": "none"}  # export merged the adapters
@@ -79,8 +96,7 @@ def evaluate(cfg: DictConfig) -> dict:
     try:
         trainer.test(module, datamodule=datamodule)
         metrics = scalar_metrics(trainer.callback_metrics)
-        if hasattr(datamodule, "answer_prompts"):  # chat data: the greedy answers' exact match
-            metrics.update(answer_metrics(module, datamodule, run_dir / "predictions.jsonl", trainer))
+        metrics.update(task_of(cfg).after_test(module, datamodule, trainer, run_dir / "predictions.jsonl", "test", "test/exact_match"))
         metrics.update(checkpoint=str(cfg.ckpt_path or cfg.model_dir), rows=datamodule.split_sizes)
         write_metrics(run_dir / "metrics.json", metrics)
         failed = False

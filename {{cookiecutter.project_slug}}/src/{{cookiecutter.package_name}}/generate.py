@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from .utils.config import ConfigError, to_plain, validate_config
+from .checks import validate_config
+from .errors import ConfigError
+from .utils.config import to_plain
 from .utils.outputs import claim_outputs
 from .utils.run import atomic_write_path, exit_on_bad_input, hydra_main
 

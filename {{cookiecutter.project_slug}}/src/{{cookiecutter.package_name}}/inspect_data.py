@@ -24,8 +24,9 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.text import Text
 
+from .checks import validate_config
 from .data.text import IGNORE_INDEX
-from .utils.config import ConfigError, validate_config
+from .errors import ConfigError
 from .utils.run import exit_on_bad_input, hydra_main
 
 EXIT_ROWS_DROPPED = 2

@@ -8,9 +8,10 @@ import inspect
 from collections.abc import Callable
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
-from .utils.config import ConfigError
+from .errors import ConfigError
 from .utils.config_keys import OWN_KEYS
 from .utils.named import OPTIMIZERS, import_path
 
@@ -169,3 +170,16 @@ class StepInBackward(torch.optim.Optimizer):
         """Detach from the parameters (the planner's trace, tests)."""
         for handle in self._hooks:
             handle.remove()
+
+
+def fused_problems(cfg: DictConfig) -> list[str]:
+    """``optimizer.fused=true`` where Lightning would refuse it (:func:`lightning_allows_fused`)."""
+    optimizer = cfg.get("optimizer") or {}
+    clip = cfg.trainer.get("gradient_clip_val") if "trainer" in cfg else None
+    if optimizer.get("fused") is True and "trainer" in cfg and not lightning_allows_fused(cfg.trainer.get("precision", ""), clip):
+        return [
+            f"optimizer.fused=true with precision={cfg.trainer.precision} and trainer.gradient_clip_val={clip}: Lightning's "
+            "mixed-precision plugin refuses to clip the gradients of a fused optimizer; fix: optimizer.fused=null "
+            "(fused where it can be, for-each kernels here), or trainer.gradient_clip_val=null"
+        ]
+    return []

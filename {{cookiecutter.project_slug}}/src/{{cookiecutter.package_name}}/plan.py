@@ -17,8 +17,9 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
+from .checks import validate_config
 from .memory.planner import for_the_card, plan_memory, write_plan
-from .utils.config import config_warnings, validate_config
+from .utils.config import config_warnings
 from .utils.outputs import claim_outputs
 from .utils.run import exit_on_bad_input, hydra_main
 

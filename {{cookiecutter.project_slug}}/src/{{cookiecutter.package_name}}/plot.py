@@ -37,6 +37,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .errors import NothingToPlot  # noqa: E402
 from .utils.metrics_csv import launch_files, read_metrics  # noqa: E402
 
 # Panel file -> (title, y label, the columns it draws: exact names or a prefix ending in "*").
@@ -46,10 +47,6 @@ RUN_PANELS = {
     "throughput.png": ("Throughput", "tokens/s", ["perf/tokens_per_sec"]),
     "gpu_memory.png": ("GPU memory", "GiB", ["gpu/mem_allocated_gib", "gpu/mem_reserved_gib", "gpu/mem_peak_gib"]),
 }
-
-
-class NothingToPlot(ValueError):
-    """The folder is neither a run (``csv/version_<n>/metrics.csv``) nor a sweep (``optuna.db`` or job folders)."""
 
 
 COMPRESS_REPORT = "compress_report.json"  # written by quantize (compress/report.py)

@@ -17,9 +17,10 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig, open_dict
 
-from .data.loading import DataError
+from .checks import validate_config
+from .errors import ConfigError, DataError
 from .utils.checkpoints import load_trained_module
-from .utils.config import ConfigError, to_plain, validate_config, world_size
+from .utils.config import to_plain, world_size
 from .utils.instantiate import instantiate_trainer
 from .utils.outputs import claim_outputs
 from .utils.run import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main

@@ -25,7 +25,6 @@ with its reason and fix (``unavailable=error`` stops instead), before anything i
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 from collections.abc import Callable
@@ -35,10 +34,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig
 
+from .checks import validate_config
 from .compress import CONV1D_MODEL_TYPES, conv1d_refusal
 from .compress.pruning import pruned_with, shrink_ffn
 from .compress.quantization import (
-    CAUSAL_LM,
     INT4_VARIANTS,
     ONNX_FILE,
     ONNXRUNTIME,
@@ -55,9 +54,11 @@ from .compress.quantization import (
     variant_problems,
 )
 from .compress.report import REPORT_JSON, Measurement, build_report, markdown_table, weight_bytes, write_report
-from .eval import full_precision_overrides
+from .errors import ConfigError
+from .eval import exported_folder_problem, full_precision_overrides
+from .tasks import Task, task_of
+from .tasks.base import to_device
 from .utils.checkpoints import load_trained_module, trained_checkpoint
-from .utils.config import ConfigError, validate_config
 from .utils.outputs import claim_outputs, replace_folder, staging_folder
 from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree
 
@@ -75,7 +76,7 @@ def quantize(cfg: DictConfig) -> dict:
         DataError: bad evaluation data.
     """
     validate_config(cfg, resumes=False)
-    task = cfg.task.name
+    task = task_of(cfg)
     hparams, architecture = read_source(cfg)
     qat = hparams.get("qat") or {"scheme": "none"}  # (checkpoints written before the qat group have none)
     device = run_device(cfg.latency.device)
@@ -115,7 +116,7 @@ def quantize(cfg: DictConfig) -> dict:
             forward = load_forward(name, folder, auto_class, device)
             runtime = "onnxruntime-cpu" if VARIANTS[name].runtime == ONNXRUNTIME else f"pytorch-eager-{device}"
             print(f"[{name}] scoring on the {split} split, timing on {runtime} ...")
-            metrics = score(task, forward, loader, device)
+            metrics = task.score(forward, loader, device)
             samples = time_forward(forward, to_device(timing, device if runtime.startswith("pytorch") else "cpu"), cfg.latency)
             measurements.append(
                 Measurement(
@@ -133,7 +134,7 @@ def quantize(cfg: DictConfig) -> dict:
             del forward
         context = {
             "source": str(cfg.ckpt_path or cfg.model_dir),
-            "task": task,
+            "task": task.name,
             "split": split,
             "rows": len(datamodule.datasets[split]),
             "metric_names": list(measurements[0].metrics),
@@ -173,10 +174,7 @@ def read_source(cfg: DictConfig) -> tuple[dict, object]:
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<folder written by export>")
     if cfg.model_dir is not None:
-        if cfg.task.name != CAUSAL_LM or not Path(cfg.model_dir, "config.json").is_file():
-            raise ConfigError(
-                f"model_dir={cfg.model_dir!r} is not a causal LM folder written by export; fix: ckpt_path=RUN/checkpoints/last.ckpt"
-            )
+        exported_folder_problem(cfg)
         return {}, AutoConfig.from_pretrained(cfg.model_dir)
     # Memory-mapped: only the hyperparameters are read here, not the weights.
     checkpoint = trained_checkpoint(cfg.ckpt_path)
@@ -201,7 +199,7 @@ def run_device(choice: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if choice == "auto" else choice
 
 
-def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, architecture) -> tuple[list[str], list[dict]]:
+def plan_variants(cfg: DictConfig, task: Task, device: str, qat_scheme: str, architecture) -> tuple[list[str], list[dict]]:
     """The variants to make, in order, and the refusals (``{"variant", "reason", "fix"}``) of
     those this machine or checkpoint cannot make (:func:`.compress.quantization.unavailable`).
 
@@ -216,7 +214,7 @@ def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, arch
         listed = "fp32" if str(cfg.variants) == "fp32" else f"fp32,{cfg.variants}"
         raise ConfigError(f"variants={cfg.variants!r} must be a list; fix: variants=[{listed}] (brackets, no spaces)")
     names = [str(name) for name in cfg.variants]
-    problems = variant_problems(names, task)
+    problems = variant_problems(names, task.name, task.quantize_variants)
     if cfg.unavailable not in UNAVAILABLE:
         problems.append(f"unavailable={cfg.unavailable!r} is not one of {UNAVAILABLE}; fix: unavailable=skip")
     for field in ("batch_size", "sequence_length", "warmup", "repeats", "group_size"):
@@ -243,11 +241,13 @@ def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, arch
         problems.append(
             f"latency.sequence_length={length} is more than the model's {positions} positions; fix: latency.sequence_length={positions}"
         )
-    if task != CAUSAL_LM and cfg.data.splits.get("test") is None:
-        problems.append("data.splits.test is null: quantize scores a classifier on its test split; fix: data.splits.test=path/to/test.csv")
+    if task.scores_test_split_only and cfg.data.splits.get("test") is None:
+        problems.append(
+            f"data.splits.test is null: quantize scores task={task.name} on its test split; fix: data.splits.test=path/to/test.csv"
+        )
     refusals = []
     for name in names:
-        if name in VARIANTS and task in VARIANTS[name].tasks:
+        if name in task.quantize_variants:
             why = unavailable(name, device, qat_scheme)
             if why is not None:
                 refusals.append({"variant": name, "reason": why[0], "fix": why[1]})
@@ -262,11 +262,11 @@ def plan_variants(cfg: DictConfig, task: str, device: str, qat_scheme: str, arch
 
 
 # --------------------------------------------------------------------------- the model
-def auto_class_of(task: str) -> type:
-    """The transformers Auto class that loads this task's folders."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def auto_class_of(task: Task) -> type:
+    """The transformers Auto class that loads this task's folders (``Task.auto_class``)."""
+    import transformers
 
-    return AutoModelForCausalLM if task == CAUSAL_LM else AutoModelForSequenceClassification
+    return getattr(transformers, task.auto_class)
 
 
 def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object, dict]:
@@ -278,13 +278,9 @@ def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object
 
     if cfg.model_dir is not None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
-        return auto_class_of(cfg.task.name).from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
+        return auto_class_of(task_of(cfg)).from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
     module = load_trained_module(hydra.utils.get_class(cfg.task.module), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
-    if cfg.task.name == CAUSAL_LM:
-        model = module.merged_model()
-    else:
-        model = module.model.merge_and_unload() if (hparams.get("peft") or {}).get("method", "none") != "none" else module.model
-    return model.eval(), module.tokenizer, module.datamodule_kwargs()
+    return module.merged_model().eval(), module.tokenizer, module.datamodule_kwargs()
 
 
 def make_variant(
@@ -328,47 +324,12 @@ def make_variant(
 
 
 # ------------------------------------------------------------------------ measuring
-def timing_inputs(task: str, sample: dict[str, torch.Tensor], vocab_size: int, batch_size: int, length: int) -> dict[str, object]:
-    """The timed batch: ``(batch_size, length)`` random token ids (seeded), every position real
-    (attention mask of ones), and for a classifier the other inputs its data gives (token types 0)."""
+def timing_inputs(task: Task, sample: dict[str, torch.Tensor], vocab_size: int, batch_size: int, length: int) -> dict[str, object]:
+    """The timed batch: ``(batch_size, length)`` random token ids (seeded), every position real,
+    with the other inputs the task's data gives (``Task.timing_inputs``)."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, vocab_size, (batch_size, length), generator=generator)  # (B, T)
-    inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    if task != CAUSAL_LM and "token_type_ids" in sample:
-        inputs["token_type_ids"] = torch.zeros_like(input_ids)
-    if task == CAUSAL_LM:
-        inputs["use_cache"] = False  # one forward over the batch (prefill), no KV cache kept
-    return inputs
-
-
-def to_device(inputs: dict[str, object], device: str) -> dict[str, object]:
-    """``inputs`` with each tensor moved to ``device`` (flags such as ``use_cache`` kept as they are)."""
-    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
-
-
-def score(task: str, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
-    """The task metric of ``forward`` over ``loader``: classifiers ``accuracy`` and ``f1_macro``
-    (torchmetrics, as ``eval`` logs them), causal LMs ``perplexity`` = exp(token-mean NLL), the
-    NLL summed over every target token of the split and divided by their count."""
-    with torch.inference_mode():
-        if task == CAUSAL_LM:
-            from .models.causal_lm import model_arguments, token_loss_sum
-
-            total, count = 0.0, 0
-            for batch in loader:
-                logits = forward(to_device(model_arguments(batch), device))  # (B, T, V)
-                loss_sum, targets = token_loss_sum(logits.float().cpu(), batch["labels"])
-                total, count = total + float(loss_sum), count + int(targets)
-            return {"perplexity": math.exp(total / count)}
-        from .models.classification import classification_metrics
-
-        metrics = None
-        for batch in loader:
-            logits = forward(to_device({k: v for k, v in batch.items() if k != "labels"}, device)).float().cpu()  # (B, C)
-            metrics = metrics or classification_metrics(logits.shape[-1], "test")
-            metrics.update(logits, batch["labels"])
-        values = metrics.compute()
-        return {"accuracy": float(values["test/acc"]), "f1_macro": float(values["test/f1_macro"])}
+    return task.timing_inputs(input_ids, sample)
 
 
 def time_forward(forward: Callable[[dict], torch.Tensor], inputs: dict[str, torch.Tensor], latency: DictConfig) -> list[float]:

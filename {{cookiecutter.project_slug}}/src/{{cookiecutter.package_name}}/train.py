@@ -33,26 +33,24 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
-from .callbacks.guards import EXIT_DISK_FULL, EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, RunStopped, StopOnSignal, signals_stop_the_run
+from .callbacks.build import instantiate_callbacks
+from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, StopOnSignal, signals_stop_the_run
 from .callbacks.pruning import Pruning
 from .callbacks.terminal import RunHeader, print_results
+from .checks import validate_config
+from .errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
-from .models.answers import answer_metrics
-from .utils.checkpoints import DiskFull, last_checkpoint, save_final_checkpoint, trained_checkpoint
-from .utils.config import ConfigError, config_warnings, precision_is_auto, to_plain, validate_config, world_size
+from .tasks import task_of
+from .utils.checkpoints import last_checkpoint, save_final_checkpoint, trained_checkpoint
+from .utils.config import config_warnings, precision_is_auto, to_plain, world_size
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.hub import hub_problems
-from .utils.instantiate import instantiate_callbacks, instantiate_loggers, instantiate_trainer, scalar_metrics
+from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
 from .utils.run_folder import owned_run_folder
 from .utils.secrets import mask
 from .utils.sweeps import is_multirun, objective, run_multirun_job
-
-
-def answers_test(cfg: DictConfig, datamodule: L.LightningDataModule) -> bool:
-    """Chat data with a test split: ``test/exact_match`` from greedy answers (see :mod:`.models.answers`)."""
-    return cfg.test_after_fit and datamodule.has_test and hasattr(datamodule, "answer_prompts")
 
 
 def train(cfg: DictConfig) -> dict:
@@ -95,6 +93,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
 
+    task = task_of(cfg)
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.get_class(cfg.task.module)(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
@@ -113,9 +112,9 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 # in the checkpoints (module.start_metrics), so a resumed run reports it too.
                 trainer.validate(module, datamodule=datamodule, verbose=False)
                 start_metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
-                if answers_test(cfg, datamodule) and main_process:  # the untuned model's answers, same prompts
+                if cfg.test_after_fit and datamodule.has_test and main_process:  # e.g. the untuned model's answers, same prompts
                     start_metrics.update(
-                        answer_metrics(module, datamodule, run_dir / "predictions_start.jsonl", trainer, "test", "test/exact_match_start")
+                        task.after_test(module, datamodule, trainer, run_dir / "predictions_start.jsonl", "test", "test/exact_match_start")
                     )
                 module.start_metrics = start_metrics
             try:
@@ -126,7 +125,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
             # *_start (restored from the checkpoint on a resume), train/*, val/* of the last validation
             metrics = {**module.start_metrics, **scalar_metrics(trainer.callback_metrics)}
-            if cfg.task.validate_before_fit and getattr(module, "validated_at_step", None) != trainer.global_step:
+            if cfg.task.validate_before_fit and module.validated_at_step != trainer.global_step:
                 # Training stopped between validations (or a resumed run never validated): validate
                 # the final weights, so val/* never repeats the *_start figures (or an older pass)
                 # as if it were the result.  Its figures replace only the val/* ones read above.
@@ -140,14 +139,14 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             if cfg.test_after_fit and datamodule.has_test:
                 trainer.test(module, datamodule=datamodule, ckpt_path=best or None, verbose=False)
                 metrics.update(scalar_metrics(trainer.callback_metrics))
-                if answers_test(cfg, datamodule) and main_process:  # the tested (best) weights' answers
-                    metrics.update(answer_metrics(module, datamodule, run_dir / "predictions.jsonl", trainer))
+                if main_process:  # e.g. the tested (best) weights' answers
+                    metrics.update(task.after_test(module, datamodule, trainer, run_dir / "predictions.jsonl", "test", "test/exact_match"))
             metrics.update(
                 best_checkpoint=best or None,
                 rows=datamodule.split_sizes,  # rows (classification) or documents (causal LM) per split
                 seconds=round(time.perf_counter() - start, 1),
             )
-            if hasattr(datamodule, "token_counts"):
+            if datamodule.token_counts is not None:
                 metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
             if trainer.is_global_zero:
                 write_metrics(run_dir / "metrics.json", metrics, announce=False)

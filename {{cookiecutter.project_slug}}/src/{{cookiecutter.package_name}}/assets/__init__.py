@@ -28,7 +28,7 @@ def fetch_model_files(fetch: dict, field: str = "model.fetch") -> object:
         ConfigError: an unknown ``kind``, a value that is not a string, a ``requirement`` that is
             not an exact ``name==version`` pin, an archive member path that is absolute or has ``..``.
     """
-    from ..utils.config import ConfigError
+    from ..errors import ConfigError
     from ..utils.named import import_path, model_fetchers
 
     kind = fetch.get("kind")

@@ -19,7 +19,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .pypi import FetchError, pip_download
+from ..errors import FetchError
+from .pypi import pip_download
 
 log = logging.getLogger(__name__)
 

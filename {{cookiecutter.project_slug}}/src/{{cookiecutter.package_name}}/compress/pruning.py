@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from ..utils.config import ConfigError
+from ..errors import ConfigError
 from . import CONV1D_MODEL_TYPES, conv1d_refusal
 
 METHODS = ("none", "magnitude", "structured", "semi_structured_2_4")

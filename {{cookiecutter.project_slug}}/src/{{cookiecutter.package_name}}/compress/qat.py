@@ -126,7 +126,7 @@ def prepare_qat(model: nn.Module, qat: dict) -> int:
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
-    from ..utils.config import ConfigError
+    from ..errors import ConfigError
 
     keep = quantizable(model, qat["group_size"])
     count = sum(keep(module, name) for name, module in model.named_modules())

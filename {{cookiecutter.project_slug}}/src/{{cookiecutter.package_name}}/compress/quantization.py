@@ -37,75 +37,64 @@ import torch
 from torch import nn
 
 PYTORCH, ONNXRUNTIME = "pytorch", "onnxruntime"
-CLASSIFICATION, CAUSAL_LM = "classification", "causal_lm"
-BOTH = (CLASSIFICATION, CAUSAL_LM)
 ONNX_FILE = "model.onnx"
 COMPRESS_EXTRA = 'pip install -e ".[compress]"'
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to store the model: ``runtime`` it runs on (``pytorch`` or ``onnxruntime``), the
-    ``tasks`` it is offered for, and ``storage``: how its weights are kept (report text)."""
+    """One way to store the model: ``runtime`` it runs on (``pytorch`` or ``onnxruntime``) and
+    ``storage``: how its weights are kept (report text).  Each task says which variants it offers
+    (``Task.quantize_variants``, tasks/<name>/)."""
 
     runtime: str
-    tasks: tuple[str, ...]
     storage: str
 
 
 INT8_TABLE = "word embeddings (and an LM head) int8 per row (IntxWeightOnlyConfig)"
 VARIANTS: dict[str, Variant] = {
-    "fp32": Variant(PYTORCH, BOTH, "fp32 safetensors: the baseline"),
+    "fp32": Variant(PYTORCH, "fp32 safetensors: the baseline"),
     "int8_weight_only": Variant(
         PYTORCH,
-        BOTH,
         f"Linear weights int8 per output channel with fp32 scales (torchao Int8WeightOnlyConfig), dequantized to fp32 "
         f"for the matmul; {INT8_TABLE}",
     ),
     "int8_dynamic": Variant(
         PYTORCH,
-        BOTH,
         f"Linear weights int8 per output channel, activations rounded to int8 per token at run time, int8 matmul "
         f"(torchao Int8DynamicActivationInt8WeightConfig); {INT8_TABLE}",
     ),
     "int4_weight_only": Variant(
         PYTORCH,
-        BOTH,
         f"Linear weights int4 in groups of group_size, packed two per byte, bf16 activations (torchao Int4WeightOnlyConfig, "
         f"CUDA kernels of mslk); {INT8_TABLE}",
     ),
     "intx4_weight_only": Variant(
         PYTORCH,
-        BOTH,
         f"Linear weights int4 in groups of group_size (torchao IntxWeightOnlyConfig), stored ONE int4 value per byte "
         f"(IntxUnpackedToInt8Tensor): no smaller than int8 on disk; dequantized to fp32 for the matmul; {INT8_TABLE}",
     ),
     "ptq_int8a_int4w": Variant(
         PYTORCH,
-        BOTH,
         f"the qat=int8a_int4w scheme applied after training: activations int8 per token, Linear weights int4 per group of "
         f"group_size stored one per byte (torchao Int8DynamicActivationIntxWeightConfig); {INT8_TABLE}",
     ),
     "qat": Variant(
         PYTORCH,
-        BOTH,
         f"the checkpoint's quantization-aware-trained Linear layers converted to integers (compress.qat.convert_qat: "
         f"its qat scheme, stored as ptq_int8a_int4w); {INT8_TABLE}",
     ),
     "nf4": Variant(
         PYTORCH,
-        (CAUSAL_LM,),
         "Linear weights 4-bit NormalFloat, two per byte, one absmax per block of 64 (bitsandbytes, fp32 compute); "
         "embeddings and the LM head stay fp32 (bitsandbytes skips them)",
     ),
     "onnx_fp32": Variant(
         ONNXRUNTIME,
-        (CLASSIFICATION,),
         "ONNX graph with fp32 weights (torch.onnx.export, dynamo exporter; dynamic batch and sequence axes)",
     ),
     "onnx_int8": Variant(
         ONNXRUNTIME,
-        (CLASSIFICATION,),
         "onnx_fp32 through onnxruntime quantize_dynamic(weight_type=QInt8): MatMul weights and the embedding Gather int8, "
         "activations quantized at run time",
     ),
@@ -114,18 +103,16 @@ TORCHAO_VARIANTS = ("int8_weight_only", "int8_dynamic", "int4_weight_only", "int
 INT4_VARIANTS = ("int4_weight_only", "intx4_weight_only", "ptq_int8a_int4w")
 
 
-def variant_problems(names: list[str], task: str) -> list[str]:
-    """What is wrong with ``variants`` for ``task`` whatever the machine: unknown or repeated
-    names, a variant of the other task, no ``fp32`` (the baseline of every ratio).  One line each,
-    naming the field, the value and the fix; ``[]`` if nothing."""
+def variant_problems(names: list[str], task: str, offered: tuple[str, ...]) -> list[str]:
+    """What is wrong with ``variants`` for ``task``, which offers ``offered``, whatever the
+    machine: unknown or repeated names, a variant the task does not offer, no ``fp32`` (the
+    baseline of every ratio).  One line each, naming the field, the value and the fix; ``[]`` if nothing."""
     problems = []
-    offered = [name for name, variant in VARIANTS.items() if task in variant.tasks]
     for name in names:
         if name not in VARIANTS:
-            problems.append(f"variants: {name!r} is not a variant; fix: one of {offered}")
-        elif task not in VARIANTS[name].tasks:
-            why = "ONNX export is offered for classifiers" if VARIANTS[name].runtime == ONNXRUNTIME else "nf4 is offered for causal LMs"
-            problems.append(f"variants: {name!r} does not apply to task={task} ({why}); fix: drop it, or one of {offered}")
+            problems.append(f"variants: {name!r} is not a variant; fix: one of {list(offered)}")
+        elif name not in offered:
+            problems.append(f"variants: {name!r} does not apply to task={task} (it offers {list(offered)}); fix: drop it")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         problems.append(f"variants lists {repeated} more than once; fix: name each variant once")

@@ -14,8 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from ..utils.config import ConfigError
-from .loading import DataError
+from ..errors import ConfigError, DataError
 from .sampling import EvaluationShardSampler, ResumableDataLoader, ResumableSampler
 from .tokenization import disable_tokenizer_parallelism
 
@@ -38,7 +37,11 @@ class TokenizedDataModule(L.LightningDataModule):
     with the RNG callback, the same random numbers as the uninterrupted run.
     """
 
+    # What the framework reads of every data module (train.py, eval.py, the planner's header):
     seed: int | None = None
+    splits: dict[str, object]  # the data config's splits (train, validation, test)
+    split_sizes: dict[str, int]  # rows (or documents) per split as read, before any are dropped
+    token_counts: dict[str, int] | None = None  # real (non-pad) tokens per split, where the task counts them
     _resume_at: dict | None = None
 
     @property

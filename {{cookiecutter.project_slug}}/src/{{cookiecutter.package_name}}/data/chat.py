@@ -58,9 +58,10 @@ import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..utils.config import CHAT_MODES, TRAIN_ON, TRUNCATION, ConfigError
+from ..errors import ConfigError, DataError, TemplateError
+from ..utils.config import CHAT_MODES, TRAIN_ON, TRUNCATION
 from .batching import TokenizedDataModule
-from .loading import DataError, load_split
+from .loading import load_split
 from .text import IGNORE_INDEX, pad_token_id
 from .tokenization import load_tokenizer
 
@@ -73,10 +74,6 @@ GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 # The labelling rule, in the tokenised cache's key (datasets hashes the map function, not the
 # functions it calls): a cache written under an earlier rule is not read back.
 LABEL_RULE = "pieces-at-answer-boundaries-2"
-
-
-class TemplateError(DataError):
-    """The chat template cannot be used to find the answer spans (the message says why)."""
 
 
 def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:

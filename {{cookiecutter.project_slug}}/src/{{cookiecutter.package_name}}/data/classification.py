@@ -11,8 +11,9 @@ import datasets
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
+from ..errors import DataError
 from .batching import TokenizedDataModule
-from .loading import DataError, drop_blank_rows, is_blank, load_split, require_column_types, require_columns
+from .loading import drop_blank_rows, is_blank, load_split, require_column_types, require_columns
 from .tokenization import load_tokenizer, tokenize_batch, use_eos_as_pad
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import datasets
 
+from ..errors import DataError
+
 log = logging.getLogger(__name__)
 
 # File suffix -> (datasets builder, extra builder kwargs).  csv/tsv cells are read as written:
@@ -29,10 +31,6 @@ FORMAT_HINTS = {
     "json": "one JSON object per line (jsonl), keys in double quotes",
     "parquet": "a parquet file as pandas/pyarrow write it",
 }
-
-
-class DataError(ValueError):
-    """The data does not match the data config; the message names the field and the fix."""
 
 
 def split_field(split: str) -> str:

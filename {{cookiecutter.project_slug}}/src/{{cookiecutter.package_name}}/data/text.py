@@ -29,8 +29,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import DataError
 from .batching import TokenizedDataModule
-from .loading import DataError, first_non_utf8, load_split, require_column_types, require_columns
+from .loading import first_non_utf8, load_split, require_column_types, require_columns
 from .tokenization import cut_for_tokens, load_tokenizer, piece_chars, special_tokens_around, splits_at_whitespace, tokenize_in_pieces
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from .loading import DataError
+from ..errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -46,11 +46,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import AutoConfig, PretrainedConfig
 
+from ..checks import validate_config
 from ..compress.pruning import PruningMemory, pruning_memory
+from ..errors import ConfigError
 from ..models.levers import enable_activation_checkpointing
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
-from ..utils.config import ConfigError, precision_is_auto, to_plain, uses_cuda, validate_config, world_size
+from ..tasks import task_of
+from ..utils.config import precision_is_auto, to_plain, uses_cuda, world_size
 from ..utils.named import is_8bit_optimizer, is_paged_optimizer
 from . import tracer
 
@@ -62,8 +65,6 @@ BNB_BLOCK = 256
 # block constants in 8 bits with one fp32 constant per 256 of them.
 NF4_BLOCK = 64
 NF4_SECOND_BLOCK = 256
-# The chunk size of the chunked loss, used when advice tries it (configs/loss/chunked.yaml).
-CHUNKED_LOSS_POSITIONS = 256
 
 
 def table_unit(sizes: list[int]) -> tuple[str, int]:
@@ -290,22 +291,11 @@ def training_step(
             optimizer_cfg["name"] = "adamw"
         optimizer = build_optimizer(model, optimizer_cfg, device_type="cuda")
         _allocate_optimizer_state(model, optimizer)
-        input_ids = torch.randint(0, config.vocab_size, (micro_batch, cfg.data.max_length))  # (B, T)
-        labels = torch.zeros(micro_batch, dtype=torch.long)  # (B,) a classifier's
-        batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-        if cfg.task.name == "causal_lm" and cfg.data.mode == "pack_rows":
-            # Packed chat rows: per-row position ids, no attention mask, so the trace holds the dense
-            # block-diagonal (B, 1, T, T) mask that transformers builds for SDPA/eager (two rows a block).
-            positions = torch.arange(cfg.data.max_length) % -(-cfg.data.max_length // 2)
-            batch = {"input_ids": input_ids, "position_ids": positions.expand(micro_batch, -1)}
+        batch = task_of(cfg).example_batch(cfg, config.vocab_size, micro_batch)  # the task's, (B, T) token ids
 
     def loss_fn() -> torch.Tensor:
         with torch.autocast(device, dtype=autocast_dtype, enabled=mixed):
-            if cfg.task.name == "causal_lm":
-                loss_sum, n_targets = module.model_step({**batch, "labels": input_ids})
-                return loss_sum / n_targets
-            logits = model(**batch).logits  # (B, num_labels)
-            return torch.nn.functional.cross_entropy(logits.float(), labels)
+            return task_of(cfg).example_loss(module, model, batch)
 
     return StepSetup(_Loss(model, loss_fn), optimizer, quantized)
 
@@ -331,38 +321,10 @@ def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
     module = module_class(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
     if module.attn_implementation == "flash_attention_2":
         module.hparams.attention = {"implementation": "sdpa"}  # the same saved tensors; flash-attn does not run on the CPU
-    quantized: list[int] = []
-    if cfg.task.name == "causal_lm":
-        if module.loss_implementation == "liger":  # Triton: no CPU; traced as the chunked loss
-            module.hparams.loss = {"implementation": "chunked", "chunk_size": liger_chunk_positions(config, cfg.data.max_length)}
-        model = module.build_model(precision, cfg.data.max_length, config=config, pretrained=False)
-        if module.peft_method == "qlora":
-            quantized = _quantized_weights(model)
-        module.model = model
-    else:
-        config.num_labels = 2  # the head's size barely matters; the labels come with the data
-        if config.pad_token_id is None:
-            config.pad_token_id = 0  # HF's classifiers read the last non-pad token; the trace has no padding
-        model = module.build_model(precision, config=config)
+    model, quantized = task_of(cfg).planned_model(module, cfg, config, precision)
     if precision.endswith("-true"):
         model.to(compute_dtype(precision))  # Lightning's *-true precision converts every floating tensor
     return model, module, quantized
-
-
-def liger_chunk_positions(config: PretrainedConfig, seq_len: int) -> int:
-    """Positions per chunk that Liger's fused linear cross-entropy holds logits for: it splits the
-    B*T rows into ceil(V / H) chunks (``liger_kernel.ops.fused_linear_cross_entropy``: chunk size
-    ~ B*T / ceil(V / H)), so one chunk's logits are about as large as the hidden states."""
-    return max(1, math.ceil(seq_len / math.ceil(config.vocab_size / config.hidden_size)))
-
-
-def _quantized_weights(model: torch.nn.Module) -> list[int]:
-    """Numels of the weights a 4-bit load quantizes: every linear layer but the lm_head
-    (transformers keeps the output embedding unquantized).  They are traced in bf16 and
-    re-counted as NF4 afterwards; everything else stays in the compute dtype (see
-    ``models.adapters.wrap_with_lora``)."""
-    output = model.get_output_embeddings()
-    return [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
 
 
 def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -554,9 +516,9 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
     """When not even micro-batch 1 fits: the levers not pulled yet, each planned at micro-batch 1
     and kept only if it lowers the total (with the saving), largest saving first; then the
     levers the planner cannot try by itself (a PEFT method needs its own config group)."""
-    candidates = {}
-    if cfg.task.name == "causal_lm" and cfg.loss.implementation == "plain":
-        candidates["loss=chunked"] = {"loss.implementation": "chunked", "loss.chunk_size": CHUNKED_LOSS_POSITIONS}
+    weights = one.params + one.grads + one.optimizer
+    candidates, told = task_of(cfg).memory_advice(cfg, weights_dominate=weights > one.activations + one.temporaries)
+    candidates = dict(candidates)
     if cfg.checkpointing.mode == "none":
         candidates["checkpointing=full"] = {"checkpointing.mode": "full"}
     if not is_8bit_optimizer(cfg.optimizer.name):
@@ -580,16 +542,14 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
         if saved > 0:
             savings.append((saved, f"{advice} (-{saved / GIB:.2f} GiB)"))
     advice = [text for _, text in sorted(savings, reverse=True)]
-    weights = one.params + one.grads + one.optimizer
-    adapters = copy.deepcopy(cfg)
-    OmegaConf.update(adapters, "peft.method", "lora", merge=False)
-    try:
-        validate_config(adapters, runs_here=False)
-        takes_adapters = True
-    except ConfigError:  # (qat, pruning: they train the full weights)
-        takes_adapters = False
-    if cfg.task.name == "causal_lm" and cfg.peft.method != "qlora" and takes_adapters and weights > one.activations + one.temporaries:
-        advice.append("peft=lora or peft=qlora (the weights, not the activations, dominate; plan it to see)")
+    if told:  # (a PEFT method needs its own group: only when the config could take adapters, not with qat, pruning)
+        adapters = copy.deepcopy(cfg)
+        OmegaConf.update(adapters, "peft.method", "lora", merge=False)
+        try:
+            validate_config(adapters, runs_here=False)
+            advice += told
+        except ConfigError:
+            pass
     advice.append(f"a shorter data.max_length (now {cfg.data.max_length})")
     return advice
 

@@ -19,7 +19,7 @@ import importlib.util
 import torch
 from transformers import BitsAndBytesConfig, PretrainedConfig
 
-from ..utils.config import ConfigError
+from ..errors import ConfigError
 from .precision import compute_dtype
 
 METHODS = ("none", "lora", "qlora")

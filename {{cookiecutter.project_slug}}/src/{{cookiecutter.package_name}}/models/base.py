@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import WandbLogger
 from ..assets import fetch_model_files
 from ..optim import build_optimizer, lightning_allows_fused
 from ..utils.secrets import mask
+from .adapters import uses_peft
 from .inputs import ModelInputs, model_inputs
 from .levers import apply_levers
 
@@ -57,6 +58,7 @@ class HFModule(L.LightningModule):
         # The figures of the validation before the first step (`val/*_start`, train.py), kept in
         # every checkpoint so that a resumed run's metrics.json still reports them.
         self.start_metrics: dict[str, float] = {}
+        self.validated_at_step: int | None = None  # the optimizer step of the last full validation pass
         self._loss_divisor = 1.0
         self._window_loss = torch.zeros(())
         self._window_items = torch.zeros((), dtype=torch.long)
@@ -263,6 +265,16 @@ class HFModule(L.LightningModule):
             raise RuntimeError(f"adapter checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         return type(result)([], result.unexpected_keys)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated_at_step = self.global_step  # train.py validates the final weights if this is not the last step
+
+    def merged_model(self) -> torch.nn.Module:
+        """A plain HF model with this module's weights: LoRA adapters merged into the base
+        (``merge_and_unload``).  For QLoRA, call this on a module rebuilt without quantization
+        (``eval.full_precision_overrides``, as ``export`` and ``quantize`` do)."""
+        return self.model.merge_and_unload() if uses_peft(self.hparams.get("peft")) else self.model
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if "hyper_parameters" in checkpoint:  # the stored groups, with secrets masked (utils/secrets.py)

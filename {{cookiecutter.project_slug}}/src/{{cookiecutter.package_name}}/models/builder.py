@@ -26,7 +26,7 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 
 from ..data.tokenization import use_eos_as_pad
-from ..utils.config import ConfigError
+from ..errors import ConfigError
 from ..utils.stored import tokenizer_file_problems
 
 

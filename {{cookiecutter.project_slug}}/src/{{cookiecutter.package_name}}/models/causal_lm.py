@@ -10,7 +10,7 @@ from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ..data.text import IGNORE_INDEX, pad_token_id
-from ..utils.config import ConfigError
+from ..errors import ConfigError
 from .adapters import check_adapter_spec, quantized_loading, target_modules, uses_peft, wrap_with_lora
 from .base import HFModule
 from .builder import check_max_length, config_to_dict, linear_layer_names, max_positions, spec_config
@@ -147,7 +147,6 @@ class CausalLMModule(HFModule):
         self.save_hyperparameters()
         self.setup_optimization()
         self.tokens_seen = 0
-        self.validated_at_step: int | None = None
         self._window_tokens = torch.zeros((), dtype=torch.long)
 
     # ----------------------------------------------------------------------------- building
@@ -315,8 +314,7 @@ class CausalLMModule(HFModule):
         self._eval_step(batch, self.val_loss)
 
     def on_validation_epoch_end(self) -> None:
-        if not self.trainer.sanity_checking:
-            self.validated_at_step = self.global_step  # train.py re-validates if the end was missed
+        super().on_validation_epoch_end()
         self._log_loss_and_perplexity("val", self.val_loss)
 
     def on_test_epoch_start(self) -> None:
@@ -421,7 +419,7 @@ class CausalLMModule(HFModule):
         """A plain HF model with this module's weights: LoRA adapters merged into the base
         (``merge_and_unload``), ``use_cache`` on for generation.  For QLoRA, call this on a
         module rebuilt without quantization (see the ``export`` entry point)."""
-        model = self.model.merge_and_unload() if uses_peft(self.hparams.peft) else self.model
+        model = super().merged_model()
         model.config.use_cache = True
         return model
 

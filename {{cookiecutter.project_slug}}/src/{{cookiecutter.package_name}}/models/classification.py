@@ -226,6 +226,7 @@ class SequenceClassificationModule(HFModule):
         self.log_dict(self.val_metrics, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
         if self.trainer.sanity_checking:  # an untrained model's accuracy is not a "best"
             return
         self.val_acc_best.update(self.val_metrics.compute()["val/acc"])

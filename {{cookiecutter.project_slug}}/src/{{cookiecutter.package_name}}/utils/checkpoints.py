@@ -24,24 +24,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
+from ..errors import ConfigError, DiskFull
 from . import stored
-from .config import ConfigError
 from .run import atomic_write_path
 
 log = logging.getLogger(__name__)
 
 # The errors of a write that found no room: a full disk (ENOSPC), a full quota (EDQUOT).
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class DiskFull(OSError):
-    """A checkpoint did not fit on its disk.  ``path``: the checkpoint; ``needed``: its size in
-    bytes (the tensors' bytes, a lower bound of the file); ``free``: bytes free on that disk then.
-    The checkpoint that was there before is intact (the write went to a temporary file)."""
-
-    def __init__(self, path: Path, needed: int, free: int) -> None:
-        super().__init__(errno.ENOSPC, f"no space left on the disk of {path}")
-        self.path, self.needed, self.free = path, needed, free
 
 
 def checkpoint_bytes(checkpoint: object) -> int:

@@ -1,7 +1,7 @@
 """Config checks that run before any data or weights load.
 
-``validate_config`` collects every problem it finds and raises one :class:`ConfigError`
-listing them all, each naming the field, the value and the fix (the litgpt/torchtune habit),
+``group_problems`` collects every problem of the shared groups (``..checks.validate_config`` adds
+the task's and raises one ConfigError listing them all), each naming the field, the value and the fix (the litgpt/torchtune habit),
 so a user fixes a bad command line in one round instead of one error per launch.
 """
 
@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+from ..errors import ConfigError
 from .config_keys import unknown_key_problems
 from .named import is_8bit_optimizer
 from .secrets import credential_problems
@@ -40,10 +41,6 @@ ATTENTION = ("sdpa", "flash_attention_2", "eager")
 CHECKPOINTING = ("none", "full")
 COMPILE_MODES = ("off", "default", "max-autotune")
 LOSSES = ("plain", "chunked", "liger")
-
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message lists every problem found, one per line."""
 
 
 def accumulate_grad_batches(global_batch_size: int, micro_batch_size: int, devices: object = 1, num_nodes: object = 1) -> int:
@@ -255,8 +252,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("or", lambda value, default: default if value is None else value)
 
 
-def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: bool = True, resumes: bool = True) -> None:
-    """Check a composed train/eval/predict/plan config before anything is loaded, and record its
+def group_problems(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: bool = True, resumes: bool = True) -> list[str]:
+    """The problems of the shared groups of a composed config, one line each (the task's and the
+    compression groups' own checks are added by :func:`..checks.validate_config`), and record its
     secret values (``${oc.env:...}`` of a secret-named variable: masked in everything written,
     :mod:`.secrets`).
 
@@ -271,8 +269,8 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
         resumes: ``ckpt_path=last``/``auto`` name this run's ``last.ckpt`` (``train``); the entry points that
             read a finished checkpoint (eval, predict, generate, export, quantize) pass ``False``.
 
-    Raises:
-        ConfigError: with every problem found, one per line.
+    Returns:
+        every problem found, one per line (field, value, fix).
     """
     problems: list[str] = unknown_key_problems(cfg) + credential_problems(cfg) + non_finite_problems(cfg)
     register_secrets(cfg, HydraConfig.get() if HydraConfig.initialized() else None)  # masked in all we write (utils/secrets.py)
@@ -333,20 +331,10 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
                     "fix: e.g. scheduler.min_lr_ratio=0.1 (0: decay to zero)"
                 )
 
-        if "task" in cfg and "data" in cfg:
-            problems += _task_problems(cfg)
         if "data" in cfg:
             problems += _data_problems(cfg.data)
         if cfg.get("peft") is not None:
             problems += _peft_problems(cfg.peft)
-        if cfg.get("qat") is not None:
-            from ..compress.qat import qat_problems
-
-            problems += qat_problems(cfg.qat, cfg.get("optimizer"), cfg.get("peft"), cfg.get("model"))
-        if cfg.get("pruning") is not None:
-            from ..compress.pruning import pruning_problems
-
-            problems += pruning_problems(cfg.pruning, cfg.get("peft"), cfg.get("qat"), cfg.get("trainer"), cfg.get("model"))
 
         for group in ("callbacks", "logger"):
             entries = cfg.get(group) or {}
@@ -376,9 +364,13 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
             )
 
     except (ConfigAttributeError, ConfigKeyError) as error:  # a key the shipped group files have was removed (~key)
-        problems.append(f"{error.full_key} is missing (removed with ~?); fix: put it back: every key of the shipped config files is read")
-    if problems:
-        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
+        problems.append(missing_key_problem(error))
+    return problems
+
+
+def missing_key_problem(error: ConfigAttributeError | ConfigKeyError) -> str:
+    """The line for a key of the shipped group files that was removed (``~key``)."""
+    return f"{error.full_key} is missing (removed with ~?); fix: put it back: every key of the shipped config files is read"
 
 
 def uses_cuda(cfg: DictConfig) -> bool:
@@ -444,15 +436,6 @@ def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
         problems.append(f"optimizer.name={optimizer.name} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw")
     if optimizer.get("step_in_backward"):
         problems += _step_in_backward_problems(cfg)
-    from ..optim import lightning_allows_fused  # (optim imports this module)
-
-    clip = cfg.trainer.get("gradient_clip_val") if "trainer" in cfg else None
-    if optimizer.get("fused") is True and "trainer" in cfg and not lightning_allows_fused(cfg.trainer.get("precision", ""), clip):
-        problems.append(
-            f"optimizer.fused=true with precision={cfg.trainer.precision} and trainer.gradient_clip_val={clip}: Lightning's "
-            "mixed-precision plugin refuses to clip the gradients of a fused optimizer; fix: optimizer.fused=null "
-            "(fused where it can be, for-each kernels here), or trainer.gradient_clip_val=null"
-        )
     return problems
 
 
@@ -462,8 +445,6 @@ def _loss_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
         return [f"loss.implementation={implementation!r} is not one of {LOSSES}; fix: loss=chunked"]
     if implementation == "plain":
         return []
-    if "task" in cfg and cfg.task.name != "causal_lm":
-        return [f"loss={implementation} applies to task=causal_lm only (task={cfg.task.name}); fix: loss=plain"]
     if implementation == "chunked" and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         return [f"loss.chunk_size={chunk_size!r} must be a positive integer (positions per chunk), e.g. loss.chunk_size=256"]
     if implementation == "liger" and runs_here and (importlib.util.find_spec("liger_kernel") is None or not uses_cuda(cfg)):
@@ -554,17 +535,6 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     return warnings
 
 
-def _task_problems(cfg: DictConfig) -> list[str]:
-    """The data config must be one the task reads (e.g. no classification CSVs for a causal LM)."""
-    expected, target = cfg.task.get("datamodules"), cfg.data.get("_target_")
-    if expected and target not in expected:
-        return [
-            f"data._target_={target!r} is not a data module of task={cfg.task.name} ({', '.join(expected)}); "
-            f"fix: a data config of that task (see configs/data/), or an experiment= that sets both"
-        ]
-    return []
-
-
 def _peft_problems(peft: DictConfig) -> list[str]:
     method = peft.get("method")
     if method not in PEFT_METHODS:
@@ -586,21 +556,8 @@ def _peft_problems(peft: DictConfig) -> list[str]:
 
 
 def _data_problems(data: DictConfig) -> list[str]:
+    """The keys every data config has; each task checks its own (``Task.data_problems``)."""
     problems = []
-    chat = "train_on" in data  # chat rows for a causal LM (their columns are fixed: messages, or prompt/completion)
-    text_lm = "mode" in data and not chat  # the causal-LM text data module; otherwise classification
-    for field in () if chat else ("text_column",) if text_lm else ("text_column", "label_column"):
-        value = data.get(field)
-        if not isinstance(value, str) or not value:
-            problems.append(f"data.{field}={value!r} must name a column of your data, e.g. data.{field}=text")
-    for field, allowed in (("mode", CHAT_MODES), ("train_on", TRAIN_ON), ("truncation", TRUNCATION)) if chat else ():
-        if data.get(field) not in allowed:
-            problems.append(f"data.{field}={data.get(field)!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
-    if text_lm:
-        if data.mode not in TEXT_MODES:
-            problems.append(f"data.mode={data.mode!r} is not one of {TEXT_MODES}; fix: data.mode=pack (pretraining) or pad")
-        if data.get("sample_by") not in SAMPLE_BY:
-            problems.append(f"data.sample_by={data.get('sample_by')!r} is not one of {SAMPLE_BY}")
     max_length = data.get("max_length")
     if not isinstance(max_length, int) or max_length < 8:
         problems.append(f"data.max_length={max_length!r} must be an integer >= 8 (tokens per sequence); fix: e.g. data.max_length=512")

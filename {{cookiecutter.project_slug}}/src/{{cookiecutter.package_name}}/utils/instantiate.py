@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from .config import to_plain, uses_cuda
+from .config import to_plain
 from .secrets import mask
 from .sweeps import is_multirun
 
@@ -26,26 +26,6 @@ log = logging.getLogger(__name__)
 def instantiate_group(group: DictConfig | None) -> list:
     """Instantiate each non-null entry of a ``callbacks`` or ``logger`` group, in order."""
     return [hydra.utils.instantiate(node) for node in (group or {}).values() if node is not None]
-
-
-def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
-    """The LR schedule first (it sets the LR before other callbacks read it), then pruning unless
-    ``pruning.method`` is none (its masks are updated, and its sparsity logged, before a guard or
-    the step log writes a step's checkpoint or row), then ``callbacks``, less those that do
-    nothing on this hardware (``needs_cuda`` on a run without a CUDA GPU: GPU stats), said once.
-    """
-    pruning = []
-    if (cfg.get("pruning") or {}).get("method", "none") != "none":
-        from ..callbacks.pruning import Pruning
-
-        pruning.append(Pruning(**to_plain(cfg.pruning)))
-    callbacks = instantiate_group(cfg.get("callbacks"))
-    if not uses_cuda(cfg):
-        idle = [callback for callback in callbacks if getattr(callback, "needs_cuda", False)]
-        if idle:
-            log.info("Not on a CUDA GPU: left out %s (nothing to measure here)", ", ".join(type(c).__name__ for c in idle))
-        callbacks = [callback for callback in callbacks if callback not in idle]
-    return [hydra.utils.instantiate(cfg.scheduler), *pruning, *callbacks]
 
 
 def instantiate_loggers(cfg: DictConfig, resumes_wandb_run: str | None = None) -> list[Logger]:

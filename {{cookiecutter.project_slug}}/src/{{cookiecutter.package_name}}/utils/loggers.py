@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 
-from .config import ConfigError
+from ..errors import ConfigError
 from .secrets import MaskedHyperparameters
 
 # What the modules and the LR schedule log in every optimizer step's row (see

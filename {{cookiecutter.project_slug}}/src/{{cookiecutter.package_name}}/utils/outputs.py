@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .config import ConfigError
+from ..errors import ConfigError
 from .run import RUN_CONFIG_DIR, RUN_CONFIG_FILES, save_run_config
 from .run_folder import run_contents
 

@@ -23,8 +23,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from ..data.loading import DataError
-from .config import ConfigError
+from ..errors import ConfigError, DataError
 from .secrets import mask
 
 log = logging.getLogger(__name__)

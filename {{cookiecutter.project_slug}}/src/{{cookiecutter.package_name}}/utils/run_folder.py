@@ -33,7 +33,7 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
-from .config import ConfigError
+from ..errors import ConfigError
 
 try:  # POSIX; on Windows runs are not locked (said once)
     import fcntl

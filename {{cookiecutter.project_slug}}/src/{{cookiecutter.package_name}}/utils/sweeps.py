@@ -23,24 +23,10 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ..callbacks.guards import RunStopped
-from ..data.loading import DataError
-from .config import ConfigError
+from ..errors import ConfigError, DataError, MetricNotLogged, RunStopped, TrialFailed
 from .secrets import mask
 
 log = logging.getLogger(__name__)
-
-
-class MetricNotLogged(ConfigError):
-    """``optimized_metric`` names a metric the run did not log.  Ends the whole sweep (the
-    sweeper checks ``stops_sweep``): every other trial would fail the same way."""
-
-    stops_sweep = True
-
-
-class TrialFailed(RuntimeError):
-    """A multirun job failed; the message is the original error's (its traceback is in the job's
-    log).  Carries no traceback frames, so the failed job's model and trainer can be freed."""
 
 
 def is_multirun() -> bool:

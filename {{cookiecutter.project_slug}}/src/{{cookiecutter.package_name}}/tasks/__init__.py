@@ -1,0 +1,40 @@
+"""The tasks this project trains: one folder each (``tasks/<name>/``), found here by name.
+
+To add a task, copy a task folder, rename it, and add ``configs/task/<name>.yaml`` and its data
+config(s): nothing else in the framework names a task (see the README, "Add your own task").
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import cache
+
+from omegaconf import DictConfig
+
+from ..errors import ConfigError
+from .base import Task
+
+
+@cache
+def tasks() -> dict[str, Task]:
+    """Every task folder's ``TASK``, by its name."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if info.ispkg:
+            task = importlib.import_module(f"{__name__}.{info.name}").TASK
+            found[task.name] = task
+    return found
+
+
+def task_of(cfg: DictConfig | str) -> Task:
+    """The task a config (``task.name``) or a name selects.
+
+    Raises:
+        ConfigError: no task folder has that name.
+    """
+    name = cfg if isinstance(cfg, str) else cfg.task.name
+    known = tasks()
+    if name not in known:
+        raise ConfigError(f"task.name={name!r} is not one of this project's tasks {sorted(known)}; fix: task={sorted(known)[0]}")
+    return known[name]

@@ -1,0 +1,93 @@
+"""The task interface: what the framework (train, eval, predict, plan, quantize, the config
+checks) asks a task, so that none of them compares a task's name.
+
+A task is a folder ``tasks/<name>/`` whose ``__init__.py`` defines ``TASK``, an instance of a
+:class:`Task` subclass; :func:`..tasks.task_of` finds it by ``task.name`` (configs/task/<name>.yaml).
+Its LightningModule and data module(s) are named in that YAML file (``task.module``,
+``task.datamodules``).  Methods import their heavy dependencies (transformers, the module) when
+called, so reading a task to check a config costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from omegaconf import DictConfig
+
+
+class Task:
+    """One task as the framework sees it.  Subclasses set the class attributes and override the
+    methods whose default does not fit.
+
+    Attributes:
+        name: ``task.name`` in configs/task/<name>.yaml.
+        auto_class: the transformers Auto class name that loads this task's exported folders.
+        loss_implementations: the ``loss.implementation`` values the task's module implements.
+        quantize_variants: the ``quantize`` variants offered (names in
+            :data:`..compress.quantization.VARIANTS`); ``fp32`` is always one.
+        quality: what ``quantize`` reports as the variants' quality, ``{metric: "max"|"min"}``.
+        reads_exported_folders: ``eval``/``quantize`` accept ``model_dir=`` (a folder written by
+            ``export``) besides ``ckpt_path=``.
+        scores_test_split_only: ``quantize`` scores on ``data.splits.test`` (refused without it);
+            otherwise on the test split when there is one, else the validation split.
+    """
+
+    name: ClassVar[str] = ""
+    auto_class: ClassVar[str] = ""
+    loss_implementations: ClassVar[tuple[str, ...]] = ("plain",)
+    quantize_variants: ClassVar[tuple[str, ...]] = ("fp32",)
+    quality: ClassVar[dict[str, str]] = {}
+    reads_exported_folders: ClassVar[bool] = False
+    scores_test_split_only: ClassVar[bool] = True
+
+    # ------------------------------------------------------------------ config checks
+    def data_problems(self, data: DictConfig) -> list[str]:
+        """What is wrong with this task's ``data`` group, one line each (field, value, fix).
+        The shared keys (``max_length``, ``splits``, ``val_fraction``) are checked elsewhere."""
+        return []
+
+    # ------------------------------------------------------------------ the planner
+    def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        """The batch the planner traces: ``(micro_batch, data.max_length)`` token ids and what
+        else the task's data gives, including the targets its loss reads."""
+        input_ids = torch.randint(0, vocab_size, (micro_batch, cfg.data.max_length))  # (B, T)
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    def planned_model(self, module: Any, cfg: DictConfig, config: Any, precision: str) -> tuple[torch.nn.Module, list[int]]:
+        """The model as ``train`` builds it, from ``config`` (random fake weights) through the
+        module's own builder, and the numels of the weights a QLoRA base holds in 4 bits."""
+        raise NotImplementedError
+
+    def example_loss(self, module: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The scalar the planner differentiates: the training loss of ``batch``."""
+        loss_sum, items = module.model_step(batch)
+        return loss_sum / items
+
+    def memory_advice(self, cfg: DictConfig, weights_dominate: bool) -> tuple[dict[str, dict], list[str]]:
+        """Levers of this task for a run that does not fit: ``({advice: {key: value}}`` the
+        planner tries at micro-batch 1, ``[advice]`` it cannot try itself)."""
+        return {}, []
+
+    # ------------------------------------------------------------------ after the fit
+    def after_test(self, module: Any, datamodule: Any, trainer: Any, predictions: Path, split: str, key: str) -> dict:
+        """Metrics beyond the test loop's, computed on the main process after a test pass
+        (chat data: the greedy answers' exact match, written to ``predictions``)."""
+        return {}
+
+    # ------------------------------------------------------------------ quantize
+    def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
+        """The timed inputs for ``input_ids`` (B, T), every position real; ``sample``: a batch of
+        the task's data (for the other inputs it carries)."""
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    def score(self, forward: Callable[[dict], torch.Tensor], loader: Any, device: str) -> dict[str, float]:
+        """The quality metrics (:attr:`quality`) of ``forward`` over ``loader``."""
+        raise NotImplementedError
+
+
+def to_device(inputs: dict[str, object], device: str) -> dict[str, object]:
+    """``inputs`` with each tensor moved to ``device`` (flags such as ``use_cache`` kept as they are)."""
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}

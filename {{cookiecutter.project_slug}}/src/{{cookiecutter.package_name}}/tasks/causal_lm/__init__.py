@@ -1,0 +1,123 @@
+"""Causal language modelling: pretraining, full fine-tuning, LoRA/QLoRA, on raw text or chat
+rows.  The module is :class:`...models.causal_lm.CausalLMModule`, the data
+:class:`...data.text.TextDataModule` or :class:`...data.chat.ChatDataModule`
+(configs/task/causal_lm.yaml)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ...utils.config import CHAT_MODES, SAMPLE_BY, TEXT_MODES, TRAIN_ON, TRUNCATION
+from ..base import Task, to_device
+
+# Positions per chunk the planner suggests for loss=chunked (the loss group's default).
+CHUNKED_LOSS_POSITIONS = 256
+
+
+class CausalLM(Task):
+    """Next-token prediction; the loss is summed over the target tokens (labels -100 elsewhere)."""
+
+    name = "causal_lm"
+    auto_class = "AutoModelForCausalLM"
+    loss_implementations = ("plain", "chunked", "liger")
+    quantize_variants = (
+        "fp32",
+        "int8_weight_only",
+        "int8_dynamic",
+        "int4_weight_only",
+        "intx4_weight_only",
+        "ptq_int8a_int4w",
+        "qat",
+        "nf4",
+    )
+    quality = {"perplexity": "min"}
+    reads_exported_folders = True
+    scores_test_split_only = False
+
+    def data_problems(self, data: DictConfig) -> list[str]:
+        problems = []
+        if "train_on" in data:  # data=chat: the rows' columns are fixed (messages, or prompt/completion)
+            for field, allowed in (("mode", CHAT_MODES), ("train_on", TRAIN_ON), ("truncation", TRUNCATION)):
+                if data.get(field) not in allowed:
+                    problems.append(f"data.{field}={data.get(field)!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
+            return problems
+        if not isinstance(data.get("text_column"), str) or not data.get("text_column"):
+            problems.append(f"data.text_column={data.get('text_column')!r} must name a column of your data, e.g. data.text_column=text")
+        if data.get("mode") not in TEXT_MODES:
+            problems.append(f"data.mode={data.get('mode')!r} is not one of {TEXT_MODES}; fix: data.mode=pack (pretraining) or pad")
+        if data.get("sample_by") not in SAMPLE_BY:
+            problems.append(f"data.sample_by={data.get('sample_by')!r} is not one of {SAMPLE_BY}")
+        return problems
+
+    def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        batch = super().example_batch(cfg, vocab_size, micro_batch)
+        if cfg.data.mode == "pack_rows":
+            # Packed chat rows: per-row position ids, no attention mask, so the trace holds the dense
+            # block-diagonal (B, 1, T, T) mask that transformers builds for SDPA/eager (two rows a block).
+            positions = torch.arange(cfg.data.max_length) % -(-cfg.data.max_length // 2)
+            batch = {"input_ids": batch["input_ids"], "position_ids": positions.expand(micro_batch, -1)}
+        return {**batch, "labels": batch["input_ids"]}
+
+    def planned_model(self, module, cfg: DictConfig, config, precision: str) -> tuple[torch.nn.Module, list[int]]:
+        if module.loss_implementation == "liger":  # Triton: no CPU; traced as the chunked loss
+            module.hparams.loss = {"implementation": "chunked", "chunk_size": liger_chunk_positions(config, cfg.data.max_length)}
+        model = module.build_model(precision, cfg.data.max_length, config=config, pretrained=False)
+        module.model = model
+        return model, quantized_weights(model) if module.peft_method == "qlora" else []
+
+    def memory_advice(self, cfg: DictConfig, weights_dominate: bool) -> tuple[dict[str, dict], list[str]]:
+        tried = {}
+        if cfg.loss.implementation == "plain":
+            tried["loss=chunked"] = {"loss.implementation": "chunked", "loss.chunk_size": CHUNKED_LOSS_POSITIONS}
+        told = []
+        if cfg.peft.method != "qlora" and weights_dominate:
+            told.append("peft=lora or peft=qlora (the weights, not the activations, dominate; plan it to see)")
+        return tried, told
+
+    def after_test(self, module, datamodule, trainer, predictions: Path, split: str, key: str) -> dict:
+        if not hasattr(datamodule, "answer_prompts"):  # raw text: no answers to match (chat data has them)
+            return {}
+        from ...models.answers import answer_metrics
+
+        return answer_metrics(module, datamodule, predictions, trainer, split, key)
+
+    def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
+        # One forward over the batch (prefill), no KV cache kept.
+        return {**super().timing_inputs(input_ids, sample), "use_cache": False}
+
+    def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
+        """``perplexity`` = exp(token-mean NLL): the NLL summed over every target token of the
+        split and divided by their count."""
+        from ...models.causal_lm import model_arguments, token_loss_sum
+
+        total, count = 0.0, 0
+        with torch.inference_mode():
+            for batch in loader:
+                logits = forward(to_device(model_arguments(batch), device))  # (B, T, V)
+                loss_sum, targets = token_loss_sum(logits.float().cpu(), batch["labels"])
+                total, count = total + float(loss_sum), count + int(targets)
+        return {"perplexity": math.exp(total / count)}
+
+
+def liger_chunk_positions(config, seq_len: int) -> int:
+    """Positions per chunk that Liger's fused linear cross-entropy holds logits for: it splits the
+    B*T rows into ceil(V / H) chunks (``liger_kernel.ops.fused_linear_cross_entropy``: chunk size
+    ~ B*T / ceil(V / H)), so one chunk's logits are about as large as the hidden states."""
+    return max(1, math.ceil(seq_len / math.ceil(config.vocab_size / config.hidden_size)))
+
+
+def quantized_weights(model: torch.nn.Module) -> list[int]:
+    """Numels of the weights a 4-bit load quantizes: every linear layer but the lm_head
+    (transformers keeps the output embedding unquantized).  They are traced in bf16 and
+    re-counted as NF4 afterwards; everything else stays in the compute dtype (see
+    ``models.adapters.wrap_with_lora``)."""
+    output = model.get_output_embeddings()
+    return [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+
+
+TASK = CausalLM()

@@ -1,0 +1,74 @@
+"""Sequence classification: one label per text (or text pair).  The module is
+:class:`...models.classification.SequenceClassificationModule`, the data
+:class:`...data.classification.ClassificationDataModule` (configs/task/classification.yaml)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from omegaconf import DictConfig
+
+from ..base import Task, to_device
+
+
+class SequenceClassification(Task):
+    """One label per row; cross-entropy over the labels, accuracy and macro F1."""
+
+    name = "classification"
+    auto_class = "AutoModelForSequenceClassification"
+    quantize_variants = (
+        "fp32",
+        "int8_weight_only",
+        "int8_dynamic",
+        "int4_weight_only",
+        "intx4_weight_only",
+        "ptq_int8a_int4w",
+        "qat",
+        "onnx_fp32",
+        "onnx_int8",
+    )
+    quality = {"accuracy": "max", "f1_macro": "max"}
+
+    def data_problems(self, data: DictConfig) -> list[str]:
+        return [
+            f"data.{field}={data.get(field)!r} must name a column of your data, e.g. data.{field}={example}"
+            for field, example in (("text_column", "text"), ("label_column", "label"))
+            if not isinstance(data.get(field), str) or not data.get(field)
+        ]
+
+    def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        batch = super().example_batch(cfg, vocab_size, micro_batch)
+        return {**batch, "labels": torch.zeros(micro_batch, dtype=torch.long)}  # (B,)
+
+    def planned_model(self, module, cfg: DictConfig, config, precision: str) -> tuple[torch.nn.Module, list[int]]:
+        config.num_labels = 2  # the head's size barely matters; the labels come with the data
+        if config.pad_token_id is None:
+            config.pad_token_id = 0  # HF's classifiers read the last non-pad token; the trace has no padding
+        return module.build_model(precision, config=config), []
+
+    def example_loss(self, module, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # (B, num_labels)
+        return torch.nn.functional.cross_entropy(logits.float(), batch["labels"])
+
+    def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
+        inputs = super().timing_inputs(input_ids, sample)
+        if "token_type_ids" in sample:
+            inputs["token_type_ids"] = torch.zeros_like(input_ids)
+        return inputs
+
+    def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
+        """``accuracy`` and ``f1_macro`` (torchmetrics, as ``eval`` logs them)."""
+        from ...models.classification import classification_metrics
+
+        metrics = None
+        with torch.inference_mode():
+            for batch in loader:
+                logits = forward(to_device({k: v for k, v in batch.items() if k != "labels"}, device)).float().cpu()  # (B, C)
+                metrics = metrics or classification_metrics(logits.shape[-1], "test")
+                metrics.update(logits, batch["labels"])
+        values = metrics.compute()
+        return {"accuracy": float(values["test/acc"]), "f1_macro": float(values["test/f1_macro"])}
+
+
+TASK = SequenceClassification()

@@ -1,0 +1,116 @@
+"""The package's import structure: no import circle, and the ground floor (``errors``,
+``utils/``) imports nothing above it; no module outside ``tasks/`` compares a task's name.
+
+Imports are read from the source (``ast``), function-level ones included: an import inside a
+function is an edge all the same, only a later one.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import {{ cookiecutter.package_name }}
+
+PACKAGE = Path({{ cookiecutter.package_name }}.__file__).parent
+NAME = PACKAGE.name
+# The ground floor, and what each module of it may import from the package.
+GROUND = {"errors": (), "utils": ("errors", "utils")}
+TASK_NAME = re.compile(r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](causal_lm|classification)["']|["'](causal_lm|classification)["']\s*(==|!=)""")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports (``from x import y``:
+    ``x.y`` when that is a module, else ``x``)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                anchor = base[: len(base) - node.level + 1] if node.level else []
+                target = ".".join(anchor + ([node.module] if node.module else []))
+                for alias in node.names:
+                    found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        edges[name] = {target for target in found if target in modules and target != name}
+    return edges
+
+
+def floor(name: str) -> str:
+    """``{{ cookiecutter.package_name }}.utils.config`` -> ``utils``; the package itself -> ``""``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_circle():
+    edges = imports()
+    circles = []
+    for start in edges:  # a depth-first walk from each module: one that reaches itself is in a circle
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for target in edges[node]:
+                if target == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, [*path, target]))
+    # a package __init__ re-exporting its own children is not a circle of design
+    circles = [c for c in circles if not all(m.startswith(c.split(" -> ")[0]) for m in c.split(" -> "))]
+    assert not circles, "\n".join(sorted(set(circles))[:10])
+
+
+def test_the_ground_floor_imports_nothing_above_it():
+    upward = [
+        f"{name} imports {target}"
+        for name, targets in imports().items()
+        if floor(name) in GROUND
+        for target in targets
+        if floor(target) not in GROUND[floor(name)]
+    ]
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_task_name_is_compared_outside_the_task_folders():
+    found = [
+        f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        if path.relative_to(PACKAGE).parts[0] != "tasks"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if TASK_NAME.search(line) and not line.strip().startswith("#")
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_checks_find_what_they_look_for(tmp_path, monkeypatch):
+    """The walk sees a function-level upward import and a circle (so the tests above can fail)."""
+    package = tmp_path / NAME
+    (package / "utils").mkdir(parents=True)
+    (package / "tasks").mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "errors.py").write_text("")
+    (package / "utils" / "__init__.py").write_text("")
+    (package / "utils" / "a.py").write_text("def f():\n    from ..b import g\n")
+    (package / "b.py").write_text("from .utils.a import f\nif cfg.task.name == 'causal_lm':\n    pass\n")
+    monkeypatch.setattr(f"{__name__}.PACKAGE", package)
+    edges = imports()
+    assert edges[f"{NAME}.utils.a"] == {f"{NAME}.b"} and edges[f"{NAME}.b"] == {f"{NAME}.utils.a"}
+    for test in (
+        test_no_import_circle,
+        test_the_ground_floor_imports_nothing_above_it,
+        test_no_task_name_is_compared_outside_the_task_folders,
+    ):
+        try:
+            test()
+        except AssertionError:
+            continue
+        raise AssertionError(f"{test.__name__} passed on a package that breaks it")
