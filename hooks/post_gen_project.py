@@ -16,8 +16,6 @@ CONFIGS = f"{SRC}/configs"
 ONLY_FOR = {
     "classification": [
         f"{SRC}/tasks/classification",
-        f"{SRC}/data/classification.py",
-        f"{SRC}/models/classification.py",
         f"{SRC}/predict.py",
         f"{CONFIGS}/predict.yaml",
         f"{CONFIGS}/task/classification.yaml",
@@ -43,8 +41,6 @@ ONLY_FOR = {
     ],
     "causal_lm": [
         f"{SRC}/tasks/causal_lm",
-        f"{SRC}/data/text.py",
-        f"{SRC}/models/causal_lm.py",
         f"{SRC}/callbacks/sample_generation.py",
         f"{SRC}/assets/shakespeare.py",
         f"{SRC}/assets/gguf.py",
@@ -79,7 +75,6 @@ ONLY_FOR = {
         "tests/test_levers.py",
         "tests/slow/test_compile.py",
         "bench/text_pipeline.py",
-        f"{SRC}/data/chat.py",
         f"{SRC}/assets/chat_templates",
         f"{SRC}/inspect_data.py",
         f"{CONFIGS}/inspect_data.yaml",

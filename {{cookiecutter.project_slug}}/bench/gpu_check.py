@@ -516,7 +516,7 @@ def run_case_here(name: str, out: Path) -> None:
     import importlib.util
 
     try:
-        if name in LM_CASES and importlib.util.find_spec("{{ cookiecutter.package_name }}.models.causal_lm") is None:
+        if name in LM_CASES and importlib.util.find_spec("{{ cookiecutter.package_name }}.tasks.causal_lm.module") is None:
             rows = [not_run(name, "this project has no causal_lm task")]
         else:
             rows = CASE_FUNCTIONS[name](name)

@@ -32,8 +32,8 @@ from hydra import compose, initialize_config_module
 
 from {{ cookiecutter.package_name }}.assets.gguf import fetch_gguf_model
 from {{ cookiecutter.package_name }}.assets.shakespeare import fetch_shakespeare
-from {{ cookiecutter.package_name }}.data.text import TextDataModule
 from {{ cookiecutter.package_name }}.data.tokenization import load_tokenizer
+from {{ cookiecutter.package_name }}.tasks.causal_lm.text import TextDataModule
 
 
 def demo_paths() -> tuple[str, str, str]:

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from {{ cookiecutter.package_name }}.data.text import TextDataModule
 from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.export import export
 from {{ cookiecutter.package_name }}.generate import generate, read_prompts
-from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule, token_loss_sum
+from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule, token_loss_sum
+from {{ cookiecutter.package_name }}.tasks.causal_lm.text import TextDataModule
 from {{ cookiecutter.package_name }}.train import train
 
 
@@ -323,7 +323,7 @@ def test_architecture_checks_run_before_the_data_is_tokenised(make_lm_cfg, monke
 
 
 def test_validation_interval_beyond_one_epoch_fails_before_weights_load(make_lm_cfg, monkeypatch):
-    from {{ cookiecutter.package_name }}.models import causal_lm
+    from {{ cookiecutter.package_name }}.tasks.causal_lm import module as causal_lm
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were built before the interval was checked")

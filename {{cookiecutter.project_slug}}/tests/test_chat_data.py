@@ -11,7 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from {{ cookiecutter.package_name }}.data.chat import (
+from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
+from {{ cookiecutter.package_name }}.tasks.causal_lm.answers import exact_match, normalize_answer
+from {{ cookiecutter.package_name }}.tasks.causal_lm.chat import (
     ChatCollator,
     ChatDataModule,
     TemplateError,
@@ -22,10 +25,7 @@ from {{ cookiecutter.package_name }}.data.chat import (
     packed_block,
     tokenize_conversations,
 )
-from {{ cookiecutter.package_name }}.data.text import IGNORE_INDEX
-from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
-from {{ cookiecutter.package_name }}.models.answers import exact_match, normalize_answer
-from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
+from {{ cookiecutter.package_name }}.tasks.causal_lm.text import IGNORE_INDEX
 
 from .conftest import EOS, byte_level_bpe, compose_config, lm_documents, tiny_llama_config
 
@@ -360,7 +360,7 @@ def per_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_packed_rows_have_the_loss_of_the_same_rows_unpacked(tokenizer, chat_data, attention, checkpointing):
-    from {{ cookiecutter.package_name }}.models.causal_lm import model_arguments
+    from {{ cookiecutter.package_name }}.models.causal import model_arguments
 
     rows = [label_row(tokenizer, row, train_on="all") for row in chat_rows(5, seed=7)]
     model = tiny_llama(tokenizer, attention).train()  # train mode: activation checkpointing is active
@@ -497,7 +497,7 @@ def test_exact_match_on_the_exported_folder_equals_the_checkpoints(chat_run, cha
 
 
 def test_generate_renders_a_chat_prompt_and_stops_at_the_end_of_turn(chat_run):
-    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+    from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule
 
     run_dir, _, _ = chat_run
     module = CausalLMModule.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu")

@@ -8,9 +8,9 @@ import os
 import datasets
 import pytest
 
-from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule, build_label_map, label_key
 from {{ cookiecutter.package_name }}.data.loading import load_split
 from {{ cookiecutter.package_name }}.errors import DataError
+from {{ cookiecutter.package_name }}.tasks.classification.data import ClassificationDataModule, build_label_map, label_key
 
 from .conftest import toy_rows, write_csv
 

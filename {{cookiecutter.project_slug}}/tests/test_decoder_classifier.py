@@ -16,8 +16,8 @@ from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.models.adapters import target_modules
 from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier, linear_layer_names
-from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
 from {{ cookiecutter.package_name }}.predict import predict
+from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
 from {{ cookiecutter.package_name }}.train import train
 from {{ cookiecutter.package_name }}.utils.config import to_plain
 
@@ -220,7 +220,7 @@ def test_a_tokenizer_with_neither_pad_nor_eos_is_refused_before_weights_load(var
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was built before the tokenizer was checked")
 
-    monkeypatch.setattr("{{ cookiecutter.package_name }}.models.classification.build_sequence_classifier", no_weights)
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.tasks.classification.module.build_sequence_classifier", no_weights)
     cfg = compose_config("train", decoder_overrides(folder, varied_data, tmp_path / "run", GPT2) + ["debug=fdr"])
     with pytest.raises(DataError, match=r"model.tokenizer=.* has neither a pad token nor an EOS token.*fix: "):
         train(cfg)

@@ -17,6 +17,9 @@ PACKAGE = Path({{ cookiecutter.package_name }}.__file__).parent
 NAME = PACKAGE.name
 # The ground floor, and what each module of it may import from the package.
 GROUND = {"errors": (), "utils": ("errors", "utils")}
+# The console entry points (thin: compose the config, ask the task, run); a task-only one (generate,
+# export: causal LM) may import its task's module.
+ENTRY_POINTS = {"train", "eval", "predict", "generate", "export", "quantize", "plan", "doctor", "plot", "inspect_data"}
 TASK_NAME = re.compile(r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](causal_lm|classification)["']|["'](causal_lm|classification)["']\s*(==|!=)""")
 
 
@@ -78,6 +81,19 @@ def test_the_ground_floor_imports_nothing_above_it():
         if floor(target) not in GROUND[floor(name)]
     ]
     assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_framework_reaches_a_task_only_through_the_registry():
+    """Below the entry points, nothing imports a task's own modules (``tasks.<name>...``): the
+    framework asks ``tasks.task_of`` for the task object, and configs name the classes."""
+    reached = [
+        f"{name} imports {target}"
+        for name, targets in imports().items()
+        if floor(name) not in ENTRY_POINTS and floor(name) != "tasks"
+        for target in targets
+        if target.startswith(f"{NAME}.tasks.") and target != f"{NAME}.tasks.base"
+    ]
+    assert not reached, "\n".join(sorted(reached))
 
 
 def test_no_task_name_is_compared_outside_the_task_folders():

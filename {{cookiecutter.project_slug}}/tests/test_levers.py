@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from {{ cookiecutter.package_name }}.callbacks.lr_schedule import lr_factor
 from {{ cookiecutter.package_name }}.checks import validate_config
 from {{ cookiecutter.package_name }}.errors import ConfigError
-from {{ cookiecutter.package_name }}.models.causal_lm import causal_body, chunked_token_loss_sum, token_loss_sum
+from {{ cookiecutter.package_name }}.models.causal import causal_body, chunked_token_loss_sum, token_loss_sum
 from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
 from {{ cookiecutter.package_name }}.optim import StepInBackward, build_optimizer
 from {{ cookiecutter.package_name }}.train import train

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }}.models.classification import classification_metrics
 from {{ cookiecutter.package_name }}.optim import build_optimizer, optimizer_factory, param_groups
+from {{ cookiecutter.package_name }}.tasks.classification.module import classification_metrics
 
 
 def one_hot_logits(predictions: list[int], num_classes: int) -> torch.Tensor:

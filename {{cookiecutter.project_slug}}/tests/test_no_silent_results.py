@@ -337,7 +337,7 @@ def test_a_tied_model_exported_after_lora_scores_as_its_checkpoint(make_lm_cfg, 
     from transformers import AutoModelForCausalLM
 
     from {{ cookiecutter.package_name }}.export import export
-    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+    from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule
     from {{ cookiecutter.package_name }}.utils.checkpoints import load_trained_module
 
     lora = [f"model.name_or_path={tied_lm_dir}", "model.config=null", "peft=lora", "peft.r=4", "callbacks.progress_bar=null"]

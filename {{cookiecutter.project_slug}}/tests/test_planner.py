@@ -85,7 +85,7 @@ def test_one_precision_policy_gives_the_weight_and_matmul_dtypes(precision, peft
 
 
 def test_plan_builds_the_model_with_the_modules_own_builder(monkeypatch):
-    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+    from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule
 
     built = []
     original = CausalLMModule.build_model

@@ -238,7 +238,7 @@ def test_the_config_is_refused_before_weights_load(make_cfg):
 
 # --------------------------------------------------------------------------- train
 def test_train_logs_the_sparsity_in_each_steps_row_and_saves_a_plain_pruned_model(make_cfg, tmp_path):
-    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+    from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
     from {{ cookiecutter.package_name }}.train import train
     from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 

@@ -9,7 +9,7 @@ from {{ cookiecutter.package_name }}.compress.qat import convert_qat, prepare_qa
 from {{ cookiecutter.package_name }}.errors import ConfigError
 {%- if cookiecutter.tasks != "causal_lm" %}
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
 {%- endif %}
 from {{ cookiecutter.package_name }}.train import train
 
@@ -142,7 +142,7 @@ def test_levers_of_linear_layers_refuse_gpt2s_conv1d_blocks_before_anything_load
 
 @pytest.mark.parametrize(("overrides", "message"), CONFLICTS)
 def test_qat_conflicts_of_a_causal_lm_are_refused_before_any_weights_load(make_lm_cfg, monkeypatch, overrides, message):
-    from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+    from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights loaded before the config was checked")

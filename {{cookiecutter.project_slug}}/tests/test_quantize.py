@@ -237,7 +237,7 @@ def test_plot_draws_the_metric_against_size_and_latency(classifier_report, tmp_p
 def test_a_qat_checkpoint_converts_to_the_integer_model_it_was_trained_as(tokenizer_dir, toy_data, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+    from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
 
     from .conftest import tiny_overrides
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from {{ cookiecutter.package_name }}.data.text import CausalLMCollator, TextDataModule, pack_documents
 from {{ cookiecutter.package_name }}.errors import DataError
+from {{ cookiecutter.package_name }}.tasks.causal_lm.text import CausalLMCollator, TextDataModule, pack_documents
 
 
 @pytest.fixture

@@ -99,8 +99,8 @@ def test_the_best_so_far_is_in_the_checkpoint_so_a_resume_keeps_it(trained_run):
 
 
 def test_max_length_beyond_the_encoders_positions_fails_before_the_data_or_weights_load(make_cfg, monkeypatch):
-    from {{ cookiecutter.package_name }}.data.classification import ClassificationDataModule
-    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+    from {{ cookiecutter.package_name }}.tasks.classification.data import ClassificationDataModule
+    from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
 
     def refuse(*args, **kwargs):
         raise AssertionError("reached after the check should have failed")
@@ -127,7 +127,7 @@ def test_max_positions_counts_the_tokens_a_model_can_take(model_type, fields, po
 
 @pytest.mark.parametrize("interval, fix", [("3", "2"), ("5", "4"), ("0.25", "2")])
 def test_a_validation_inside_an_optimizer_step_is_refused_before_weights_load(make_cfg, monkeypatch, interval, fix):
-    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+    from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was built before the interval was checked")
@@ -184,7 +184,7 @@ def test_sigterm_inside_the_loop_of_eval_and_predict_exits_143_and_writes_nothin
     import os
     import signal
 
-    from {{ cookiecutter.package_name }}.models.classification import SequenceClassificationModule
+    from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
 
     original = getattr(SequenceClassificationModule, step)
 
@@ -228,7 +228,7 @@ def test_bad_data_fails_before_any_weights_load(make_cfg, monkeypatch):
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")
 
-    monkeypatch.setattr("{{ cookiecutter.package_name }}.models.classification.build_sequence_classifier", no_weights)
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.tasks.classification.module.build_sequence_classifier", no_weights)
     with pytest.raises(DataError, match=r"data.text_column='review' is not a column"):
         train(make_cfg("data.text_column=review"))
 

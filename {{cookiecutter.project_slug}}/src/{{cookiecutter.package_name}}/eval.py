@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from .checks import validate_config
 from .errors import ConfigError
-from .tasks import task_of
+from .tasks import build_module, module_class, task_of
 from .utils.checkpoints import load_trained_module
 from .utils.config import to_plain
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
@@ -62,16 +62,14 @@ def load_module(cfg: DictConfig) -> L.LightningModule:
     ``cfg.model_dir`` as pretrained weights, with the config's other groups.
 
     Raises:
-        ConfigError: ``model_dir`` with no ``config.json``, or for a task other than causal_lm.
+        ConfigError: ``model_dir`` with no ``config.json``, or for a task that reads no exported
+            folders (``Task.reads_exported_folders``).
     """
-    module_class = hydra.utils.get_class(cfg.task.module)  # (the user's config names the class, never the checkpoint)
-    if cfg.ckpt_path is not None:
-        return load_trained_module(module_class, cfg, cfg.ckpt_path)
+    if cfg.ckpt_path is not None:  # (the user's config names the class, never the checkpoint)
+        return load_trained_module(module_class(cfg), cfg, cfg.ckpt_path)
     exported_folder_problem(cfg)
-    args = {group: to_plain(cfg[group]) for group in cfg.task.module_args}
-    args["model"] = {**args["model"], "name_or_path": str(cfg.model_dir), "tokenizer": str(cfg.model_dir), "config": None, "fetch": None}
-    args["peft"] = {"method": "none"}  # export merged the adapters
-    return module_class(**args)
+    model = {**to_plain(cfg.model), "name_or_path": str(cfg.model_dir), "tokenizer": str(cfg.model_dir), "config": None, "fetch": None}
+    return build_module(cfg, model=model, peft={"method": "none"})  # (export merged the adapters)
 
 
 def evaluate(cfg: DictConfig) -> dict:

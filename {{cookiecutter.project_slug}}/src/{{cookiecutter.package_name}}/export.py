@@ -24,7 +24,7 @@ from .checks import validate_config
 from .compress.pruning import pruned_with, shrink_ffn
 from .errors import ConfigError
 from .eval import full_precision_overrides
-from .models.causal_lm import CHAT_FILE, CausalLMModule
+from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule
 from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.outputs import claim_outputs, replace_folder, staging_folder
 from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main

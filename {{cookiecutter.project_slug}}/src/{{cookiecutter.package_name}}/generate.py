@@ -69,8 +69,8 @@ def generation_problems(generation: DictConfig) -> list[str]:
 def load_generator(cfg: DictConfig):
     """A :class:`CausalLMModule` from ``ckpt_path``, or one wrapping the HF folder ``model_dir``."""
     from .models.builder import config_to_dict
-    from .models.causal_lm import CHAT_FILE, CausalLMModule
     from .models.inputs import ModelInputs
+    from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule
 
     if cfg.ckpt_path is not None:
         from .utils.checkpoints import load_trained_module

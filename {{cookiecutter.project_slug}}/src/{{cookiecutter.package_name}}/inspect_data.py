@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.text import Text
 
 from .checks import validate_config
-from .data.text import IGNORE_INDEX
 from .errors import ConfigError
+from .tasks.causal_lm.text import IGNORE_INDEX
 from .utils.run import exit_on_bad_input, hydra_main
 
 EXIT_ROWS_DROPPED = 2

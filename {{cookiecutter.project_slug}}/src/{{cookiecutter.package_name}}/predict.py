@@ -19,6 +19,7 @@ from omegaconf import DictConfig, open_dict
 
 from .checks import validate_config
 from .errors import ConfigError, DataError
+from .tasks import module_class
 from .utils.checkpoints import load_trained_module
 from .utils.config import to_plain, world_size
 from .utils.instantiate import instantiate_trainer
@@ -67,7 +68,7 @@ def predict(cfg: DictConfig) -> Path:
             cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.strategy = 1, 1, "auto"
     output = Path(cfg.output)
     claim_outputs(cfg, {"output": output}, {"input": cfg.input, "ckpt_path": cfg.ckpt_path}, run_files=())
-    module = load_trained_module(hydra.utils.get_class(cfg.task.module), cfg, cfg.ckpt_path)
+    module = load_trained_module(module_class(cfg), cfg, cfg.ckpt_path)
     # Resolved first, so that dropping the training-data download (fetch=None) cannot break
     # paths that interpolate from it.
     datamodule = hydra.utils.instantiate(

@@ -56,7 +56,7 @@ from .compress.quantization import (
 from .compress.report import REPORT_JSON, Measurement, build_report, markdown_table, weight_bytes, write_report
 from .errors import ConfigError
 from .eval import exported_folder_problem, full_precision_overrides
-from .tasks import Task, task_of
+from .tasks import Task, module_class, task_of
 from .tasks.base import to_device
 from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.outputs import claim_outputs, replace_folder, staging_folder
@@ -279,7 +279,7 @@ def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object
     if cfg.model_dir is not None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         return auto_class_of(task_of(cfg)).from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
-    module = load_trained_module(hydra.utils.get_class(cfg.task.module), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
+    module = load_trained_module(module_class(cfg), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
     return module.merged_model().eval(), module.tokenizer, module.datamodule_kwargs()
 
 

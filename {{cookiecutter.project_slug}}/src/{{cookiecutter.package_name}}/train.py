@@ -41,7 +41,7 @@ from .checks import validate_config
 from .errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
-from .tasks import task_of
+from .tasks import build_module, task_of
 from .utils.checkpoints import last_checkpoint, save_final_checkpoint, trained_checkpoint
 from .utils.config import config_warnings, precision_is_auto, to_plain, world_size
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
@@ -95,7 +95,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
 
     task = task_of(cfg)
     datamodule = hydra.utils.instantiate(cfg.data)
-    module = hydra.utils.get_class(cfg.task.module)(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
+    module = build_module(cfg)
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     header = RunHeader(run_dir, model_line(cfg), batch_line(cfg), plan, auto_precision=precision_is_auto(cfg))
     trainer = instantiate_trainer(cfg, [*instantiate_callbacks(cfg), header], loggers)

@@ -86,7 +86,7 @@ def test_a_5_mb_one_line_document_is_tokenised_under_a_memory_limit(lm_tokenizer
 import resource
 from pathlib import Path
 from conftest import lm_documents
-from {{ cookiecutter.package_name }}.data.text import TextDataModule
+from {{ cookiecutter.package_name }}.tasks.causal_lm.text import TextDataModule
 folder = Path(FOLDER)
 document = " ".join(lm_documents(80000, seed=1)).replace("\\n", " ")[:5_000_000]
 (folder / "train.txt").write_text(document + "\\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from {{ cookiecutter.package_name }}.models.causal_lm import CausalLMModule
+from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule
 from {{ cookiecutter.package_name }}.train import train
 
 

@@ -20,7 +20,7 @@ class SampleGeneration(L.Callback):
     across steps.
 
     The module must have ``generate_text(prompts, **generation) -> list[str]``
-    (:class:`..models.causal_lm.CausalLMModule` does).
+    (:class:`..tasks.causal_lm.module.CausalLMModule` does).
 
     Args:
         prompts: the fixed prompts.

@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
 from .sampling import EvaluationShardSampler, ResumableDataLoader, ResumableSampler
@@ -37,8 +38,15 @@ class TokenizedDataModule(L.LightningDataModule):
     with the RNG callback, the same random numbers as the uninterrupted run.
     """
 
-    # What the framework reads of every data module (train.py, eval.py, the planner's header):
+    # What the framework reads of every data module (train.py, eval.py, the planner's header, and
+    # models/inputs.model_inputs: the facts a task module builds from); each sets them by setup.
     seed: int | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    max_length: int | None = None  # tokens per row (data.max_length)
+    batch_size: int = 1  # the per-process micro-batch
+    id2label: dict[int, str] | None = None  # class index -> label name (classification)
+    eot_id: int | None = None  # chat data: the end-of-turn token closing assistant turns
+    system_prompt: str | None = None  # chat data: the system turn set on every row
     splits: dict[str, object]  # the data config's splits (train, validation, test)
     split_sizes: dict[str, int]  # rows (or documents) per split as read, before any are dropped
     token_counts: dict[str, int] | None = None  # real (non-pad) tokens per split, where the task counts them

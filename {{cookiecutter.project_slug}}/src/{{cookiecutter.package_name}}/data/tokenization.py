@@ -193,3 +193,22 @@ def tokenize_batch(
 
     pairs = text(batch[text_pair_column]) if text_pair_column else None
     return tokenizer(text(batch[text_column]), pairs, truncation=True, max_length=max_length)
+
+
+IGNORE_INDEX = -100  # the label value torch's cross_entropy skips (its ``ignore_index`` default)
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id to pad with: the tokenizer's pad token, else its EOS (padding is masked anyway).
+
+    Raises:
+        DataError: the tokenizer has neither (it cannot mark document ends either).
+    """
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    raise DataError(
+        f"model.tokenizer ({tokenizer.name_or_path!r}) has no EOS token, which marks document ends; "
+        "fix: use a tokenizer with an eos_token (every causal-LM tokenizer on the Hub has one)"
+    )

@@ -40,7 +40,6 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import hydra
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -52,7 +51,7 @@ from ..errors import ConfigError
 from ..models.levers import enable_activation_checkpointing
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
-from ..tasks import task_of
+from ..tasks import build_module, task_of
 from ..utils.config import precision_is_auto, to_plain, uses_cuda, world_size
 from ..utils.named import is_8bit_optimizer, is_paged_optimizer
 from . import tracer
@@ -317,8 +316,7 @@ def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
     module's own builder (``build_model``: dtype, LoRA adapters, the spec's checks); returns the
     model, the task module holding it (its ``model_step`` is the loss) and the numels of the
     weights a QLoRA base would hold in 4 bits."""
-    module_class = hydra.utils.get_class(cfg.task.module)
-    module = module_class(**{group: to_plain(cfg[group]) for group in cfg.task.module_args})
+    module = build_module(cfg)
     if module.attn_implementation == "flash_attention_2":
         module.hparams.attention = {"implementation": "sdpa"}  # the same saved tensors; flash-attn does not run on the CPU
     model, quantized = task_of(cfg).planned_model(module, cfg, config, precision)

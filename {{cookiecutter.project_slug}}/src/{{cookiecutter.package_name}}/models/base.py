@@ -125,6 +125,13 @@ class HFModule(L.LightningModule):
         return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=fused)
 
     # ------------------------------------------------------------------ loss normalisation
+    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss contract of every task: ``(loss_sum, items)``, the loss summed over the
+        micro-batch's items (rows, target tokens: fp32 scalar) and their count (long scalar).
+        Training normalises over the whole accumulated batch (:meth:`add_to_window`); the planner
+        traces ``loss_sum / items`` (``tasks.base.Task.example_loss``)."""
+        raise NotImplementedError
+
     def loss_divisor(self) -> float:
         """A constant the summed micro-batch loss is divided by before backward (any value works,
         the gradients are rescaled before the step; one that keeps the loss near the per-item

@@ -30,7 +30,7 @@ class ModelInputs:
             micro-batch the ``batch`` group derives; DDP: the global batch's share of one device).
         precision: Lightning's precision flag the model is trained under (``bf16-mixed``, ...).
         id2label: class index -> label name (classification); ``None`` for a causal LM.
-        end_of_turn: chat data (:mod:`..data.chat`): the token closing assistant turns, where
+        end_of_turn: chat data (:mod:`..tasks.causal_lm.chat`): the token closing assistant turns, where
             generation stops; ``None`` for raw text (and classification).
         system_prompt: chat data: the system turn set on every row (``data.system_prompt``).
     """
@@ -96,13 +96,12 @@ def model_inputs(trainer: L.Trainer) -> ModelInputs | None:
         max_length=datamodule.max_length,
         micro_batch_size=datamodule.batch_size,
         precision=str(trainer.precision),
-        id2label=getattr(datamodule, "id2label", None),
+        id2label=datamodule.id2label,
         end_of_turn=chat_end_of_turn(datamodule),
-        system_prompt=getattr(datamodule, "system_prompt", None),
+        system_prompt=datamodule.system_prompt,
     )
 
 
 def chat_end_of_turn(datamodule: L.LightningDataModule) -> str | None:
     """The end-of-turn token of a chat data module (set up), ``None`` for any other data."""
-    eot_id = getattr(datamodule, "eot_id", None)
-    return None if eot_id is None else datamodule.tokenizer.convert_ids_to_tokens(eot_id)
+    return None if datamodule.eot_id is None else datamodule.tokenizer.convert_ids_to_tokens(datamodule.eot_id)

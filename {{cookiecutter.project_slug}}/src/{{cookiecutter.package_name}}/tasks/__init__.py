@@ -10,9 +10,12 @@ import importlib
 import pkgutil
 from functools import cache
 
+import hydra
+import lightning as L
 from omegaconf import DictConfig
 
 from ..errors import ConfigError
+from ..utils.config import to_plain
 from .base import Task
 
 
@@ -38,3 +41,16 @@ def task_of(cfg: DictConfig | str) -> Task:
     if name not in known:
         raise ConfigError(f"task.name={name!r} is not one of this project's tasks {sorted(known)}; fix: task={sorted(known)[0]}")
     return known[name]
+
+
+def module_class(cfg: DictConfig) -> type[L.LightningModule]:
+    """The task's LightningModule class, as the user's config names it (``task.module``; never a
+    checkpoint's)."""
+    return hydra.utils.get_class(cfg.task.module)
+
+
+def build_module(cfg: DictConfig, **replace: dict) -> L.LightningModule:
+    """The task module of a config, as train, plan and eval build it: the class of ``task.module``
+    with each group of ``task.module_args`` as a plain dict (``replace``: groups given instead)."""
+    args = {group: to_plain(cfg[group]) for group in cfg.task.module_args}
+    return module_class(cfg)(**{**args, **replace})

@@ -31,7 +31,7 @@ REQUIRED_EXAMPLES = {"ckpt_path": "RUN/checkpoints/last.ckpt", "input": "path/to
 # Values of the causal-LM groups (checked here, before anything imports the task's code).
 TEXT_MODES = ("pack", "pad")
 SAMPLE_BY = ("document", "paragraph")
-CHAT_MODES = ("pad", "pack_rows")  # data=chat (data/chat.py)
+CHAT_MODES = ("pad", "pack_rows")  # data=chat (tasks/causal_lm/chat.py)
 TRAIN_ON = ("assistant", "last_assistant", "completion", "all")
 TRUNCATION = ("right", "left")
 # The peft group (both tasks).

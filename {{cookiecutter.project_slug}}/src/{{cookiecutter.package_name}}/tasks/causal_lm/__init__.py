@@ -1,6 +1,6 @@
 """Causal language modelling: pretraining, full fine-tuning, LoRA/QLoRA, on raw text or chat
-rows.  The module is :class:`...models.causal_lm.CausalLMModule`, the data
-:class:`...data.text.TextDataModule` or :class:`...data.chat.ChatDataModule`
+rows.  The module is :class:`...tasks.causal_lm.module.CausalLMModule`, the data
+:class:`...tasks.causal_lm.text.TextDataModule` or :class:`...tasks.causal_lm.chat.ChatDataModule`
 (configs/task/causal_lm.yaml)."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class CausalLM(Task):
     def after_test(self, module, datamodule, trainer, predictions: Path, split: str, key: str) -> dict:
         if not hasattr(datamodule, "answer_prompts"):  # raw text: no answers to match (chat data has them)
             return {}
-        from ...models.answers import answer_metrics
+        from .answers import answer_metrics
 
         return answer_metrics(module, datamodule, predictions, trainer, split, key)
 
@@ -93,7 +93,7 @@ class CausalLM(Task):
     def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
         """``perplexity`` = exp(token-mean NLL): the NLL summed over every target token of the
         split and divided by their count."""
-        from ...models.causal_lm import model_arguments, token_loss_sum
+        from ...models.causal import model_arguments, token_loss_sum
 
         total, count = 0.0, 0
         with torch.inference_mode():

@@ -1,6 +1,6 @@
 """Sequence classification: one label per text (or text pair).  The module is
-:class:`...models.classification.SequenceClassificationModule`, the data
-:class:`...data.classification.ClassificationDataModule` (configs/task/classification.yaml)."""
+:class:`...tasks.classification.module.SequenceClassificationModule`, the data
+:class:`...tasks.classification.data.ClassificationDataModule` (configs/task/classification.yaml)."""
 
 from __future__ import annotations
 
@@ -45,11 +45,8 @@ class SequenceClassification(Task):
         config.num_labels = 2  # the head's size barely matters; the labels come with the data
         if config.pad_token_id is None:
             config.pad_token_id = 0  # HF's classifiers read the last non-pad token; the trace has no padding
-        return module.build_model(precision, config=config), []
-
-    def example_loss(self, module, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits  # (B, num_labels)
-        return torch.nn.functional.cross_entropy(logits.float(), batch["labels"])
+        module.model = module.build_model(precision, config=config)
+        return module.model, []
 
     def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
         inputs = super().timing_inputs(input_ids, sample)
@@ -59,7 +56,7 @@ class SequenceClassification(Task):
 
     def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
         """``accuracy`` and ``f1_macro`` (torchmetrics, as ``eval`` logs them)."""
-        from ...models.classification import classification_metrics
+        from .module import classification_metrics
 
         metrics = None
         with torch.inference_mode():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..utils.run import atomic_write_path
+from ...utils.run import atomic_write_path
 
 
 def normalize_answer(text: str) -> str:

@@ -29,16 +29,24 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..errors import DataError
-from .batching import TokenizedDataModule
-from .loading import first_non_utf8, load_split, require_column_types, require_columns
-from .tokenization import cut_for_tokens, load_tokenizer, piece_chars, special_tokens_around, splits_at_whitespace, tokenize_in_pieces
+from ...data.batching import TokenizedDataModule
+from ...data.loading import first_non_utf8, load_split, require_column_types, require_columns
+from ...data.tokenization import (  # noqa: F401 (IGNORE_INDEX, pad_token_id: read from here too)
+    IGNORE_INDEX,
+    cut_for_tokens,
+    load_tokenizer,
+    pad_token_id,
+    piece_chars,
+    special_tokens_around,
+    splits_at_whitespace,
+    tokenize_in_pieces,
+)
+from ...errors import DataError
 
 log = logging.getLogger(__name__)
 
 MODES = ("pack", "pad")
 SAMPLE_BY = ("document", "paragraph")
-IGNORE_INDEX = -100  # the label value torch's cross_entropy skips (its ``ignore_index`` default)
 
 
 def tokenize_documents(
@@ -149,22 +157,6 @@ class CausalLMCollator:
             attention_mask[index, : len(ids)] = 1
         labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id to pad with: the tokenizer's pad token, else its EOS (padding is masked anyway).
-
-    Raises:
-        DataError: the tokenizer has neither (it cannot mark document ends either).
-    """
-    if tokenizer.pad_token_id is not None:
-        return tokenizer.pad_token_id
-    if tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    raise DataError(
-        f"model.tokenizer ({tokenizer.name_or_path!r}) has no EOS token, which marks document ends; "
-        "fix: use a tokenizer with an eos_token (every causal-LM tokenizer on the Hub has one)"
-    )
 
 
 class TextDataModule(TokenizedDataModule):

@@ -11,10 +11,10 @@ import datasets
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from ..errors import DataError
-from .batching import TokenizedDataModule
-from .loading import drop_blank_rows, is_blank, load_split, require_column_types, require_columns
-from .tokenization import load_tokenizer, tokenize_batch, use_eos_as_pad
+from ...data.batching import TokenizedDataModule
+from ...data.loading import drop_blank_rows, is_blank, load_split, require_column_types, require_columns
+from ...data.tokenization import load_tokenizer, tokenize_batch, use_eos_as_pad
+from ...errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,9 @@ class ClassificationDataModule(TokenizedDataModule):
         self.predict_rows: datasets.Dataset | None = None
 
     @property
-    def id2label(self) -> dict[int, str]:
-        return {index: name for name, index in self.label2id.items()}
+    def id2label(self) -> dict[int, str] | None:
+        """Class index -> label name, once the labels are mapped (``None`` before)."""
+        return None if self.label2id is None else {index: name for name, index in self.label2id.items()}
 
     def setup(self, stage: str) -> None:
         """Load, check, label-map and tokenise what ``stage`` needs (idempotent, cached on disk)."""

@@ -58,18 +58,18 @@ import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..errors import ConfigError, DataError, TemplateError
-from ..utils.config import CHAT_MODES, TRAIN_ON, TRUNCATION
-from .batching import TokenizedDataModule
-from .loading import load_split
+from ...data.batching import TokenizedDataModule
+from ...data.loading import load_split
+from ...data.tokenization import load_tokenizer
+from ...errors import ConfigError, DataError, TemplateError
+from ...utils.config import CHAT_MODES, TRAIN_ON, TRUNCATION
 from .text import IGNORE_INDEX, pad_token_id
-from .tokenization import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 # Named templates shipped with the project (data.chat_template=<name>), for tokenizers without one.
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "assets" / "chat_templates"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 # The labelling rule, in the tokenised cache's key (datasets hashes the map function, not the
 # functions it calls): a cache written under an earlier rule is not read back.

@@ -8,9 +8,9 @@ from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig
 
-from .adapters import check_adapter_spec, quantized_loading, target_modules, wrap_with_lora
-from .base import HFModule
-from .builder import (
+from ...models.adapters import check_adapter_spec, quantized_loading, target_modules, wrap_with_lora
+from ...models.base import HFModule
+from ...models.builder import (
     build_sequence_classifier,
     check_max_length,
     config_to_dict,
@@ -18,8 +18,8 @@ from .builder import (
     sequence_classifier_from_dict,
     spec_config,
 )
-from .inputs import model_inputs
-from .precision import weights_dtype
+from ...models.inputs import model_inputs
+from ...models.precision import weights_dtype
 
 
 def classification_metrics(num_classes: int, split: str) -> MetricCollection:
@@ -189,10 +189,15 @@ class SequenceClassificationModule(HFModule):
         return self.model(**inputs).logits  # (B, num_labels)
 
     def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and the mean cross-entropy over the micro-batch, shared by val/test (training
-        sums instead, see :meth:`training_step`).  Returns ``(loss, logits (B, num_labels))``."""
-        logits = self(batch)  # (B, num_labels)
-        return F.cross_entropy(logits.float(), batch["labels"]), logits
+        """The loss contract of every task: ``(loss_sum, items)``, the cross-entropy summed over
+        the micro-batch's rows (fp32 scalar) and their count (long scalar)."""
+        return self.loss_sum(self(batch), batch)
+
+    @staticmethod
+    def loss_sum(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_sum, rows)`` of ``logits`` ``(B, num_labels)`` against ``batch["labels"]`` ``(B,)``."""
+        labels = batch["labels"]
+        return F.cross_entropy(logits.float(), labels, reduction="sum"), labels.new_tensor(len(labels))
 
     def loss_divisor(self) -> float:
         # The summed loss of a full micro-batch -> its mean (1 when fit on a bare DataLoader).
@@ -203,8 +208,7 @@ class SequenceClassificationModule(HFModule):
         (see :class:`.base.HFModule`): each optimizer step follows the mean over its rows."""
         logits = self(batch)  # (B, num_labels)
         self.train_metrics.update(logits, batch["labels"])  # logged at the epoch's end (on_train_epoch_end)
-        loss_sum = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
-        return self.add_to_window(loss_sum, batch["labels"].new_tensor(len(logits)))
+        return self.add_to_window(*self.loss_sum(logits, batch))
 
     def on_train_epoch_end(self) -> None:
         """``train/acc`` and ``train/f1_macro`` over the epoch's rows (all processes), once: a
@@ -216,12 +220,13 @@ class SequenceClassificationModule(HFModule):
         self.train_metrics.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, logits = self.model_step(batch)
+        logits = self(batch)  # (B, num_labels)
+        loss_sum, rows = self.loss_sum(logits, batch)
         self.val_metrics.update(logits, batch["labels"])
         # A torchmetrics mean weighted by rows: under DDP the ranks' sums and row counts add up
         # exactly, also when they hold different numbers of rows (Lightning's sync_dist mean of
         # an integer batch size would round).
-        self.val_loss.update(loss, weight=len(logits))
+        self.val_loss.update(loss_sum / rows, weight=rows)
         self.log("val/loss", self.val_loss, on_epoch=True)
         self.log_dict(self.val_metrics, on_epoch=True, prog_bar=True)
 
@@ -233,9 +238,10 @@ class SequenceClassificationModule(HFModule):
         self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, logits = self.model_step(batch)
+        logits = self(batch)  # (B, num_labels)
+        loss_sum, rows = self.loss_sum(logits, batch)
         self.test_metrics.update(logits, batch["labels"])
-        self.test_loss.update(loss, weight=len(logits))
+        self.test_loss.update(loss_sum / rows, weight=rows)
         self.log("test/loss", self.test_loss, on_epoch=True)
         self.log_dict(self.test_metrics, on_epoch=True)
 

@@ -3,90 +3,25 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from ..data.text import IGNORE_INDEX, pad_token_id
-from ..errors import ConfigError
-from .adapters import check_adapter_spec, quantized_loading, target_modules, uses_peft, wrap_with_lora
-from .base import HFModule
-from .builder import check_max_length, config_to_dict, linear_layer_names, max_positions, spec_config
-from .inputs import model_inputs
-from .precision import weights_dtype
+from ...errors import ConfigError
+from ...models.adapters import check_adapter_spec, quantized_loading, target_modules, uses_peft, wrap_with_lora
+from ...models.base import HFModule
+from ...models.builder import check_max_length, config_to_dict, linear_layer_names, spec_config
+from ...models.causal import (
+    causal_body,
+    causal_lm_of,
+    chunked_token_loss_sum,
+    liger_token_loss_sum,
+    model_arguments,
+    token_loss_sum,
+)
+from ...models.generation import TextGeneration
+from ...models.inputs import model_inputs
+from ...models.precision import weights_dtype
 
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy and the number of target tokens.
-
-    Args:
-        logits: ``(B, T, V)``; position ``t`` predicts token ``t + 1``.
-        labels: ``(B, T)`` token ids, -100 where there is nothing to predict (padding).
-
-    Returns:
-        ``(loss_sum, n_targets)``: the loss summed over the ``n_targets`` positions whose label
-        (after the shift) is not -100 (fp32 scalar), and that count (int64 scalar).
-    """
-    # Shift the labels left (the last position gets -100) instead of slicing the logits: a
-    # slice of (B, T, V) logits would be copied to flatten it (0.2 GB at 1024 tokens x 49k vocab).
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss_sum, (targets != IGNORE_INDEX).sum()
-
-
-def chunked_token_loss_sum(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, chunk_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`token_loss_sum` from the last hidden states, never holding the full logits.
-
-    The lm_head and the cross-entropy run on ``chunk_size`` positions at a time, each chunk under
-    non-reentrant activation checkpointing: forward keeps only the chunk's loss, backward
-    recomputes one chunk's ``(B, chunk, V)`` logits at a time.  Peak logits memory falls from
-    ``B*T*V`` to ``B*chunk*V`` values, and so for their bf16 copy and their gradient (fp32 logits
-    of a 128k vocabulary at 2 x 2048 tokens: 1.96 GiB whole, 0.24 GiB per 256-position chunk),
-    for one extra lm_head matmul per chunk.  The gradients are those of the plain loss (same
-    sum of the same per-token terms).
-
-    Args:
-        hidden: ``(B, T, D)`` last hidden states of the transformer body.
-        lm_head: the output projection ``D -> V`` (``get_output_embeddings()``).
-        labels: ``(B, T)``, -100 where there is nothing to predict.
-        chunk_size: positions per chunk (``loss.chunk_size``).
-
-    Returns:
-        ``(loss_sum, n_targets)`` as :func:`token_loss_sum`.
-    """
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T), shifted as in token_loss_sum
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[1], chunk_size):
-        loss_sum = loss_sum + checkpoint(
-            _chunk_loss, hidden[:, start : start + chunk_size], targets[:, start : start + chunk_size], lm_head, use_reentrant=False
-        )
-    return loss_sum, (targets != IGNORE_INDEX).sum()
-
-
-def liger_token_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`token_loss_sum` through Liger Kernel's fused linear cross-entropy (Hsu et al.,
-    "Liger Kernel", 2024): Triton kernels that compute the lm_head, the loss and its gradient
-    chunk by chunk in the forward pass, so the logits are never stored.  CUDA only (checked by
-    ``validate_config``); shapes as :func:`chunked_token_loss_sum`.  A plain ``nn.Linear`` lm_head
-    only (a LoRA-wrapped lm_head would lose its adapter here)."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T), shifted as in token_loss_sum
-    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
-    loss_sum = loss(lm_head.weight, hidden.flatten(0, 1), targets.flatten(), getattr(lm_head, "bias", None))
-    return loss_sum.float(), (targets != IGNORE_INDEX).sum()
-
-
-def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module) -> torch.Tensor:
-    logits = lm_head(hidden)  # (B, chunk, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-# Written by export next to a chat model's weights: {"end_of_turn": token, "system_prompt": text or null}.
 CHAT_FILE = "chat.json"
 # Bidirectional encoders: transformers maps some to a "*LMHeadModel", but they are not causal LMs.
 ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert", "modernbert")
@@ -95,12 +30,12 @@ ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "elect
 LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-class CausalLMModule(HFModule):
+class CausalLMModule(TextGeneration, HFModule):
     """Train an ``AutoModelForCausalLM``: from scratch (``model.config``) or from pretrained
     weights (``model.name_or_path``), fully or with LoRA/QLoRA adapters (``peft``).
 
     Batches are dicts of ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)``
-    (see :class:`..data.text.CausalLMCollator`); ``forward`` returns logits ``(B, T, V)``.
+    (see :class:`..tasks.causal_lm.text.CausalLMCollator`); ``forward`` returns logits ``(B, T, V)``.
 
     **Loss normalisation**: per target token over the whole accumulated batch (see
     :class:`.base.HFModule`), so micro-batch 1 x accumulation 2 gives the same gradient as
@@ -331,81 +266,6 @@ class CausalLMModule(HFModule):
         self.log_dict({f"{split}/loss": loss, f"{split}/ppl": torch.exp(loss)}, prog_bar=split == "val")
 
     # ------------------------------------------------------------------------ generation
-    @property
-    def chat(self) -> bool:
-        """Trained on chat rows (:mod:`..data.chat`): prompts are rendered with the chat template
-        and generation stops at the end-of-turn token."""
-        return self.inputs is not None and self.inputs.end_of_turn is not None
-
-    def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
-        """Token ids of each prompt: as text, or for a :attr:`chat` model as one user turn (after
-        the run's system prompt, if it set one) rendered with the chat template and its generation prompt."""
-        if not self.chat:
-            return [self.tokenizer(prompt)["input_ids"] for prompt in prompts]
-        system = [{"role": "system", "content": self.inputs.system_prompt}] if self.inputs.system_prompt is not None else []
-        texts = [
-            self.tokenizer.apply_chat_template(system + [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
-        return [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-
-    @torch.no_grad()
-    def complete(self, prompt_ids: list[list[int]], batch_size: int = 1, **generation: object) -> list[list[int]]:
-        """The new token ids for each prompt, up to (not including) the first end token: the
-        end-of-turn token for a chat model, else the generation config's EOS.
-
-        Prompts go ``batch_size`` at a time, padded on the left (the attention mask hides the
-        padding).  ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``,
-        ``temperature``...).  The model is put in eval mode and restored afterwards.  Prompt and
-        new tokens together never pass the model's positions (:func:`.builder.max_positions`):
-        with a warning, ``max_new_tokens`` is capped to ``positions - 1`` and a prompt too long
-        for the rest is cut from the left (its end, next to the completion, is kept).
-        """
-        limit = max_positions(self.model.config)
-        new_tokens = generation.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 20
-        if limit is not None and new_tokens >= limit:
-            rank_zero_warn(f"max_new_tokens={new_tokens} is not below the model's {limit} positions; generating {limit - 1}")
-            new_tokens = limit - 1
-        generation = {**generation, "max_new_tokens": new_tokens}
-        stop = self.tokenizer.convert_tokens_to_ids(self.inputs.end_of_turn) if self.chat else None
-        if stop is not None:
-            generation["eos_token_id"] = stop
-        stops = {stop} if stop is not None else set(_as_list(self.model.generation_config.eos_token_id))
-        room = None if limit is None else limit - new_tokens
-        pad = pad_token_id(self.tokenizer)
-        was_training = self.model.training
-        self.model.eval()
-        completions = []
-        try:
-            for first in range(0, len(prompt_ids), batch_size):
-                rows = []
-                for ids in prompt_ids[first : first + batch_size]:
-                    if room is not None and len(ids) > room:
-                        rank_zero_warn(
-                            f"a prompt of {len(ids)} tokens leaves no room for {new_tokens} new ones in the model's "
-                            f"{limit} positions: its first {len(ids) - room} tokens are dropped"
-                        )
-                        ids = ids[-room:]
-                    rows.append(ids)
-                longest = max(len(ids) for ids in rows)
-                input_ids = torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)  # (b, T)
-                attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in rows], device=self.device)
-                output = self.model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, pad_token_id=pad, use_cache=True, **generation
-                )  # (b, T + new tokens)
-                for new in output[:, longest:].tolist():
-                    end = next((i for i, token in enumerate(new) if token in stops), len(new))
-                    completions.append(new[:end])
-        finally:
-            self.model.train(was_training)
-        return completions
-
-    def generate_text(self, prompts: list[str], **generation: object) -> list[str]:
-        """Complete each prompt (:meth:`prompt_ids`, one at a time); return only the new text, up
-        to the end token (:meth:`complete`)."""
-        completions = self.complete(self.prompt_ids(prompts), **generation)
-        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
-
     # ----------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the tokenizer's files
@@ -422,27 +282,3 @@ class CausalLMModule(HFModule):
         model = super().merged_model()
         model.config.use_cache = True
         return model
-
-
-def _as_list(value: int | list[int] | None) -> list[int]:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
-
-
-def model_arguments(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | bool]:
-    """The model's keyword arguments for a batch: ``input_ids`` with the padding
-    ``attention_mask``, or for packed rows (:mod:`..data.chat`, ``mode=pack_rows``) with the
-    per-row ``position_ids`` and no attention mask, from which transformers builds the
-    block-diagonal causal mask (it does so only with no mask and no KV cache: ``use_cache=False``)."""
-    if "position_ids" in batch:
-        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-
-
-def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
-    """The ``*ForCausalLM`` inside ``model`` (itself, or under a peft wrapper)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def causal_body(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformer body (``LlamaModel``, ``GPT2Model``...): hidden states, no lm_head."""
-    return causal_lm_of(model).base_model
