@@ -282,7 +282,7 @@ def test_awkward_names_bake_into_working_packages(tmp_path):
         "for package in sys.argv[1:]:\n"
         "    for module in ('train', 'eval', 'predict', 'plan', 'generate', 'export', 'doctor'):\n"
         "        importlib.import_module(f'{package}.{module}')\n"
-        "    validate = importlib.import_module(f'{package}.utils.config').validate_config\n"
+        "    validate = importlib.import_module(f'{package}.checks').validate_config\n"
         "    with initialize_config_module(version_base='1.3', config_module=f'{package}.configs'):\n"
         "        for overrides in ([], ['experiment=demo_classification'], ['experiment=demo_lm_lora']):\n"
         "            cfg = compose('train', overrides + ['paths.output_dir=/tmp/x'])\n"
