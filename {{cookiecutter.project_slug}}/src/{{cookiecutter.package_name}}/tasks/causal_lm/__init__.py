@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from ...compress.quantization import TORCHAO_VARIANTS
 from ...utils.config import CHAT_MODES, SAMPLE_BY, TEXT_MODES, TRAIN_ON, TRUNCATION
 from ..base import Task, to_device
 
@@ -25,16 +26,7 @@ class CausalLM(Task):
     name = "causal_lm"
     auto_class = "AutoModelForCausalLM"
     loss_implementations = ("plain", "chunked", "liger")
-    quantize_variants = (
-        "fp32",
-        "int8_weight_only",
-        "int8_dynamic",
-        "int4_weight_only",
-        "intx4_weight_only",
-        "ptq_int8a_int4w",
-        "qat",
-        "nf4",
-    )
+    quantize_variants = ("fp32", *TORCHAO_VARIANTS, "nf4")
     quality = {"perplexity": "min"}
     reads_exported_folders = True
     scores_test_split_only = False

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from omegaconf import DictConfig
 
+from ...compress.quantization import TORCHAO_VARIANTS
 from ..base import Task, to_device
 
 
@@ -17,17 +18,7 @@ class SequenceClassification(Task):
 
     name = "classification"
     auto_class = "AutoModelForSequenceClassification"
-    quantize_variants = (
-        "fp32",
-        "int8_weight_only",
-        "int8_dynamic",
-        "int4_weight_only",
-        "intx4_weight_only",
-        "ptq_int8a_int4w",
-        "qat",
-        "onnx_fp32",
-        "onnx_int8",
-    )
+    quantize_variants = ("fp32", *TORCHAO_VARIANTS, "onnx_fp32", "onnx_int8")
     quality = {"accuracy": "max", "f1_macro": "max"}
 
     def data_problems(self, data: DictConfig) -> list[str]:

@@ -219,14 +219,17 @@ class SequenceClassificationModule(HFModule):
             self.log_dict(self.train_metrics.compute())
         self.train_metrics.reset()
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def _eval_step(self, batch: dict[str, torch.Tensor], loss: MeanMetric, metrics: MetricCollection) -> None:
         logits = self(batch)  # (B, num_labels)
         loss_sum, rows = self.loss_sum(logits, batch)
-        self.val_metrics.update(logits, batch["labels"])
+        metrics.update(logits, batch["labels"])
         # A torchmetrics mean weighted by rows: under DDP the ranks' sums and row counts add up
         # exactly, also when they hold different numbers of rows (Lightning's sync_dist mean of
         # an integer batch size would round).
-        self.val_loss.update(loss_sum / rows, weight=rows)
+        loss.update(loss_sum / rows, weight=rows)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_loss, self.val_metrics)
         self.log("val/loss", self.val_loss, on_epoch=True)
         self.log_dict(self.val_metrics, on_epoch=True, prog_bar=True)
 
@@ -238,10 +241,7 @@ class SequenceClassificationModule(HFModule):
         self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits = self(batch)  # (B, num_labels)
-        loss_sum, rows = self.loss_sum(logits, batch)
-        self.test_metrics.update(logits, batch["labels"])
-        self.test_loss.update(loss_sum / rows, weight=rows)
+        self._eval_step(batch, self.test_loss, self.test_metrics)
         self.log("test/loss", self.test_loss, on_epoch=True)
         self.log_dict(self.test_metrics, on_epoch=True)
 
