@@ -14,7 +14,7 @@ from .compress.pruning import pruning_problems
 from .compress.qat import qat_problems
 from .errors import ConfigError
 from .optim import fused_problems
-from .tasks import tasks
+from .tasks import task_of
 from .utils.config import LOSSES, group_problems, missing_key_problem
 
 
@@ -47,10 +47,10 @@ def validate_config(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: 
 def task_problems(cfg: DictConfig) -> list[str]:
     """The task exists; the data config is one of its data modules, and passes its checks; the
     loss implementation is one the task's module has."""
-    known = tasks()
-    task = known.get(cfg.task.name)
-    if task is None:
-        return [f"task.name={cfg.task.name!r} is not one of this project's tasks {sorted(known)}; fix: task={sorted(known)[0]}"]
+    try:
+        task = task_of(cfg)
+    except ConfigError as error:  # no task folder of that name
+        return [str(error)]
     problems = []
     if "data" in cfg:
         expected, target = cfg.task.get("datamodules"), cfg.data.get("_target_")
