@@ -45,7 +45,7 @@ CASES = {
     "llama_fp32": LLAMA + ["precision=32-true"],
     # bf16 matmuls are emulated (slow) on CPUs without AVX512-BF16/AMX: a quarter of the tokens.
     "llama_bf16_mixed": LLAMA + ["precision=bf16-mixed", "data.max_length=256", "batch.micro_batch_size=4", "batch.global_batch_size=4"],
-    "llama_fp32_checkpointing": LLAMA + ["precision=32-true", "checkpointing=full", "batch.micro_batch_size=16", "batch.global_batch_size=16"],
+    "llama_fp32_checkpointing": LLAMA + ["precision=32-true", "activation_checkpointing=full", "batch.micro_batch_size=16", "batch.global_batch_size=16"],
     "llama_fp32_chunked_loss": LLAMA + ["precision=32-true", "loss=chunked", "loss.chunk_size=128"],
     "llama_fp32_step_in_backward": LLAMA + ["precision=32-true", "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"],
     "smollm2_lora_fp32": ["experiment=demo_lm_lora", "precision=32-true", "data.max_length=512",

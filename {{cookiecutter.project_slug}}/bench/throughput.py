@@ -207,8 +207,8 @@ def model_and_optimizer(cfg, datamodule, device: torch.device):
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, cfg, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = int(cfg.scheduler.warmup_ratio * steps)
-    args = (steps, warmup, cfg.scheduler.decay, cfg.scheduler.min_lr_ratio)
+    warmup = int(cfg.lr_schedule.warmup_ratio * steps)
+    args = (steps, warmup, cfg.lr_schedule.decay, cfg.lr_schedule.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, *args))
 
 

@@ -133,10 +133,10 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
     L.seed_everything(cfg.seed, workers=True)
     spec = OmegaConf.to_container(cfg.model, resolve=True)
     model = build_sequence_classifier(spec, datamodule.id2label, datamodule.tokenizer)
-    optimizer, scheduler, trainer_cfg = cfg.optimizer, cfg.scheduler, cfg.trainer
+    optimizer, scheduler, trainer_cfg = cfg.optimizer, cfg.lr_schedule, cfg.trainer
     if scheduler.decay != "linear" or scheduler.min_lr_ratio != 0:
         raise SystemExit(
-            f"scheduler: decay={scheduler.decay}, min_lr_ratio={scheduler.min_lr_ratio}; this bench compares linear decay to 0 only"
+            f"lr_schedule: decay={scheduler.decay}, min_lr_ratio={scheduler.min_lr_ratio}; this bench compares linear decay to 0 only"
         )
     step_checkpoint = cfg.callbacks.get("step_checkpoint")
     # The schedule's length as Lightning counts it (estimated_stepping_batches), and the

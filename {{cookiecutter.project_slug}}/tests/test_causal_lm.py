@@ -15,6 +15,7 @@ from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.export import export
 from {{ cookiecutter.package_name }}.generate import generate, read_prompts
+from {{ cookiecutter.package_name }}.models.inputs import ConnectData
 from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule, token_loss_sum
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import TextDataModule
 from {{ cookiecutter.package_name }}.train import train
@@ -272,6 +273,7 @@ def _one_step_update(pretrained_dir, tokenizer_dir, text_dir, micro_batch: int, 
         num_sanity_val_steps=0,
         limit_val_batches=0,
         precision="32-true",
+        callbacks=[ConnectData()],  # hands the module its data's facts, as train's trainer does
     )
     before = None
 

@@ -7,6 +7,7 @@ from importlib import resources
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
@@ -66,7 +67,7 @@ def test_the_walk_finds_every_group():
         "precision",
         "batch",
         "optimizer",
-        "scheduler",
+        "lr_schedule",
         "callbacks",
         "logger",
         "trainer",
@@ -208,8 +209,8 @@ def test_a_derived_batch_key_set_by_hand_is_refused_with_the_batch_setting_it_me
 @pytest.mark.parametrize(
     "override",
     [
-        "scheduler.warmup_ratio=1.5",
-        "scheduler.min_lr_ratio=-1",
+        "lr_schedule.warmup_ratio=1.5",
+        "lr_schedule.min_lr_ratio=-1",
         "optimizer.weight_decay=-0.1",
         "data.val_fraction=1.5",
         "peft=lora peft.dropout=1.0",
@@ -249,7 +250,7 @@ def test_validate_collects_every_problem_at_once(tmp_path):
             f"paths.output_dir={tmp_path}",
             "batch.micro_batch_size=0",
             "optimizer.lr=-1",
-            "scheduler.warmup_ratio=1.5",
+            "lr_schedule.warmup_ratio=1.5",
             "data.text_column=",
             "seed=abc",
         ],
@@ -257,7 +258,7 @@ def test_validate_collects_every_problem_at_once(tmp_path):
     with pytest.raises(ConfigError) as error:
         validate_config(cfg)
     message = str(error.value)
-    for field in ("batch.micro_batch_size", "optimizer.lr", "scheduler.warmup_ratio", "data.text_column", "seed"):
+    for field in ("batch.micro_batch_size", "optimizer.lr", "lr_schedule.warmup_ratio", "data.text_column", "seed"):
         assert field in message
 
 
@@ -344,7 +345,7 @@ def test_a_misspelt_field_of_a_transformers_config_is_refused(tmp_path, override
         ("train", "+optimizer._target_=torch.optim.AdamW", "optimizer names what it builds by name, not by a class path"),
         ("train", "model.fetch.kind=pip_wheel", "model.fetch.kind='pip_wheel' is not one of ["),
         ("train", "+model.fetch.requirment=x", "model.fetch.requirment is not a key of model.fetch: did you mean model.fetch.requirement?"),
-        ("train", "~scheduler.decay", "scheduler.decay is missing (removed with ~?)"),
+        ("train", "~lr_schedule.decay", "lr_schedule.decay is missing (removed with ~?)"),
     ],
 )
 def test_stray_and_missing_keys_are_named_with_the_fix(tmp_path, config_name, override, expected):
@@ -360,6 +361,61 @@ def test_a_misspelt_key_in_an_experiment_file_is_refused(tmp_path):
     (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\noptimizer:\n  weight_decy: 0.1\n")
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo"])
     with pytest.raises(ConfigError, match=r"optimizer.weight_decy is not a key of optimizer: did you mean optimizer.weight_decay\?"):
+        validate_config(cfg)
+
+
+def test_an_old_group_name_selects_the_renamed_group_and_says_so(tmp_path):
+    """``checkpointing`` and ``scheduler`` became ``activation_checkpointing`` and ``lr_schedule``; the
+    old names select the new groups' files (on the command line and in a user's experiment file),
+    and train/plan warn with the new spelling."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from {{ cookiecutter.package_name }}.utils.config import config_warnings
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /checkpointing: full\n  - override /scheduler: cosine_warmup\n"
+    )
+    for overrides in (["checkpointing=full", "scheduler=cosine_warmup"], [f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine"]):
+        with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+            cfg = compose("train", [f"paths.output_dir={tmp_path}", *overrides], return_hydra_config=True)
+        assert cfg.activation_checkpointing.mode == "full" and cfg.lr_schedule.decay == "cosine", overrides
+        assert "checkpointing" not in cfg and "scheduler" not in cfg
+        HydraConfig.instance().set_config(cfg)
+        try:
+            warnings = config_warnings(cfg)
+        finally:
+            HydraConfig.instance().cfg = None
+        assert "checkpointing=full is the deprecated name of activation_checkpointing=full" in " ".join(warnings), warnings
+        assert "scheduler=cosine_warmup is the deprecated name of lr_schedule=cosine_warmup" in " ".join(warnings), warnings
+        del cfg.hydra
+        validate_config(cfg)
+    default = compose_config("train", [f"paths.output_dir={tmp_path}"])
+    assert default.activation_checkpointing.mode == "none" and default.lr_schedule.decay == "linear"
+
+
+def test_a_key_under_an_old_group_name_is_refused_naming_the_new_key(tmp_path):
+    """Hydra cannot forward ``scheduler.warmup_ratio=0.1`` to ``lr_schedule``: refused before
+    anything composes (the command line) or loads (a ``scheduler:`` node in a YAML file)."""
+    from {{ cookiecutter.package_name }}.utils.run import command_line_problems
+
+    problems = command_line_problems(["scheduler.warmup_ratio=0.1", "+checkpointing.mode=full", "scheduler=constant"])
+    assert len(problems) == 2, problems
+    assert "scheduler.warmup_ratio=0.1: the scheduler group is now named lr_schedule" in problems[0]
+    assert "fix: lr_schedule.warmup_ratio=0.1" in problems[0]
+    assert "fix: activation_checkpointing.mode=full" in problems[1]
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "old.yaml").write_text("# @package _global_\nscheduler:\n  warmup_ratio: 0.1\n")
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", f"hydra.searchpath=[file://{tmp_path}]", "experiment=old"])
+    with pytest.raises(
+        ConfigError, match=r"scheduler.warmup_ratio: the scheduler group is now named lr_schedule.*fix: lr_schedule.warmup_ratio"
+    ):
+        validate_config(cfg)
+
+
+def test_an_unknown_task_name_is_refused_with_the_tasks_there_are(tmp_path):
+    cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task.name=regression"])
+    with pytest.raises(ConfigError, match=r"task.name='regression' is not one of this project's tasks \[.*\]; fix: task="):
         validate_config(cfg)
 
 

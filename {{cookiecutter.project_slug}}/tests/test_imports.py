@@ -107,11 +107,25 @@ def test_no_task_name_is_compared_outside_the_task_folders():
     assert not found, "\n".join(found)
 
 
+def test_no_task_module_reads_the_trainers_data_module():
+    """A task module is handed its data's facts (``models/inputs.py``: ``connect``, ``ConnectData``);
+    nothing under ``tasks/`` or ``models/`` but that hand-over reads ``trainer.datamodule``."""
+    found = [
+        f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        if path.relative_to(PACKAGE).parts[0] in ("tasks", "models") and path.relative_to(PACKAGE) != Path("models", "inputs.py")
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if "trainer.datamodule" in line and not line.strip().startswith("#")
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_the_checks_find_what_they_look_for(tmp_path, monkeypatch):
     """The walk sees a function-level upward import and a circle (so the tests above can fail)."""
     package = tmp_path / NAME
     (package / "utils").mkdir(parents=True)
     (package / "tasks").mkdir()
+    (package / "tasks" / "mine.py").write_text("def setup(self):\n    tokenizer = self.trainer.datamodule.tokenizer\n")
     (package / "__init__.py").write_text("")
     (package / "errors.py").write_text("")
     (package / "utils" / "__init__.py").write_text("")
@@ -124,6 +138,7 @@ def test_the_checks_find_what_they_look_for(tmp_path, monkeypatch):
         test_no_import_circle,
         test_the_ground_floor_imports_nothing_above_it,
         test_no_task_name_is_compared_outside_the_task_folders,
+        test_no_task_module_reads_the_trainers_data_module,
     ):
         try:
             test()

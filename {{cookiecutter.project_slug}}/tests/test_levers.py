@@ -28,13 +28,13 @@ STEP_IN_BACKWARD = ("optimizer.step_in_backward=true", "trainer.gradient_clip_va
     "levers",
     [
         ("attention=eager",),
-        ("checkpointing=full",),
+        ("activation_checkpointing=full",),
         ("loss=chunked", "loss.chunk_size=8"),
         ("optimizer=adamw_8bit",),
         ("optimizer=paged_adamw_8bit",),
         STEP_IN_BACKWARD,
         ("precision=bf16-true", "peft=none"),
-        ("precision=bf16-mixed", "checkpointing=full", "loss=chunked"),
+        ("precision=bf16-mixed", "activation_checkpointing=full", "loss=chunked"),
     ],
     ids=lambda levers: "+".join(levers),
 )
@@ -156,8 +156,8 @@ def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypa
         "trainer.max_steps=6",
         "trainer.val_check_interval=6",
         "callbacks.sample_generation=null",
-        "scheduler=cosine_warmup",
-        "scheduler.warmup_ratio=0.34",
+        "lr_schedule=cosine_warmup",
+        "lr_schedule.warmup_ratio=0.34",
         "optimizer.lr=1e-3",
         "test_after_fit=false",
         "batch.global_batch_size=4",
@@ -165,7 +165,7 @@ def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypa
         *path,
     )
     train(cfg)
-    expected = [1e-3 * lr_factor(step, 6, 2, "cosine", cfg.scheduler.min_lr_ratio) for step in range(6)]
+    expected = [1e-3 * lr_factor(step, 6, 2, "cosine", cfg.lr_schedule.min_lr_ratio) for step in range(6)]
     assert recorder.lrs == pytest.approx(expected), (recorder.lrs, expected)
 
 
@@ -176,7 +176,7 @@ def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypa
         (("optimizer.step_in_backward=true", "batch.micro_batch_size=4"), "accumulates 2"),
         (("optimizer.step_in_backward=true",), "trainer.gradient_clip_val=null"),
         (("attention=flash_attention_2",), "pip install flash-attn"),
-        (("checkpointing.mode=selective",), "checkpointing.mode='selective'"),
+        (("activation_checkpointing.mode=selective",), "activation_checkpointing.mode='selective'"),
         (("compile.mode=fast",), "compile.mode='fast'"),
         (("loss=chunked", "loss.chunk_size=0"), "loss.chunk_size=0"),
         (("loss=liger", "trainer=cpu"), "loss=liger needs a CUDA GPU and the liger-kernel package"),

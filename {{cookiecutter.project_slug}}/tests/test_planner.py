@@ -171,12 +171,12 @@ def test_several_processes_are_planned_per_process():
 def test_advice_lists_only_levers_that_lower_the_plan():
     base = (*TINY_LM, "data.max_length=256", "batch.micro_batch_size=1", "batch.global_batch_size=1")
     plain = plan_memory(plan_cfg(*base), search=False).total
-    checkpointed = plan_memory(plan_cfg(*base, "checkpointing=full"), search=False).total
+    checkpointed = plan_memory(plan_cfg(*base, "activation_checkpointing=full"), search=False).total
     assert checkpointed < plain
     plan = plan_memory(plan_cfg(*base, f"hardware.budget_gib={(plain + checkpointed) / 2 / GIB}"))
     assert plan.max_micro_batch == 0
     levers = [advice for advice in plan.advice if "GiB)" in advice]
-    assert any(advice.startswith("checkpointing=full (-") for advice in levers), plan.advice
+    assert any(advice.startswith("activation_checkpointing=full (-") for advice in levers), plan.advice
     # step_in_backward saves nothing when the peak comes before any gradient exists: not advised
     # unless its own plan is lower.
     in_backward = plan_memory(plan_cfg(*base, "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"), search=False).total

@@ -151,7 +151,7 @@ def test_a_nan_step_is_skipped_and_does_not_advance_the_lr_schedule(make_cfg, tm
         "+callbacks.fault.steps=[2]",
         "callbacks.non_finite_loss.action=skip",
         "trainer.max_steps=6",
-        "scheduler=linear_warmup",
+        "lr_schedule=linear_warmup",
         "batch.micro_batch_size=8",
         "test_after_fit=false",
     )

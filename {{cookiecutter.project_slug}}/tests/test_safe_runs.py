@@ -242,6 +242,26 @@ def test_a_checkpoint_of_the_previous_format_is_migrated_and_evaluates_as_main_d
     assert metrics["test/acc"] == pytest.approx(0.5, abs=1e-6)
 
 
+def test_a_checkpoint_written_before_the_group_renames_loads_and_evaluates_as_main_did(tokenizer_dir, toy_data, tmp_path):
+    """``tests/data/classifier_main_7646091.ckpt`` was written by main at 7646091 with
+    ``checkpointing=full scheduler=cosine_warmup`` (its optimizer state removed, which eval does not
+    read), before the groups became ``activation_checkpointing`` and ``lr_schedule``.  Its stored
+    ``checkpointing`` is read as ``activation_checkpointing`` (the file is not changed), and eval
+    gives the test loss main's own eval gave (0.6940954327583313)."""
+    from {{ cookiecutter.package_name }}.eval import evaluate
+    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
+
+    from .conftest import tiny_overrides
+
+    old = PROJECT / "tests" / "data" / "classifier_main_7646091.ckpt"
+    assert torch.load(old, map_location="cpu", weights_only=True)["hyper_parameters"]["checkpointing"] == {"mode": "full"}
+    migrated = trained_checkpoint(old)["hyper_parameters"]
+    assert migrated["activation_checkpointing"] == {"mode": "full"} and "checkpointing" not in migrated
+    metrics = evaluate(compose_config("eval", tiny_overrides(tokenizer_dir, toy_data, tmp_path / "eval") + [f"ckpt_path={old}"]))
+    assert metrics["test/loss"] == pytest.approx(0.6940954327583313, abs=1e-6)
+    assert metrics["test/acc"] == pytest.approx(0.5, abs=1e-6)
+
+
 # ------------------------------------------------------------------------------ run folders
 def test_a_fresh_train_into_a_folder_that_holds_a_run_is_refused_and_the_run_kept(classifier_ckpt, make_cfg):
     ckpt, _ = classifier_ckpt

@@ -277,13 +277,13 @@ def test_the_search_space_is_read_with_hydras_override_syntax():
     plugin = pytest.importorskip("hydra_plugins.{{ cookiecutter.package_name }}_sweeper")
     space, fixed = plugin.search_space([
         "optimizer.lr=tag(log, interval(1e-5, 3e-4))", "batch.micro_batch_size=choice(8, 16, 32)", "+peft.r=range(4, 13, 4)",
-        "seed=7", "scheduler.decay=choice(linear, cosine)", "batch.micro_batch_size=choice(4, 8)",  # the later line wins
+        "seed=7", "lr_schedule.decay=choice(linear, cosine)", "batch.micro_batch_size=choice(4, 8)",  # the later line wins
     ])  # fmt: skip
     lr = space["optimizer.lr"]
     assert isinstance(lr, optuna.distributions.FloatDistribution) and (lr.low, lr.high, lr.log) == (1e-5, 3e-4, True)
     assert space["batch.micro_batch_size"].choices == (4, 8) and space["+peft.r"].choices == (4, 8, 12)
-    assert space["scheduler.decay"].choices == ("linear", "cosine") and fixed == ["seed=7"]
-    assert plugin.override("scheduler.decay", "cosine") == "scheduler.decay='cosine'"
+    assert space["lr_schedule.decay"].choices == ("linear", "cosine") and fixed == ["seed=7"]
+    assert plugin.override("lr_schedule.decay", "cosine") == "lr_schedule.decay='cosine'"
     assert plugin.override("optimizer.lr", 1e-4) == "optimizer.lr=0.0001"
     with pytest.raises(plugin.SweepConfigError, match="hydra.sweeper.params"):
         plugin.search_space(["optimizer.lr=interval(1e-5"])

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import hydra
 import pandas as pd
 import pytest
 import torch
@@ -110,6 +111,30 @@ def test_max_length_beyond_the_encoders_positions_fails_before_the_data_or_weigh
     fix = r"data.max_length=1024 is longer than this model's maximum positions \(512, bert\); fix: data.max_length=512 or less"
     with pytest.raises(ConfigError, match=fix):
         train(make_cfg("data.max_length=1024"))
+
+
+def test_the_module_is_handed_the_configs_facts_then_the_datas_and_refuses_to_run_without(make_cfg, tokenizer_dir, toy_data):
+    """build_module hands the config's facts (no data read yet); ConnectData the data's, once set
+    up; a trainer without it stops with the fix before any weights are built."""
+    import lightning as L
+
+    from {{ cookiecutter.package_name }}.models.inputs import ConnectData
+    from {{ cookiecutter.package_name }}.tasks import build_module
+
+    cfg = make_cfg("data.max_length=24", "batch.global_batch_size=8", "batch.micro_batch_size=4")
+    module = build_module(cfg)
+    assert (module.inputs.precision, module.inputs.max_length, module.inputs.micro_batch_size) == ("32-true", 24, 4)
+    assert module.inputs.tokenizer is None and module.tokenizer is None
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(RuntimeError, match=r"was not handed its data's facts .*add models.inputs.ConnectData\(\)"):
+        trainer.fit(module, datamodule=hydra.utils.instantiate(cfg.data))
+    assert module.model is None
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[ConnectData()]
+    )
+    trainer.fit(module, datamodule=hydra.utils.instantiate(cfg.data))
+    assert module.inputs.id2label == {0: "negative", 1: "positive"} and module.tokenizer is module.inputs.tokenizer
+    assert module.inputs.tokenizer.convert_tokens_to_ids("good") != module.inputs.tokenizer.unk_token_id
 
 
 @pytest.mark.parametrize(
@@ -252,7 +277,7 @@ def test_each_job_closes_its_offline_wandb_run(make_cfg, tmp_path, monkeypatch, 
 @pytest.mark.parametrize(
     "levers",
     [
-        ("checkpointing=full", "attention=eager"),
+        ("activation_checkpointing=full", "attention=eager"),
         ("optimizer=adamw_8bit",),
         ("optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"),
     ],

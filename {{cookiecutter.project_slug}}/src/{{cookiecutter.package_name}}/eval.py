@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from .checks import validate_config
 from .errors import ConfigError
+from .models.inputs import ConnectData
 from .tasks import build_module, module_class, task_of
 from .utils.checkpoints import load_trained_module
 from .utils.config import to_plain
@@ -89,7 +90,7 @@ def evaluate(cfg: DictConfig) -> dict:
     print_config_tree(cfg, save_to=run_dir / "config_tree.log", show=bool(cfg.get("print_config")))
     datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
     loggers = instantiate_loggers(cfg)
-    trainer = instantiate_trainer(cfg, callbacks=[], loggers=loggers)
+    trainer = instantiate_trainer(cfg, callbacks=[ConnectData()], loggers=loggers)  # (an exported folder's module: the data's facts)
     failed = True
     try:
         trainer.test(module, datamodule=datamodule)

@@ -41,6 +41,7 @@ from .checks import validate_config
 from .errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
+from .models.inputs import ConnectData
 from .tasks import build_module, task_of
 from .utils.checkpoints import last_checkpoint, save_final_checkpoint, trained_checkpoint
 from .utils.config import config_warnings, precision_is_auto, to_plain, world_size
@@ -98,7 +99,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     module = build_module(cfg)
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     header = RunHeader(run_dir, model_line(cfg), batch_line(cfg), plan, auto_precision=precision_is_auto(cfg))
-    trainer = instantiate_trainer(cfg, [*instantiate_callbacks(cfg), header], loggers)
+    trainer = instantiate_trainer(cfg, [ConnectData(), *instantiate_callbacks(cfg), header], loggers)
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: utils/secrets.py)
 

@@ -1,4 +1,4 @@
-"""The run's callbacks, built from the config (``scheduler``, ``pruning``, ``callbacks`` groups)."""
+"""The run's callbacks, built from the config (``lr_schedule``, ``pruning``, ``callbacks`` groups)."""
 
 from __future__ import annotations
 
@@ -30,4 +30,4 @@ def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
         if idle:
             log.info("Not on a CUDA GPU: left out %s (nothing to measure here)", ", ".join(type(c).__name__ for c in idle))
         callbacks = [callback for callback in callbacks if callback not in idle]
-    return [hydra.utils.instantiate(cfg.scheduler), *pruning, *callbacks]
+    return [hydra.utils.instantiate(cfg.lr_schedule), *pruning, *callbacks]

@@ -69,7 +69,7 @@ def write_oom_report(cfg: DictConfig, run_dir: Path, report: dict | None, error:
     if micro_batch:
         fix = f"batch.micro_batch_size={micro_batch} (accumulation {share // micro_batch} keeps the global batch of {global_batch})"
     else:
-        fix = "; ".join(levers) or "a shorter data.max_length, checkpointing=full, optimizer=adamw_8bit or peft=lora"
+        fix = "; ".join(levers) or "a shorter data.max_length, activation_checkpointing=full, optimizer=adamw_8bit or peft=lora"
     lines.append(f"fix: {fix}")
     text = "\n".join(lines)
     facts.update(

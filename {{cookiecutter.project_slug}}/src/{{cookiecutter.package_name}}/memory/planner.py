@@ -283,7 +283,7 @@ def training_step(
     with torch.device(device) if device != "cpu" else contextlib.nullcontext():
         model, module, quantized = built or _build(cfg, config, precision)
         model.train()
-        if cfg.checkpointing.mode == "full":
+        if cfg.activation_checkpointing.mode == "full":
             enable_activation_checkpointing(model)
         optimizer_cfg = to_plain(cfg.optimizer)
         if is_8bit_optimizer(optimizer_cfg["name"]):  # traced as fp32 AdamW, its state then counted as stored (_plan_at)
@@ -517,8 +517,8 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
     weights = one.params + one.grads + one.optimizer
     candidates, told = task_of(cfg).memory_advice(cfg, weights_dominate=weights > one.activations + one.temporaries)
     candidates = dict(candidates)
-    if cfg.checkpointing.mode == "none":
-        candidates["checkpointing=full"] = {"checkpointing.mode": "full"}
+    if cfg.activation_checkpointing.mode == "none":
+        candidates["activation_checkpointing=full"] = {"activation_checkpointing.mode": "full"}
     if not is_8bit_optimizer(cfg.optimizer.name):
         candidates["optimizer=adamw_8bit"] = {"optimizer.name": "adamw_8bit"}
     if cfg.get("pruning") and cfg.pruning.method != "none":

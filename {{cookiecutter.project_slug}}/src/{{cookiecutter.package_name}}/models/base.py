@@ -11,14 +11,14 @@ from ..assets import fetch_model_files
 from ..optim import build_optimizer, lightning_allows_fused
 from ..utils.secrets import mask
 from .adapters import uses_peft
-from .inputs import ModelInputs, model_inputs
+from .inputs import ModelInputs
 from .levers import apply_levers
 
 
 class HFModule(L.LightningModule):
     """Base of the task modules: ``self.model`` is the Hugging Face model (built in
     ``configure_model``), ``self.tokenizer`` its tokenizer; ``hparams.model``,
-    ``hparams.optimizer``, ``hparams.attention``, ``hparams.checkpointing`` and
+    ``hparams.optimizer``, ``hparams.attention``, ``hparams.activation_checkpointing`` and
     ``hparams.compile`` are those config groups as plain dicts (the last three ``None`` = sdpa,
     no checkpointing, no compile).
 
@@ -41,8 +41,8 @@ class HFModule(L.LightningModule):
     saved in checkpoints.
 
     **Inputs.**  What the module knows of its data and run (tokenizer, labels, ``max_length``,
-    per-process micro-batch, precision) is :attr:`inputs`, a :class:`.inputs.ModelInputs` read
-    once in :meth:`setup` and saved in checkpoints (``checkpoint["model_inputs"]``, the tokenizer
+    per-process micro-batch, precision) is :attr:`inputs`, a :class:`.inputs.ModelInputs` handed
+    to it (:meth:`connect`: never read from the trainer's data module) and saved in checkpoints (``checkpoint["model_inputs"]``, the tokenizer
     as its files' text), so eval/predict/generate/export need nothing but the checkpoint.
     """
 
@@ -74,13 +74,32 @@ class HFModule(L.LightningModule):
         except RuntimeError:  # Lightning's "not attached to a Trainer"
             return None
 
+    def connect(self, inputs: ModelInputs) -> None:
+        """Hand the module the facts of its data and run (:mod:`.inputs`): the config's at
+        construction (``tasks.build_module``), the data's once it is set up
+        (:class:`.inputs.ConnectData`), or a checkpoint's.  Before ``configure_model``."""
+        self.inputs = inputs
+        self.tokenizer = inputs.tokenizer
+
     def setup(self, stage: str) -> None:
-        """Read the run's :class:`.inputs.ModelInputs` (the data module is set up by now), unless
-        the module already has them (loaded from a checkpoint)."""
-        if self.inputs is None:
-            self.inputs = model_inputs(self.trainer)
-        if self.tokenizer is None and self.inputs is not None:
-            self.tokenizer = self.inputs.tokenizer
+        """Refuse to build a model without the data's facts (the module reads no data module).
+
+        Raises:
+            RuntimeError: fit/validated/tested by a trainer without :class:`.inputs.ConnectData`
+                and never handed the data's facts (``connect``) nor loaded from a checkpoint.
+        """
+        if self.inputs is None or self.inputs.tokenizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} was not handed its data's facts (tokenizer, labels): add "
+                "models.inputs.ConnectData() to the trainer's callbacks (train and eval do), or call module.connect(...)"
+            )
+
+    def datamodule_kwargs(self) -> dict:
+        """What eval, predict and quantize hand the task's data module when they load this module:
+        the checkpoint's tokenizer (none for a module built to load an exported folder: the data
+        config names the folder's).  A task whose data needs more from the checkpoint (the
+        classifier's label map) adds it."""
+        return {"tokenizer": self.tokenizer} if self.tokenizer is not None else {}
 
     def prepare_data(self) -> None:
         """Install the model files once (``model.fetch``: a fetcher of the project's table, by
@@ -115,7 +134,7 @@ class HFModule(L.LightningModule):
 
     def apply_levers(self, compile_target: torch.nn.Module | None = None) -> None:
         """Activation checkpointing and compile, from the config groups (see :mod:`.levers`)."""
-        apply_levers(self.model, self.hparams.get("checkpointing"), self.hparams.get("compile"), compile_target)
+        apply_levers(self.model, self.hparams.get("activation_checkpointing"), self.hparams.get("compile"), compile_target)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # No LR scheduler here: the schedule callback sets the LR from the optimizer step count,
@@ -297,7 +316,5 @@ class HFModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         self.start_metrics = {str(k): float(v) for k, v in checkpoint.get("start_metrics", {}).items()}
-        if self.inputs is None:
-            self.inputs = ModelInputs.from_state_dict(checkpoint["model_inputs"])
-        if self.tokenizer is None:
-            self.tokenizer = self.inputs.tokenizer
+        if self.inputs is None or self.inputs.tokenizer is None:  # (a resumed fit keeps the data's)
+            self.connect(ModelInputs.from_state_dict(checkpoint["model_inputs"]))

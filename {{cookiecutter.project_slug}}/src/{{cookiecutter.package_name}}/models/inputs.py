@@ -1,10 +1,12 @@
 """What a task module is told about its data and its run, in one described object.
 
-A module does not read the trainer's data module or precision itself: :func:`model_inputs` reads
-them once (when Lightning sets the module up, the data set up before it) into a
-:class:`ModelInputs`; the module builds its model and normalises its loss from that, saves it in
-every checkpoint (``checkpoint["model_inputs"]``), and eval/predict/generate/export read it back
-from there, with nothing but the checkpoint.
+A module never reads the trainer's data module: it is handed a :class:`ModelInputs`
+(``module.connect``).  ``train`` and ``plan`` build the module with the config's facts
+(:meth:`ModelInputs.before_data`: precision, ``max_length``, per-process micro-batch), and
+:class:`ConnectData` hands it the data's (tokenizer, labels, end-of-turn token) once the data
+module is set up, before the model is built.  The module builds its model and normalises its loss
+from them, saves them in every checkpoint (``checkpoint["model_inputs"]``), and
+eval/predict/generate/export read them back from there, with nothing but the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class ModelInputs:
     """The facts of the data and the run a task module builds and trains from.
 
     Attributes:
-        tokenizer: the data's tokenizer (the model's ``vocab_size`` and special token ids follow it).
+        tokenizer: the data's tokenizer (the model's ``vocab_size`` and special token ids follow
+            it); ``None`` before the data is read (:meth:`before_data`).
         max_length: the longest row, in tokens (``data.max_length``); ``None`` unknown.
         micro_batch_size: rows per forward/backward pass of one process (the per-process
             micro-batch the ``batch`` group derives; DDP: the global batch's share of one device).
@@ -35,7 +38,7 @@ class ModelInputs:
         system_prompt: chat data: the system turn set on every row (``data.system_prompt``).
     """
 
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None
     max_length: int | None
     micro_batch_size: int
     precision: str = "32-true"
@@ -43,6 +46,28 @@ class ModelInputs:
     end_of_turn: str | None = None
     system_prompt: str | None = None
     _files: dict[str, str] | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def before_data(cls, precision: str, max_length: int | None, micro_batch_size: int) -> ModelInputs:
+        """The facts the config gives before any data is read (``train`` and ``plan`` hand them to
+        the module at construction, :func:`..tasks.build_module`): the module's spec checks run
+        on them before the data is tokenised; ``tokenizer`` stays ``None`` until
+        :class:`ConnectData` hands over the data's."""
+        return cls(tokenizer=None, max_length=max_length, micro_batch_size=micro_batch_size, precision=precision)
+
+    @classmethod
+    def of(cls, datamodule: L.LightningDataModule, precision: str) -> ModelInputs:
+        """The facts of a set-up data module (a :class:`..data.batching.TokenizedDataModule`: the
+        attributes it declares) under Lightning's ``precision`` flag."""
+        return cls(
+            tokenizer=datamodule.tokenizer,
+            max_length=datamodule.max_length,
+            micro_batch_size=datamodule.batch_size,
+            precision=precision,
+            id2label=datamodule.id2label,
+            end_of_turn=chat_end_of_turn(datamodule),
+            system_prompt=datamodule.system_prompt,
+        )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -84,22 +109,23 @@ class ModelInputs:
         )
 
 
-def model_inputs(trainer: L.Trainer) -> ModelInputs | None:
-    """The :class:`ModelInputs` of a run: the trainer's data module (set up: its tokenizer and,
-    for classification, its labels) and precision.  ``None`` when fit on bare data loaders (no
-    data module).  The one place a module reads them."""
-    datamodule = trainer.datamodule
-    if datamodule is None:
-        return None
-    return ModelInputs(
-        tokenizer=datamodule.tokenizer,
-        max_length=datamodule.max_length,
-        micro_batch_size=datamodule.batch_size,
-        precision=str(trainer.precision),
-        id2label=datamodule.id2label,
-        end_of_turn=chat_end_of_turn(datamodule),
-        system_prompt=datamodule.system_prompt,
-    )
+class ConnectData(L.Callback):
+    """Hands a task module the facts of its data once the data module is set up: Lightning
+    calls the data module's ``setup``, then the callbacks' (this one), then the module's, and
+    ``configure_model`` after them.  ``train`` and ``eval`` (an exported folder) put it first in
+    their trainer's callbacks; a module that already has its data facts (loaded from a
+    checkpoint) is left as it is.
+
+    Why not before ``fit``: the data facts (the tokenizer, the classifier's labels) exist once
+    ``prepare_data`` has installed the files (on one process per node) and ``setup`` has read
+    them (on every process), in Lightning's order; reading them earlier would run the downloads
+    on every DDP/SLURM rank at once.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        inputs = getattr(pl_module, "inputs", None)
+        if trainer.datamodule is not None and (inputs is None or inputs.tokenizer is None):
+            pl_module.connect(ModelInputs.of(trainer.datamodule, str(trainer.precision)))
 
 
 def chat_end_of_turn(datamodule: L.LightningDataModule) -> str | None:

@@ -1,5 +1,5 @@
 """The memory/speed levers applied to a built Hugging Face model: activation checkpointing and
-``torch.compile`` (the ``checkpointing`` and ``compile`` config groups).  Attention is chosen at
+``torch.compile`` (the ``activation_checkpointing`` and ``compile`` config groups).  Attention is chosen at
 build time (``attn_implementation``), the loss in the task module.  Shared by both tasks and by
 the memory planner, so the planner traces exactly what training runs."""
 
@@ -38,11 +38,13 @@ def compile_in_place(module: nn.Module, mode: str) -> None:
     module.compile(mode=None if mode == "default" else mode)
 
 
-def apply_levers(model: nn.Module, checkpointing: dict | None, compile_cfg: dict | None, compile_target: nn.Module | None = None) -> None:
-    """Apply the ``checkpointing`` and ``compile`` groups (plain dicts; ``None`` = off) to
+def apply_levers(
+    model: nn.Module, activation_checkpointing: dict | None, compile_cfg: dict | None, compile_target: nn.Module | None = None
+) -> None:
+    """Apply the ``activation_checkpointing`` and ``compile`` groups (plain dicts; ``None`` = off) to
     ``model``; compile ``compile_target`` (default: the whole model), e.g. the transformer body
     when the loss calls it directly."""
-    if checkpointing and checkpointing["mode"] == "full":
+    if activation_checkpointing and activation_checkpointing["mode"] == "full":
         enable_activation_checkpointing(model)
     if compile_cfg and compile_cfg["mode"] != "off":
         compile_in_place(compile_target if compile_target is not None else model, compile_cfg["mode"])

@@ -15,6 +15,7 @@ import lightning as L
 from omegaconf import DictConfig
 
 from ..errors import ConfigError
+from ..models.inputs import ModelInputs
 from ..utils.config import to_plain
 from .base import Task
 
@@ -51,6 +52,12 @@ def module_class(cfg: DictConfig) -> type[L.LightningModule]:
 
 def build_module(cfg: DictConfig, **replace: dict) -> L.LightningModule:
     """The task module of a config, as train, plan and eval build it: the class of ``task.module``
-    with each group of ``task.module_args`` as a plain dict (``replace``: groups given instead)."""
+    with each group of ``task.module_args`` as a plain dict (``replace``: groups given instead),
+    handed the facts the config gives before any data is read (``models.inputs.ModelInputs.before_data``:
+    ``trainer.precision``, ``data.max_length``, ``data.batch_size``); the data's follow when it is
+    set up (``models.inputs.ConnectData``)."""
     args = {group: to_plain(cfg[group]) for group in cfg.task.module_args}
-    return module_class(cfg)(**{**args, **replace})
+    module = module_class(cfg)(**{**args, **replace})
+    data = cfg.get("data") or {}
+    module.connect(ModelInputs.before_data(str(cfg.trainer.precision), data.get("max_length"), int(data.get("batch_size") or 1)))
+    return module

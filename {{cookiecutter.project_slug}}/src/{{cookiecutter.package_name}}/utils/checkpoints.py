@@ -150,7 +150,7 @@ def trained_checkpoint(path: str | Path) -> dict:
     if missing:
         raise ConfigError(f"ckpt_path={str(path)!r} is not a checkpoint written by train (no {', '.join(missing)}); {fix}")
     for note in stored.migrate(checkpoint):
-        log.info("ckpt_path=%s, written before checkpoints named their optimizer and fetcher: read as %s", path, note)
+        log.info("ckpt_path=%s, written by an earlier version of this project: read as %s", path, note)
     found = stored.problems(checkpoint)
     if found:
         raise ConfigError(

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from ..errors import ConfigError
-from .config_keys import unknown_key_problems
+from .config_keys import RENAMED_GROUPS, unknown_key_problems
 from .named import is_8bit_optimizer
 from .secrets import credential_problems
 from .secrets import register as register_secrets
@@ -36,7 +36,7 @@ TRAIN_ON = ("assistant", "last_assistant", "completion", "all")
 TRUNCATION = ("right", "left")
 # The peft group (both tasks).
 PEFT_METHODS = ("none", "lora", "qlora")
-# The memory levers (configs/attention, checkpointing, compile).
+# The memory levers (configs/attention, activation_checkpointing, compile).
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
 CHECKPOINTING = ("none", "full")
 COMPILE_MODES = ("off", "default", "max-autotune")
@@ -315,20 +315,20 @@ def group_problems(cfg: DictConfig, required: tuple[str, ...] = (), runs_here: b
                     f"optimizer.weight_decay={weight_decay!r} must be a number >= 0; fix: e.g. optimizer.weight_decay=0.01 (0: none)"
                 )
 
-        if "scheduler" in cfg:
-            warmup = cfg.scheduler.warmup_ratio
+        if "lr_schedule" in cfg:
+            warmup = cfg.lr_schedule.warmup_ratio
             if not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
                 problems.append(
-                    f"scheduler.warmup_ratio={warmup!r} must be in [0, 1): the fraction of optimizer steps spent warming up; "
-                    "fix: e.g. scheduler.warmup_ratio=0.06"
+                    f"lr_schedule.warmup_ratio={warmup!r} must be in [0, 1): the fraction of optimizer steps spent warming up; "
+                    "fix: e.g. lr_schedule.warmup_ratio=0.06"
                 )
-            if cfg.scheduler.decay not in DECAYS:
-                problems.append(f"scheduler.decay={cfg.scheduler.decay!r} is not one of {DECAYS}")
-            min_ratio = cfg.scheduler.min_lr_ratio
+            if cfg.lr_schedule.decay not in DECAYS:
+                problems.append(f"lr_schedule.decay={cfg.lr_schedule.decay!r} is not one of {DECAYS}")
+            min_ratio = cfg.lr_schedule.min_lr_ratio
             if not isinstance(min_ratio, (int, float)) or not 0 <= min_ratio <= 1:
                 problems.append(
-                    f"scheduler.min_lr_ratio={min_ratio!r} must be in [0, 1], the final LR as a fraction of the peak; "
-                    "fix: e.g. scheduler.min_lr_ratio=0.1 (0: decay to zero)"
+                    f"lr_schedule.min_lr_ratio={min_ratio!r} must be in [0, 1], the final LR as a fraction of the peak; "
+                    "fix: e.g. lr_schedule.min_lr_ratio=0.1 (0: decay to zero)"
                 )
 
         if "data" in cfg:
@@ -413,7 +413,7 @@ def _distributed_problems(trainer: DictConfig, runs_here: bool) -> list[str]:
 
 
 def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
-    """The attention / checkpointing / compile / loss / optimizer levers, and their conflicts."""
+    """The attention / activation checkpointing / compile / loss / optimizer levers, and their conflicts."""
     problems = []
     attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
     if attention not in ATTENTION:
@@ -425,8 +425,11 @@ def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
             "attention=flash_attention_2 needs the flash-attn package and a CUDA GPU (Ampere or newer); "
             "fix: pip install flash-attn --no-build-isolation, or attention=sdpa (PyTorch's own flash kernel)"
         )
-    if "checkpointing" in cfg and cfg.checkpointing.mode not in CHECKPOINTING:
-        problems.append(f"checkpointing.mode={cfg.checkpointing.mode!r} is not one of {CHECKPOINTING}; fix: checkpointing=full")
+    if "activation_checkpointing" in cfg and cfg.activation_checkpointing.mode not in CHECKPOINTING:
+        problems.append(
+            f"activation_checkpointing.mode={cfg.activation_checkpointing.mode!r} is not one of {CHECKPOINTING}; "
+            "fix: activation_checkpointing=full"
+        )
     if "compile" in cfg and str(cfg.compile.mode) not in COMPILE_MODES:
         problems.append(f"compile.mode={cfg.compile.mode!r} is not one of {COMPILE_MODES}; fix: compile=default")
     if "loss" in cfg:
@@ -498,6 +501,7 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     """Valid but risky choices, said out loud by train and plan (never silently).
 
     - On several processes, a micro-batch lowered to keep the global batch (:func:`device_batch_size`).
+    - A renamed group selected by its old name (``scheduler=cosine_warmup``: :data:`.config_keys.RENAMED_GROUPS`).
     - ``bf16-true`` with a full fine-tune: weights and AdamW state are bf16 (8 significant bits),
       so an update smaller than ~1/256 of a weight rounds to nothing; at a fine-tuning LR of 2e-5
       most updates are that small and most weights never change.  We warn rather than keep
@@ -513,7 +517,7 @@ def config_warnings(cfg: DictConfig) -> list[str]:
             lever
             for lever, on in (
                 ("optimizer=adamw_8bit", is_8bit_optimizer(optimizer.get("name"))),
-                ("checkpointing=full", (cfg.get("checkpointing") or {}).get("mode") == "full"),
+                ("activation_checkpointing=full", (cfg.get("activation_checkpointing") or {}).get("mode") == "full"),
                 ("optimizer.step_in_backward=true", bool(optimizer.get("step_in_backward"))),
             )
             if not on
@@ -531,6 +535,12 @@ def config_warnings(cfg: DictConfig) -> list[str]:
             warnings.append(
                 f"batch.micro_batch_size={batch.micro_batch_size} x {devices * nodes} processes is more than the global batch "
                 f"of {batch.global_batch_size} allows: each process runs micro-batches of {size} (same global batch, less memory)"
+            )
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    for old, new in RENAMED_GROUPS.items():
+        if choices.get(old):
+            warnings.append(
+                f"{old}={choices[old]} is the deprecated name of {new}={choices[old]} (the alias goes in a later release); fix: {new}={choices[old]}"
             )
     return warnings
 

@@ -24,12 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ..errors import ConfigError, DataError
+from .config_keys import renamed_key_problem
 from .secrets import mask
 
 log = logging.getLogger(__name__)
 
 # Printed first, in this order; the rest follow alphabetically.
-TREE_ORDER = ("task", "model", "data", "batch", "optimizer", "scheduler", "trainer", "callbacks", "logger", "paths")
+TREE_ORDER = ("task", "model", "data", "batch", "optimizer", "lr_schedule", "trainer", "callbacks", "logger", "paths")
 
 
 # Overrides whose value is a folder this run creates or writes into.
@@ -57,6 +58,10 @@ def command_line_problems(args: list[str]) -> list[str]:
                 f"{arg!r}: the value of {key} is not valid override syntax ({reason}); fix: quote a value holding spaces, "
                 f"brackets, commas or quotes, e.g. {key}='\"...\"' in the shell (grammar: {GRAMMAR})"
             )
+            continue
+        renamed = renamed_key_problem(key, arg.split("=", 1)[1])
+        if renamed:
+            problems.append(renamed)
             continue
         value = override.value()
         if key in FOLDER_KEYS and isinstance(value, str) and Path(value).exists() and not Path(value).is_dir():

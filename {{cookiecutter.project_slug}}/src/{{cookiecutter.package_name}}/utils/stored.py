@@ -24,7 +24,9 @@ and a stored file name joined to a folder would write where the file likes.  So:
 ``optimizer._target_`` and the model fetcher as ``model.fetch._target_`` with ``_partial_: true``.
 Exactly those nodes, holding exactly the class paths this project shipped (:data:`OLD_OPTIMIZERS`,
 :func:`old_fetchers`), are rewritten in memory to the names of today's tables; the file is not
-changed.  Any other class path is refused ("re-train").
+changed.  Any other class path is refused ("re-train").  Settings stored under a config group's
+former name (``checkpointing``, before it became ``activation_checkpointing``:
+:data:`.config_keys.RENAMED_GROUPS`) are read under the new name, the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import os
 from collections.abc import Iterator
 from pathlib import PurePosixPath, PureWindowsPath
 
+from .config_keys import RENAMED_GROUPS
 from .named import OPTIMIZERS, class_path_of, model_fetchers
 
 # Keys whose value names code to import: Hydra's instantiate keys, Lightning's checkpoint
@@ -57,8 +60,8 @@ CALLBACK_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 
 def migrate(checkpoint: dict) -> list[str]:
-    """Rewrite, in memory, the two nodes of the previous format to today's (see the module
-    docstring); return one line per node rewritten.  Anything else is left for :func:`problems`."""
+    """Rewrite, in memory, the nodes of earlier formats to today's (see the module docstring);
+    return one line per node rewritten.  Anything else is left for :func:`problems`."""
     hparams = checkpoint.get("hyper_parameters")
     if not isinstance(hparams, dict):
         return []
@@ -68,6 +71,10 @@ def migrate(checkpoint: dict) -> list[str]:
         target = optimizer.pop("_target_")
         optimizer["name"] = OLD_OPTIMIZERS[target]
         notes.append(f"hyper_parameters.optimizer._target_={target!r} -> optimizer.name={optimizer['name']!r}")
+    for old, new in RENAMED_GROUPS.items():  # module arguments named after their config group
+        if old in hparams and new not in hparams:
+            hparams[new] = hparams.pop(old)
+            notes.append(f"hyper_parameters.{old} -> {new}")
     model = hparams.get("model")
     fetch = model.get("fetch") if isinstance(model, dict) else None
     if isinstance(fetch, dict) and set(fetch) & {"_target_", "_partial_"} and fetch.get("_target_") in old_fetchers():

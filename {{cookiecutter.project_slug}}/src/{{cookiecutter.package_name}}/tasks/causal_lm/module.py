@@ -19,7 +19,6 @@ from ...models.causal import (
     token_loss_sum,
 )
 from ...models.generation import TextGeneration
-from ...models.inputs import model_inputs
 from ...models.precision import weights_dtype
 
 CHAT_FILE = "chat.json"
@@ -51,7 +50,7 @@ class CausalLMModule(TextGeneration, HFModule):
             ``tokenizer``, ``fetch``).
         optimizer: the ``optimizer`` config group as a plain dict.
         peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...).
-        attention, checkpointing, compile: those config groups (see :class:`.base.HFModule`).
+        attention, activation_checkpointing, compile: those config groups (see :class:`.base.HFModule`).
         loss: the ``loss`` group: ``implementation`` plain (cross-entropy over the full logits),
             chunked (:func:`chunked_token_loss_sum`, ``chunk_size`` positions per chunk) or liger
             (:func:`liger_token_loss_sum`, CUDA only); ``None`` = plain.
@@ -72,7 +71,7 @@ class CausalLMModule(TextGeneration, HFModule):
         optimizer: dict,
         peft: dict,
         attention: dict | None = None,
-        checkpointing: dict | None = None,
+        activation_checkpointing: dict | None = None,
         compile: dict | None = None,
         loss: dict | None = None,
         qat: dict | None = None,
@@ -90,19 +89,12 @@ class CausalLMModule(TextGeneration, HFModule):
         """``loss.implementation``: plain | chunked | liger."""
         return self.hparams.loss["implementation"] if self.hparams.get("loss") else "plain"
 
-    def datamodule_kwargs(self) -> dict:
-        """What eval passes to the data module: the checkpoint's tokenizer (none for a module
-        built to load an exported folder: the data config names the folder's)."""
-        return {"tokenizer": self.tokenizer} if self.tokenizer is not None else {}
-
     def prepare_data(self) -> None:
         """Install the model files, then check the spec against the architecture, before the
         data is tokenised and before any weights load (Lightning calls this first)."""
         super().prepare_data()
-        trainer = self.attached_trainer()
-        inputs = model_inputs(trainer) if self.hparams.hf_config is None and trainer is not None else None
-        if inputs is not None:  # (the tokenizer is not loaded yet; the spec checks need none)
-            self.architecture_spec(precision=inputs.precision, max_length=inputs.max_length)
+        if self.hparams.hf_config is None and self.inputs is not None:  # (the config's facts: no tokenizer yet, none needed)
+            self.architecture_spec(precision=self.inputs.precision, max_length=self.inputs.max_length)
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -18,7 +18,6 @@ from ...models.builder import (
     sequence_classifier_from_dict,
     spec_config,
 )
-from ...models.inputs import model_inputs
 from ...models.precision import weights_dtype
 
 
@@ -46,7 +45,7 @@ class SequenceClassificationModule(HFModule):
         model: the ``model`` config group as a plain dict (see :mod:`.builder`), including an
             optional ``fetch`` (called once in ``prepare_data`` to install the weights).
         optimizer: the ``optimizer`` config group as a plain dict (``_target_``, ``lr``, ...).
-        attention, checkpointing, compile: those config groups as plain dicts (see
+        attention, activation_checkpointing, compile: those config groups as plain dicts (see
             :class:`.base.HFModule`).
         peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...);
             ``None`` = none.  With LoRA/QLoRA the pretrained model is frozen, adapters train on
@@ -73,7 +72,7 @@ class SequenceClassificationModule(HFModule):
         model: dict,
         optimizer: dict,
         attention: dict | None = None,
-        checkpointing: dict | None = None,
+        activation_checkpointing: dict | None = None,
         compile: dict | None = None,
         peft: dict | None = None,
         qat: dict | None = None,
@@ -97,12 +96,10 @@ class SequenceClassificationModule(HFModule):
         LoRA targets), before the data is tokenised and before any weights load (Lightning calls
         this first)."""
         super().prepare_data()
-        trainer = self.attached_trainer()
-        inputs = model_inputs(trainer) if trainer is not None else None
-        if inputs is not None:
+        if self.inputs is not None:  # (the config's facts: the labels are not read yet, none needed)
             config = self.architecture()
-            check_max_length(config, inputs.max_length)
-            check_adapter_spec(self.hparams.peft, self.hparams.model, inputs.precision)
+            check_max_length(config, self.inputs.max_length)
+            check_adapter_spec(self.hparams.peft, self.hparams.model, self.inputs.precision)
             if self.peft_method != "none":
                 self.lora_targets(config)
 
