@@ -26,6 +26,7 @@ from rich.text import Text
 
 from .checks import validate_config
 from .errors import ConfigError
+from .tasks.causal_lm.chat import ChatDataModule
 from .tasks.causal_lm.text import IGNORE_INDEX
 from .utils.run import exit_on_bad_input, hydra_main
 
@@ -67,7 +68,7 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
     if not isinstance(cfg.rows, int) or cfg.rows < 0 or not isinstance(cfg.first_row, int) or cfg.first_row < 0:
         raise ConfigError(f"rows={cfg.rows!r} and first_row={cfg.first_row!r} must be integers >= 0; fix: rows=5 first_row=0")
     datamodule = hydra.utils.instantiate(cfg.data)
-    if not hasattr(datamodule, "tokenized"):
+    if not isinstance(datamodule, ChatDataModule):
         raise ConfigError(
             f"data._target_={cfg.data._target_!r} is not chat data; inspect_data shows chat rows (fix: data=chat, or an experiment that uses it)"
         )

@@ -1,15 +1,58 @@
-"""The plumbing of causal language models, shared by every task that trains one: the token loss
-(plain, chunked, Liger) as ``(loss_sum, n_targets)``, the model's arguments for a batch, and the
-parts of a peft-wrapped model."""
+"""The plumbing of causal language models, shared by every task that trains one: the spec's
+checks against the architecture, the token loss (plain, chunked, Liger) as ``(loss_sum,
+n_targets)``, the model's arguments for a batch, and the parts of a peft-wrapped model."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..data.tokenization import IGNORE_INDEX
+from ..errors import ConfigError
+from .adapters import check_adapter_spec, target_modules
+from .builder import check_max_length, linear_layer_names
+
+# Bidirectional encoders: transformers maps some to a "*LMHeadModel", but they are not causal LMs.
+ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert", "modernbert")
+# Config fields of model families whose logits are rescaled or capped after the lm_head (Gemma 2,
+# Cohere, Granite): the chunked loss calls the lm_head directly and would skip that step.
+LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def check_causal_spec(
+    config: PretrainedConfig, spec: dict, peft: dict, precision: str, max_length: int | None, loss_implementation: str
+) -> list[str]:
+    """Check a causal LM's spec against its architecture ``config`` (no weights are read) and
+    return the LoRA target modules (``[]`` for ``peft.method: none``).
+
+    Args:
+        config: the HF config the model will be built from.
+        spec, peft: the ``model`` and ``peft`` groups (plain dicts).
+        precision: Lightning's precision flag; max_length: tokens per row, or ``None``.
+        loss_implementation: ``loss.implementation`` (plain | chunked | liger).
+
+    Raises:
+        ConfigError: an encoder-only model, ``max_length`` above its positions, a LoRA/QLoRA spec
+            the model or precision cannot take, a target matching no linear layer, a chunked or
+            Liger loss on a model that transforms its logits after the lm_head.
+    """
+    if config.model_type in ENCODER_ONLY:
+        raise ConfigError(
+            f"task=causal_lm needs a decoder, but the model is a {config.model_type} encoder "
+            f"(model.name_or_path={spec.get('name_or_path')!r}); fix: a causal LM such as model=smollm2_135m, "
+            "or task=classification"
+        )
+    check_max_length(config, max_length)
+    check_adapter_spec(peft, spec, precision)
+    transforms = [field for field in LOGIT_TRANSFORM_FIELDS if getattr(config, field, None) not in (None, 1.0)]
+    if loss_implementation != "plain" and transforms:
+        raise ConfigError(
+            f"loss={loss_implementation} calls the lm_head directly, but {config.model_type} transforms its logits "
+            f"afterwards ({', '.join(transforms)}); fix: loss=plain"
+        )
+    return target_modules(peft, config, linear_layer_names(config)) if peft.get("method", "none") != "none" else []
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,6 @@ import lightning as L
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .builder import tokenizer_from_files, tokenizer_to_files
 from .precision import compute_dtype
 
 
@@ -82,6 +81,8 @@ class ModelInputs:
     def state_dict(self) -> dict:
         """Plain JSON types (a ``weights_only`` checkpoint holds them): the tokenizer as its files' text."""
         if self._files is None:
+            from .builder import tokenizer_to_files  # (see from_state_dict)
+
             self._files = tokenizer_to_files(self.tokenizer)
         return {
             "tokenizer_files": self._files,
@@ -96,6 +97,10 @@ class ModelInputs:
     @classmethod
     def from_state_dict(cls, state: dict) -> ModelInputs:
         """Inverse of :meth:`state_dict`."""
+        # Imported here: the builder brings transformers' model classes and, through them, torchao,
+        # whose import logs warnings; train imports this module before Hydra has set up logging.
+        from .builder import tokenizer_from_files
+
         id2label = state.get("id2label")
         return cls(
             tokenizer=tokenizer_from_files(state["tokenizer_files"]),

@@ -7,12 +7,13 @@ from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ...errors import ConfigError
-from ...models.adapters import check_adapter_spec, quantized_loading, target_modules, uses_peft, wrap_with_lora
+from ...models.adapters import quantized_loading, uses_peft, wrap_with_lora
 from ...models.base import HFModule
-from ...models.builder import check_max_length, config_to_dict, linear_layer_names, spec_config
+from ...models.builder import config_to_dict, spec_config
 from ...models.causal import (
     causal_body,
     causal_lm_of,
+    check_causal_spec,
     chunked_token_loss_sum,
     liger_token_loss_sum,
     model_arguments,
@@ -22,11 +23,6 @@ from ...models.generation import TextGeneration
 from ...models.precision import weights_dtype
 
 CHAT_FILE = "chat.json"
-# Bidirectional encoders: transformers maps some to a "*LMHeadModel", but they are not causal LMs.
-ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert", "modernbert")
-# Config fields of model families whose logits are rescaled or capped after the lm_head (Gemma 2,
-# Cohere, Granite): the chunked loss calls the lm_head directly and would skip that step.
-LOGIT_TRANSFORM_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 class CausalLMModule(TextGeneration, HFModule):
@@ -118,35 +114,15 @@ class CausalLMModule(TextGeneration, HFModule):
     def architecture_spec(
         self, precision: str, max_length: int | None, config: PretrainedConfig | None = None
     ) -> tuple[PretrainedConfig, list[str]]:
-        """The HF config and the LoRA target modules (``[]`` without peft), after checking the
-        spec against the architecture (on the meta device: no weights are read).  ``config``
-        given (the memory planner) replaces the one the spec names.
-
-        Raises:
-            ConfigError: see the class docstring.
-        """
-        spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
+        """The HF config (``config`` given, the planner's; else the checkpoint's, else the spec's)
+        and the LoRA target modules, checked by :func:`..models.causal.check_causal_spec`."""
         if config is None and self.hparams.hf_config is not None:
             fields = dict(self.hparams.hf_config)
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         elif config is None:
-            config = spec_config(spec, self.tokenizer)
-        if config.model_type in ENCODER_ONLY:
-            raise ConfigError(
-                f"task=causal_lm needs a decoder, but the model is a {config.model_type} encoder "
-                f"(model.name_or_path={spec.get('name_or_path')!r}); fix: a causal LM such as model=smollm2_135m, "
-                "or task=classification"
-            )
-        check_max_length(config, max_length)
-        check_adapter_spec(peft_cfg, spec, precision)
-        transforms = [field for field in LOGIT_TRANSFORM_FIELDS if getattr(config, field, None) not in (None, 1.0)]
-        if self.loss_implementation != "plain" and transforms:
-            raise ConfigError(
-                f"loss={self.loss_implementation} calls the lm_head directly, but {config.model_type} transforms its logits "
-                f"afterwards ({', '.join(transforms)}); fix: loss=plain"
-            )
-        modules = target_modules(peft_cfg, config, linear_layer_names(config)) if method != "none" else []
-        return config, modules
+            config = spec_config(self.hparams.model, self.tokenizer)
+        peft = self.hparams.peft or {"method": "none"}
+        return config, check_causal_spec(config, self.hparams.model, peft, precision, max_length, self.loss_implementation)
 
     def build_model(
         self, precision: str, max_length: int | None, config: PretrainedConfig | None = None, pretrained: bool = True
