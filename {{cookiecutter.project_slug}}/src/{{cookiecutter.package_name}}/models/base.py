@@ -42,8 +42,9 @@ class HFModule(L.LightningModule):
 
     **Inputs.**  What the module knows of its data and run (tokenizer, labels, ``max_length``,
     per-process micro-batch, precision) is :attr:`inputs`, a :class:`.inputs.ModelInputs` handed
-    to it (:meth:`connect`: never read from the trainer's data module) and saved in checkpoints (``checkpoint["model_inputs"]``, the tokenizer
-    as its files' text), so eval/predict/generate/export need nothing but the checkpoint.
+    to it (:meth:`connect`: never read from the trainer's data module) and saved in checkpoints
+    (``checkpoint["model_inputs"]``, the tokenizer as its files' text), so
+    eval/predict/generate/export need nothing but the checkpoint.
     """
 
     TASK_NAME = ""  # each task's module names its task (task.name)
@@ -74,6 +75,12 @@ class HFModule(L.LightningModule):
         except RuntimeError:  # Lightning's "not attached to a Trainer"
             return None
 
+    @property
+    def knows_its_data(self) -> bool:
+        """Whether the module holds its data's facts (the tokenizer and labels: handed over by
+        :class:`.inputs.ConnectData`, or read from a checkpoint), not only the config's."""
+        return self.inputs is not None and self.inputs.tokenizer is not None
+
     def connect(self, inputs: ModelInputs) -> None:
         """Hand the module the facts of its data and run (:mod:`.inputs`): the config's at
         construction (``tasks.build_module``), the data's once it is set up
@@ -88,7 +95,7 @@ class HFModule(L.LightningModule):
             RuntimeError: fit/validated/tested by a trainer without :class:`.inputs.ConnectData`
                 and never handed the data's facts (``connect``) nor loaded from a checkpoint.
         """
-        if self.inputs is None or self.inputs.tokenizer is None:
+        if not self.knows_its_data:
             raise RuntimeError(
                 f"{type(self).__name__} was not handed its data's facts (tokenizer, labels): add "
                 "models.inputs.ConnectData() to the trainer's callbacks (train and eval do), or call module.connect(...)"
@@ -316,5 +323,5 @@ class HFModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         self.start_metrics = {str(k): float(v) for k, v in checkpoint.get("start_metrics", {}).items()}
-        if self.inputs is None or self.inputs.tokenizer is None:  # (a resumed fit keeps the data's)
+        if not self.knows_its_data:  # (a resumed fit keeps the data's)
             self.connect(ModelInputs.from_state_dict(checkpoint["model_inputs"]))

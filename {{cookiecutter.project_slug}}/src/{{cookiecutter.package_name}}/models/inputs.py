@@ -128,8 +128,7 @@ class ConnectData(L.Callback):
     """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        inputs = getattr(pl_module, "inputs", None)
-        if trainer.datamodule is not None and (inputs is None or inputs.tokenizer is None):
+        if trainer.datamodule is not None and not pl_module.knows_its_data:  # (an HFModule)
             pl_module.connect(ModelInputs.of(trainer.datamodule, str(trainer.precision)))
 
 

@@ -89,7 +89,7 @@ class SequenceClassificationModule(HFModule):
 
     def datamodule_kwargs(self) -> dict:
         """What eval/predict pass to the data module: the checkpoint's tokenizer and labels."""
-        return {"tokenizer": self.tokenizer, "label2id": self.label2id}
+        return {**super().datamodule_kwargs(), "label2id": self.label2id}
 
     def prepare_data(self) -> None:
         """Install the model files, then check the spec against the architecture (positions,
