@@ -20,7 +20,9 @@ GROUND = {"errors": (), "utils": ("errors", "utils")}
 # The console entry points (thin: compose the config, ask the task, run); a task-only one (generate,
 # export: causal LM) may import its task's module.
 ENTRY_POINTS = {"train", "eval", "predict", "generate", "export", "quantize", "plan", "doctor", "plot", "inspect_data"}
-TASK_NAME = re.compile(r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](causal_lm|classification)["']|["'](causal_lm|classification)["']\s*(==|!=)""")
+# A comparison with any task's name (the task folders'), e.g. ``cfg.task.name == "classification"``.
+TASKS = "|".join(sorted((path.name for path in (PACKAGE / "tasks").iterdir() if (path / "__init__.py").is_file()), key=len, reverse=True))
+TASK_NAME = re.compile(r"""(==|!=|\bin\b)\s*[(\[{]?\s*["'](""" + TASKS + r""")["']|["'](""" + TASKS + r""")["']\s*(==|!=)""")
 
 
 def module_name(path: Path) -> str:
@@ -130,7 +132,8 @@ def test_the_checks_find_what_they_look_for(tmp_path, monkeypatch):
     (package / "errors.py").write_text("")
     (package / "utils" / "__init__.py").write_text("")
     (package / "utils" / "a.py").write_text("def f():\n    from ..b import g\n")
-    (package / "b.py").write_text("from .utils.a import f\nif cfg.task.name == 'causal_lm':\n    pass\n")
+    a_task = TASKS.split("|")[0]  # a task folder of this bake
+    (package / "b.py").write_text(f"from .utils.a import f\nif cfg.task.name == '{a_task}':\n    pass\n")
     monkeypatch.setattr(f"{__name__}.PACKAGE", package)
     edges = imports()
     assert edges[f"{NAME}.utils.a"] == {f"{NAME}.b"} and edges[f"{NAME}.b"] == {f"{NAME}.utils.a"}

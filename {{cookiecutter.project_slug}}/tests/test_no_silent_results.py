@@ -254,7 +254,7 @@ def test_predictions_for_10000_classes_are_joined_at_once_and_keep_the_input_cel
 
     import pandas as pd
 
-    from {{ cookiecutter.package_name }}.predict import prediction_frame
+    from {{ cookiecutter.package_name }}.tasks.classification import prediction_frame
 
     rows = pd.DataFrame({"text": ["a", "b", "c"], "id": ["007", "1.50", "NA"]})
     names = [f"class{i}" for i in range(10_000)]

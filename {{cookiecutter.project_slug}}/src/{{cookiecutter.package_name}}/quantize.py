@@ -116,7 +116,7 @@ def quantize(cfg: DictConfig) -> dict:
             forward = load_forward(name, folder, auto_class, device)
             runtime = "onnxruntime-cpu" if VARIANTS[name].runtime == ONNXRUNTIME else f"pytorch-eager-{device}"
             print(f"[{name}] scoring on the {split} split, timing on {runtime} ...")
-            metrics = task.score(forward, loader, device)
+            metrics = task.score(forward, loader, device, datamodule)
             samples = time_forward(forward, to_device(timing, device if runtime.startswith("pytorch") else "cpu"), cfg.latency)
             measurements.append(
                 Measurement(

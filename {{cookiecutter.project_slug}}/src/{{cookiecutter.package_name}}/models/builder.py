@@ -38,8 +38,10 @@ def build_sequence_classifier(
     dtype: torch.dtype = torch.float32,
     loading: dict | None = None,
     loading_info: dict | None = None,
+    auto_class: type = AutoModelForSequenceClassification,
 ) -> PreTrainedModel:
-    """An ``AutoModelForSequenceClassification`` with a fresh head of ``len(id2label)`` outputs.
+    """An ``auto_class`` classifier (``AutoModelForSequenceClassification``: one label per row;
+    ``AutoModelForTokenClassification``: one per token) with a fresh head of ``len(id2label)`` outputs.
 
     ``config.pad_token_id`` is the tokenizer's pad id (a decoder's classifier reads the logits
     at each row's rightmost non-pad token), also for pretrained weights whose ``config.json``
@@ -72,9 +74,9 @@ def build_sequence_classifier(
         fields = dict(spec["config"])
         model_type = fields.pop("model_type")
         config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **fields, **labels)
-        return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+        return auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     if spec.get("name_or_path"):
-        model, info = AutoModelForSequenceClassification.from_pretrained(
+        model, info = auto_class.from_pretrained(
             spec["name_or_path"],
             attn_implementation=attn_implementation,
             dtype=dtype,
@@ -97,12 +99,16 @@ def config_to_dict(config: PretrainedConfig) -> dict:
 
 
 def sequence_classifier_from_dict(
-    config_dict: dict, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+    config_dict: dict,
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+    auto_class: type = AutoModelForSequenceClassification,
 ) -> PreTrainedModel:
-    """Rebuild the architecture stored by :func:`config_to_dict`, with random weights."""
+    """Rebuild the architecture stored by :func:`config_to_dict`, with random weights, as an
+    ``auto_class`` model (see :func:`build_sequence_classifier`)."""
     fields = dict(config_dict)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
 
 
 def tokenizer_to_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:

@@ -35,6 +35,9 @@ class ModelInputs:
         end_of_turn: chat data (:mod:`..tasks.causal_lm.chat`): the token closing assistant turns, where
             generation stops; ``None`` for raw text (and classification).
         system_prompt: chat data: the system turn set on every row (``data.system_prompt``).
+        task_facts: what else a task's data tells its module, in plain JSON types, that the
+            framework does not read (token classification: the tag scheme its metrics parse);
+            ``None`` for a task that has none.
     """
 
     tokenizer: PreTrainedTokenizerBase | None
@@ -44,6 +47,7 @@ class ModelInputs:
     id2label: dict[int, str] | None = None
     end_of_turn: str | None = None
     system_prompt: str | None = None
+    task_facts: dict | None = None
     _files: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -66,6 +70,7 @@ class ModelInputs:
             id2label=datamodule.id2label,
             end_of_turn=chat_end_of_turn(datamodule),
             system_prompt=datamodule.system_prompt,
+            task_facts=datamodule.task_facts,
         )
 
     @property
@@ -92,6 +97,7 @@ class ModelInputs:
             "id2label": None if self.id2label is None else {int(k): v for k, v in self.id2label.items()},
             "end_of_turn": self.end_of_turn,
             "system_prompt": self.system_prompt,
+            "task_facts": self.task_facts,
         }
 
     @classmethod
@@ -110,6 +116,7 @@ class ModelInputs:
             id2label=None if id2label is None else {int(k): v for k, v in id2label.items()},
             end_of_turn=state.get("end_of_turn"),
             system_prompt=state.get("system_prompt"),
+            task_facts=state.get("task_facts"),
             _files=state["tokenizer_files"],
         )
 

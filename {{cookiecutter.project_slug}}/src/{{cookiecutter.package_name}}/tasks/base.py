@@ -33,6 +33,8 @@ class Task:
             ``export``) besides ``ckpt_path=``.
         scores_test_split_only: ``quantize`` scores on ``data.splits.test`` (refused without it);
             otherwise on the test split when there is one, else the validation split.
+        prediction_suffix: the file type ``predict`` writes (``.csv``, ``.jsonl``); ``""``: the
+            task has no ``predict`` (:meth:`write_predictions`).
     """
 
     name: ClassVar[str] = ""
@@ -42,6 +44,7 @@ class Task:
     quality: ClassVar[dict[str, str]] = {}
     reads_exported_folders: ClassVar[bool] = False
     scores_test_split_only: ClassVar[bool] = True
+    prediction_suffix: ClassVar[str] = ""
 
     # ------------------------------------------------------------------ config checks
     def data_problems(self, data: DictConfig) -> list[str]:
@@ -77,14 +80,27 @@ class Task:
         (chat data: the greedy answers' exact match, written to ``predictions``)."""
         return {}
 
+    # ------------------------------------------------------------------ predict
+    def write_predictions(self, module: Any, datamodule: Any, outputs: list, path: Path) -> int:
+        """Write ``predict``'s file to ``path`` (a temporary name, renamed when this returns) and
+        return its number of rows: one per row of ``datamodule.predict_rows``, in their order, the
+        input's cells as read.  ``outputs``: what ``module.predict_step`` returned per batch.
+
+        Raises:
+            DataError: the input cannot be written back as it was read (e.g. a column of the name
+                a prediction takes).
+        """
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ quantize
     def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
         """The timed inputs for ``input_ids`` (B, T), every position real; ``sample``: a batch of
         the task's data (for the other inputs it carries)."""
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
 
-    def score(self, forward: Callable[[dict], torch.Tensor], loader: Any, device: str) -> dict[str, float]:
-        """The quality metrics (:attr:`quality`) of ``forward`` over ``loader``."""
+    def score(self, forward: Callable[[dict], torch.Tensor], loader: Any, device: str, datamodule: Any) -> dict[str, float]:
+        """The quality metrics (:attr:`quality`) of ``forward`` over ``loader``, one of the
+        evaluation loaders of ``datamodule`` (set up: its labels are mapped)."""
         raise NotImplementedError
 
 

@@ -82,7 +82,7 @@ class CausalLM(Task):
         # One forward over the batch (prefill), no KV cache kept.
         return {**super().timing_inputs(input_ids, sample), "use_cache": False}
 
-    def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
+    def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str, datamodule) -> dict[str, float]:
         """``perplexity`` = exp(token-mean NLL): the NLL summed over every target token of the
         split and divided by their count."""
         from ...models.causal import model_arguments, token_loss_sum

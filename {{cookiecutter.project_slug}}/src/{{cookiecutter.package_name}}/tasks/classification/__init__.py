@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from ...compress.quantization import TORCHAO_VARIANTS
+from ...errors import DataError
 from ..base import Task, to_device
 
 
@@ -20,6 +22,7 @@ class SequenceClassification(Task):
     auto_class = "AutoModelForSequenceClassification"
     quantize_variants = ("fp32", *TORCHAO_VARIANTS, "onnx_fp32", "onnx_int8")
     quality = {"accuracy": "max", "f1_macro": "max"}
+    prediction_suffix = ".csv"
 
     def data_problems(self, data: DictConfig) -> list[str]:
         return [
@@ -39,13 +42,22 @@ class SequenceClassification(Task):
         module.model = module.build_model(precision, config=config)
         return module.model, []
 
+    def write_predictions(self, module, datamodule, outputs: list, path: Path) -> int:
+        """A CSV: the input's columns, then ``predicted_label`` and ``prob_<label>`` per class
+        (:func:`prediction_frame`); ``outputs``: class probabilities ``(B, num_labels)`` per batch."""
+        probabilities = torch.cat(outputs)  # (N, num_labels)
+        names = [module.inputs.id2label[i] for i in range(probabilities.shape[1])]
+        frame = prediction_frame(datamodule.predict_rows.to_pandas(), probabilities, names)
+        frame.to_csv(path, index=False)
+        return len(frame)
+
     def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
         inputs = super().timing_inputs(input_ids, sample)
         if "token_type_ids" in sample:
             inputs["token_type_ids"] = torch.zeros_like(input_ids)
         return inputs
 
-    def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str) -> dict[str, float]:
+    def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str, datamodule) -> dict[str, float]:
         """``accuracy`` and ``f1_macro`` (torchmetrics, as ``eval`` logs them)."""
         from .module import classification_metrics
 
@@ -57,6 +69,28 @@ class SequenceClassification(Task):
                 metrics.update(logits, batch["labels"])
         values = metrics.compute()
         return {"accuracy": float(values["test/acc"]), "f1_macro": float(values["test/f1_macro"])}
+
+
+def prediction_frame(rows, probabilities: torch.Tensor, names: list[str]):
+    """The input's rows (a ``pandas.DataFrame``, their cells as read), then ``predicted_label`` and
+    ``prob_<label>`` for each of the ``len(names)`` classes; ``probabilities`` is (N, num_labels).
+    The columns are joined at once: inserted one by one, 10,000 classes took minutes and a pandas
+    warning each.
+
+    Raises:
+        DataError: the input already has a column of those names (it would be overwritten or doubled).
+    """
+    import pandas as pd
+
+    added = ["predicted_label", *(f"prob_{name}" for name in names)]
+    taken = [column for column in added if column in rows.columns]
+    if taken:
+        raise DataError(
+            f"input has column(s) {taken[:5]} that predict writes; fix: rename them in the input (its cells are copied as they are)"
+        )
+    predicted = pd.DataFrame({"predicted_label": [names[i] for i in probabilities.argmax(dim=-1).tolist()]}, index=rows.index)
+    scores = pd.DataFrame(probabilities.float().numpy(), columns=[f"prob_{name}" for name in names], index=rows.index)
+    return pd.concat([rows, predicted, scores], axis=1)
 
 
 TASK = SequenceClassification()

@@ -66,6 +66,9 @@ class SequenceClassificationModule(HFModule):
     """
 
     TASK_NAME = "classification"  # task.name of configs/task/classification.yaml; stored in every checkpoint
+    AUTO_CLASS = AutoModelForSequenceClassification  # the transformers class of the model (one label per row)
+    PEFT_TASK_TYPE = "SEQ_CLS"  # peft's task type: it keeps the new head trainable (modules_to_save)
+    BEST_OF = "val/acc"  # the validation metric whose best so far is logged as <name>_best
 
     def __init__(
         self,
@@ -109,7 +112,7 @@ class SequenceClassificationModule(HFModule):
         Raises:
             ConfigError: no target list for the model family, or a name matching no linear layer.
         """
-        return target_modules(self.hparams.peft, config, linear_layer_names(config, AutoModelForSequenceClassification))
+        return target_modules(self.hparams.peft, config, linear_layer_names(config, self.AUTO_CLASS))
 
     def architecture(self) -> PretrainedConfig:
         """The HF config of the model (the checkpoint's, or the spec's), read without weights."""
@@ -129,13 +132,15 @@ class SequenceClassificationModule(HFModule):
         # each submodule's mode as it finds it: switch to train mode explicitly.
         self.model.train()
         self.apply_levers()
-        num_classes = self.model.config.num_labels
-        self.train_metrics = classification_metrics(num_classes, "train")
-        self.val_metrics = classification_metrics(num_classes, "val")
-        self.test_metrics = classification_metrics(num_classes, "test")
+        self.train_metrics, self.val_metrics, self.test_metrics = (self.metrics(split) for split in ("train", "val", "test"))
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self.val_acc_best = MaxMetric()
+        self.val_acc_best = MaxMetric()  # (of BEST_OF; the name is the one checkpoints store)
         self.val_acc_best.persistent(True)  # in the checkpoint's state_dict: a resumed run keeps the best so far
+
+    def metrics(self, split: str) -> MetricCollection:
+        """The metrics of ``split`` (``train``/``val``/``test``), logged as ``{split}/<name>``
+        (:func:`classification_metrics`); the model is built, so its labels are known."""
+        return classification_metrics(self.model.config.num_labels, split)
 
     def build_model(self, precision: str, max_length: int | None = None, config: PretrainedConfig | None = None) -> torch.nn.Module:
         """The one builder of this task's model (``train``, ``plan``, eval/predict all call it), in
@@ -156,13 +161,13 @@ class SequenceClassificationModule(HFModule):
         loading = quantized_loading(self.hparams.peft, precision, device) if method == "qlora" and config is None else {}
         info: dict = {}  # from_pretrained's loading info: which weights it drew at random
         if config is not None:
-            model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attention, dtype=dtype)
+            model = self.AUTO_CLASS.from_config(config, attn_implementation=attention, dtype=dtype)
         elif self.hparams.hf_config is not None and method == "none":
-            model = sequence_classifier_from_dict(self.hparams.hf_config, attention, dtype=dtype)
+            model = sequence_classifier_from_dict(self.hparams.hf_config, attention, dtype=dtype, auto_class=self.AUTO_CLASS)
         elif self.hparams.hf_config is not None:  # an adapter checkpoint: the frozen base is re-read
             super().prepare_data()  # (model.fetch)
             stored = {key: self.hparams.hf_config[key] for key in ("id2label", "label2id", "pad_token_id")}
-            model, info = AutoModelForSequenceClassification.from_pretrained(
+            model, info = self.AUTO_CLASS.from_pretrained(
                 self.hparams.model["name_or_path"],
                 attn_implementation=attention,
                 dtype=dtype,
@@ -172,12 +177,20 @@ class SequenceClassificationModule(HFModule):
             )
         else:
             model = build_sequence_classifier(
-                self.hparams.model, self.inputs.id2label, self.inputs.tokenizer, attention, dtype=dtype, loading=loading, loading_info=info
+                self.hparams.model,
+                self.inputs.id2label,
+                self.inputs.tokenizer,
+                attention,
+                dtype=dtype,
+                loading=loading,
+                loading_info=info,
+                auto_class=self.AUTO_CLASS,
             )
         if config is None:
             self.remember_fresh(model, info)
         if method != "none":
-            model = wrap_with_lora(model, self.hparams.peft, self.lora_targets(config or self.architecture()), task_type="SEQ_CLS")
+            targets = self.lora_targets(config or self.architecture())
+            model = wrap_with_lora(model, self.hparams.peft, targets, task_type=self.PEFT_TASK_TYPE)
         self.prepare_qat(model)
         return model
 
@@ -234,8 +247,8 @@ class SequenceClassificationModule(HFModule):
         super().on_validation_epoch_end()
         if self.trainer.sanity_checking:  # an untrained model's accuracy is not a "best"
             return
-        self.val_acc_best.update(self.val_metrics.compute()["val/acc"])
-        self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True)
+        self.val_acc_best.update(self.val_metrics.compute()[self.BEST_OF])
+        self.log(f"{self.BEST_OF}_best", self.val_acc_best.compute(), prog_bar=True)
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.test_loss, self.test_metrics)
