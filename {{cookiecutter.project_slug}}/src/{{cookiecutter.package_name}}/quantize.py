@@ -32,7 +32,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, open_dict
 
 from .checks import validate_config
 from .compress import CONV1D_MODEL_TYPES, conv1d_refusal
@@ -77,6 +77,7 @@ def quantize(cfg: DictConfig) -> dict:
     """
     validate_config(cfg, resumes=False)
     task = task_of(cfg)
+    cfg = with_task_defaults(cfg, task)
     hparams, architecture = read_source(cfg)
     qat = hparams.get("qat") or {"scheme": "none"}  # (checkpoints written before the qat group have none)
     device = run_device(cfg.latency.device)
@@ -262,6 +263,18 @@ def plan_variants(cfg: DictConfig, task: Task, device: str, qat_scheme: str, arc
 
 
 # --------------------------------------------------------------------------- the model
+def with_task_defaults(cfg: DictConfig, task: Task) -> DictConfig:
+    """``cfg`` with what it leaves null taken from the task: ``variants`` (every one of
+    ``Task.quantize_variants``) and ``latency.batch_size`` (``Task.latency_batch_size``)."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        if cfg.variants is None:
+            cfg.variants = list(task.quantize_variants)
+        if cfg.latency.batch_size is None:
+            cfg.latency.batch_size = task.latency_batch_size
+    return cfg
+
+
 def auto_class_of(task: Task) -> type:
     """The transformers Auto class that loads this task's folders (``Task.auto_class``)."""
     import transformers

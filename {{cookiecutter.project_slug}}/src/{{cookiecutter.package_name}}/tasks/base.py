@@ -27,7 +27,9 @@ class Task:
         auto_class: the transformers Auto class name that loads this task's exported folders.
         loss_implementations: the ``loss.implementation`` values the task's module implements.
         quantize_variants: the ``quantize`` variants offered (names in
-            :data:`..compress.quantization.VARIANTS`); ``fp32`` is always one.
+            :data:`..compress.quantization.VARIANTS`), made by default (``variants`` null);
+            ``fp32`` is always one.
+        latency_batch_size: rows of ``quantize``'s timed forward when ``latency.batch_size`` is null.
         quality: what ``quantize`` reports as the variants' quality, ``{metric: "max"|"min"}``.
         reads_exported_folders: ``eval``/``quantize`` accept ``model_dir=`` (a folder written by
             ``export``) besides ``ckpt_path=``.
@@ -41,6 +43,7 @@ class Task:
     auto_class: ClassVar[str] = ""
     loss_implementations: ClassVar[tuple[str, ...]] = ("plain",)
     quantize_variants: ClassVar[tuple[str, ...]] = ("fp32",)
+    latency_batch_size: ClassVar[int] = 32
     quality: ClassVar[dict[str, str]] = {}
     reads_exported_folders: ClassVar[bool] = False
     scores_test_split_only: ClassVar[bool] = True

@@ -95,7 +95,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "compile": frozenset({"mode"}),
     "loss": frozenset({"implementation", "chunk_size"}),
     "paths": frozenset({"root_dir", "data_dir", "log_dir", "output_dir", "cache_dir"}),
-    "latency": frozenset({"device", "batch_size", "batch_size_by_task", "sequence_length", "warmup", "repeats"}),  # quantize
+    "latency": frozenset({"device", "batch_size", "sequence_length", "warmup", "repeats"}),  # quantize
 }
 # Top-level keys that only one entry config reads (by task_name; train and eval read none extra).
 ENTRY_KEYS: dict[str, frozenset[str]] = {
@@ -104,7 +104,7 @@ ENTRY_KEYS: dict[str, frozenset[str]] = {
     "predict": frozenset({"input", "output", "overwrite"}),
     "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation", "overwrite"}),
     "export": frozenset({"output_dir", "dtype", "overwrite"}),
-    "quantize": frozenset({"model_dir", "output_dir", "variants", "variants_by_task", "unavailable", "group_size", "latency", "overwrite"}),
+    "quantize": frozenset({"model_dir", "output_dir", "variants", "unavailable", "group_size", "latency", "overwrite"}),
 }
 # Arguments of a _target_ that this project passes itself: never from the config.
 SET_BY_PROJECT: dict[str, frozenset[str]] = {

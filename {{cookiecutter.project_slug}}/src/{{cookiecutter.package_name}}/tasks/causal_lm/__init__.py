@@ -27,6 +27,7 @@ class CausalLM(Task):
     auto_class = "AutoModelForCausalLM"
     loss_implementations = ("plain", "chunked", "liger")
     quantize_variants = ("fp32", *TORCHAO_VARIANTS, "nf4")
+    latency_batch_size = 8
     quality = {"perplexity": "min"}
     reads_exported_folders = True
     scores_test_split_only = False
