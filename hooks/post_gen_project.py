@@ -16,6 +16,13 @@ CONFIGS = f"{SRC}/configs"
 ONLY_FOR = {
     "classification": [
         f"{SRC}/tasks/classification",
+        f"{SRC}/tasks/token_classification",  # (its module extends the sequence classifier's)
+        f"{CONFIGS}/task/token_classification.yaml",
+        f"{CONFIGS}/data/token_files.yaml",
+        f"{CONFIGS}/experiment/ner_bert_base.yaml",
+        f"{CONFIGS}/hparams_search/token_classification_optuna.yaml",
+        "tests/test_token_classification.py",
+        "tests/e2e/test_cli_token_classification.py",
         f"{SRC}/predict.py",
         f"{CONFIGS}/predict.yaml",
         f"{CONFIGS}/task/classification.yaml",

@@ -25,6 +25,7 @@ CONFIG_ROOT = resources.files("{{ cookiecutter.package_name }}") / "configs"
 TASK_DATA = {
 {%- if cookiecutter.tasks != "causal_lm" %}
     "classification": "vader_movie_reviews",
+    "token_classification": "token_files",
 {%- endif %}
 {%- if cookiecutter.tasks != "classification" %}
     "causal_lm": "shakespeare",

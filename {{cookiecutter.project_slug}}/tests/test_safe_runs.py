@@ -331,17 +331,24 @@ def test_predict_never_writes_over_its_input_or_a_checkpoint(classifier_ckpt, to
 
     cases = [
         (csv_input, csv_input, "is the input input="),
-        (parquet_input, parquet_input, "is the input input="),
+        # (an output of another file type than the task writes is refused first, whatever it is)
+        (parquet_input, parquet_input, r"output=.*reviews.parquet': task=classification writes a .csv file; fix: output=.*reviews.csv"),
         (csv_input, tmp_path / "sub" / ".." / "reviews.csv", "is the input input="),  # another spelling
         (csv_input, tmp_path / "link.csv", "is the input input="),  # a link to it
-        (csv_input, ckpt, "is the input ckpt_path="),
-        (csv_input, ckpt_copy, "is a checkpoint file"),
+        (csv_input, ckpt, "writes a .csv file"),
+        (csv_input, ckpt_copy, "writes a .csv file"),
     ]
     for source, output, message in cases:
         for more in ([], ["overwrite=true"]):  # never, even with overwrite=true
             with pytest.raises(ConfigError, match=message):
                 run(source, output, *more)
     assert {path: path.read_bytes() for path in untouched} == untouched
+    # The rules under the suffix check, for any output a command names (predict's can no longer be a .ckpt):
+    from {{ cookiecutter.package_name }}.utils.outputs import output_problems
+
+    inputs = {"input": csv_input, "ckpt_path": ckpt}
+    assert "is the input ckpt_path=" in output_problems({"output": ckpt}, inputs, tmp_path / "mine", overwrite=True)[0]
+    assert "is a checkpoint file" in output_problems({"output": ckpt_copy}, inputs, tmp_path / "mine", overwrite=True)[0]
     existing = tmp_path / "old_predictions.csv"
     existing.write_text("mine\n")
     with pytest.raises(ConfigError, match=r"output=.*old_predictions.csv' exists; fix: output=<a new path>, or overwrite=true"):

@@ -1,0 +1,99 @@
+"""Token classification: one tag per word (named entities, part of speech, chunks).  The module is
+:class:`...tasks.token_classification.module.TokenClassificationModule`, the data
+:class:`...tasks.token_classification.data.TokenTagsDataModule` (configs/task/token_classification.yaml)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ...compress.quantization import TORCHAO_VARIANTS
+from ...errors import DataError
+from ..base import Task, to_device
+from .spans import SCHEMES
+
+ADDED = ("tags", "words_cut")  # the fields predict adds to each input row
+
+
+class TokenClassification(Task):
+    """One tag per word; cross-entropy over the tags of each word's first sub-token, token
+    accuracy and entity-level F1 (:mod:`.spans`)."""
+
+    name = "token_classification"
+    auto_class = "AutoModelForTokenClassification"
+    quantize_variants = ("fp32", *TORCHAO_VARIANTS)
+    quality = {"f1": "max", "accuracy": "max"}
+    prediction_suffix = ".jsonl"
+
+    def data_problems(self, data: DictConfig) -> list[str]:
+        problems = [
+            f"data.{field}={data.get(field)!r} must name a column of your data, e.g. data.{field}={example}"
+            for field, example in (("tokens_column", "tokens"), ("tags_column", "tags"))
+            if not isinstance(data.get(field), str) or not data.get(field)
+        ]
+        if data.get("scheme") not in SCHEMES:
+            problems.append(f"data.scheme={data.get('scheme')!r} must be one of {list(SCHEMES)}; fix: data.scheme=IOB2 (B-/I- tags)")
+        if not isinstance(data.get("strict"), bool):
+            problems.append(f"data.strict={data.get('strict')!r} must be true or false (seqeval's strict mode); fix: data.strict=false")
+        if data.get("format") not in ("auto", "conll"):
+            problems.append(f"data.format={data.get('format')!r} must be auto (by file suffix) or conll; fix: data.format=auto")
+        column = data.get("conll_tag_column")
+        if not isinstance(column, int) or isinstance(column, bool):
+            problems.append(
+                f"data.conll_tag_column={column!r} must be an integer (0-based; -1 = the last column); fix: data.conll_tag_column=-1"
+            )
+        return problems
+
+    def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        batch = super().example_batch(cfg, vocab_size, micro_batch)
+        return {**batch, "labels": torch.zeros_like(batch["input_ids"])}  # (B, T): a tag on every position, the most the loss reads
+
+    def planned_model(self, module, cfg: DictConfig, config, precision: str) -> tuple[torch.nn.Module, list[int]]:
+        config.num_labels = 9  # CoNLL-2003's tag set; the head's size barely matters
+        module.model = module.build_model(precision, config=config)
+        return module.model, []
+
+    def write_predictions(self, module, datamodule, outputs: list, path: Path) -> int:
+        """A jsonl file: per input row, its fields as read, then ``tags`` (one per word: the
+        predicted tag, ``null`` for a word ``data.max_length`` cut off) and ``words_cut``."""
+        names = module.inputs.id2label
+        rows = datamodule.predict_rows
+        taken = [field for field in ADDED if field in rows.column_names]
+        if taken:
+            raise DataError(
+                f"input has field(s) {taken} that predict writes; fix: rename them in the input (its fields are copied as they are)"
+            )
+        tagged = [row for batch in outputs for row in batch]  # tag ids per row, in input order
+        words_column = datamodule.tokens_column
+        with path.open("w", encoding="utf-8") as file:
+            for row, ids in zip(rows, tagged, strict=True):
+                cut = len(row[words_column] or []) - len(ids)
+                tags = [names[i] for i in ids] + [None] * cut
+                # (default=str: a parquet timestamp or decimal is written as its text, never dropped)
+                file.write(json.dumps({**row, "tags": tags, "words_cut": cut}, ensure_ascii=False, default=str) + "\n")
+        return len(tagged)
+
+    def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
+        inputs = super().timing_inputs(input_ids, sample)
+        if "token_type_ids" in sample:
+            inputs["token_type_ids"] = torch.zeros_like(input_ids)
+        return inputs
+
+    def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str, datamodule) -> dict[str, float]:
+        """``f1`` (entity level, micro) and ``accuracy`` (token level), as ``eval`` logs them."""
+        from .module import DEFAULT_FACTS, TagMetrics
+
+        metrics = TagMetrics(torch.nn.Module(), "test", datamodule.id2label, {**DEFAULT_FACTS, **(datamodule.task_facts or {})})
+        with torch.inference_mode():
+            for batch in loader:
+                logits = forward(to_device({k: v for k, v in batch.items() if k not in ADDED and k != "labels"}, device))
+                metrics.update(logits.float().cpu(), batch)  # (B, T, num_tags)
+        values = metrics.compute()
+        return {"f1": float(values["test/f1"]), "accuracy": float(values["test/acc"])}
+
+
+TASK = TokenClassification()

@@ -1,0 +1,396 @@
+"""Word-tagging data (NER, POS, chunking): sentences of words with one tag each, from jsonl/parquet
+rows or CoNLL-style text; tags mapped once from train; words aligned to sub-tokens; batched."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, DataCollatorForTokenClassification, PreTrainedTokenizerBase
+
+from ...data.batching import TokenizedDataModule
+from ...data.loading import first_non_utf8, load_split, require_columns, split_field
+from ...data.tokenization import IGNORE_INDEX, load_tokenizer, use_eos_as_pad
+from ...errors import DataError
+from .spans import entity_spans, tag_problem
+
+log = logging.getLogger(__name__)
+
+# Suffixes read as CoNLL-style text (one word a line, blank lines between sentences); the rest go
+# to datasets' readers (jsonl/json/parquet).  data.format=conll reads any suffix as CoNLL.
+CONLL_SUFFIXES = (".conll", ".conll03", ".conllx", ".iob", ".iob2", ".bio", ".bioes", ".txt")
+TABLE_SUFFIXES = (".jsonl", ".json", ".parquet")
+METRIC_SPLIT = {"validation": "val"}  # the metrics' name of a split
+WHERE = "__where__"  # the column of each row's place in its file while it is checked (a line or row number)
+
+
+def read_conll(path: str, field: str, tag_column: int | None) -> tuple[dict[str, list], int]:
+    """The sentences of a CoNLL-style file as ``{"tokens": [[word, ...]], "tags": [[tag, ...]],
+    "line": [first line]}`` (``tags`` only when ``tag_column`` is given), and how many empty
+    sentences (a blank line after a blank line) were dropped.
+
+    Each line is ``word`` then whitespace-separated columns (``EU B-ORG`` or CoNLL-2003's
+    ``EU NNP B-NP B-ORG``); ``tag_column`` picks the tag (0-based, negative counts from the
+    end: -1 is the last).  A blank line ends a sentence; ``-DOCSTART-`` lines (document breaks)
+    are skipped and end one too.
+
+    Raises:
+        DataError: the file is missing, not UTF-8, empty, or a line lacks the tag column (its number).
+    """
+    if not Path(path).is_file():
+        raise DataError(f"{field}={path!r} does not exist; fix: point {field} at an existing file")
+    bad = first_non_utf8([path])
+    if bad is not None:
+        raise DataError(f"{field}={path!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. iconv -f latin1 -t utf-8")
+    rows: dict[str, list] = {"tokens": [], "tags": [], "line": []}
+    words, tags, empty, extra_blanks, previous = [], [], 0, 0, "start"  # previous line: start | blank | docstart | word
+    with open(path, encoding="utf-8-sig") as file:
+        for number, line in enumerate([*file, ""], start=1):  # a final blank line ends the last sentence
+            columns = line.split()
+            if columns and columns[0] != "-DOCSTART-":
+                if tag_column is not None and (len(columns) < 2 or not -len(columns) <= tag_column < len(columns)):
+                    raise DataError(
+                        f"{field}={path!r} line {number}: {line.strip()!r} has {len(columns)} column(s), no tag column "
+                        f"data.conll_tag_column={tag_column}; fix: one 'word TAG' per line (columns separated by spaces "
+                        "or tabs), or data.conll_tag_column=<the tag's column, 0-based; -1 = last>"
+                    )
+                if not words:
+                    rows["line"].append(number)
+                    empty, extra_blanks = empty + extra_blanks, 0  # (blank lines at the end of the file are no sentence)
+                words.append(columns[0])
+                tags.append(columns[tag_column] if tag_column is not None else None)
+                previous = "word"
+                continue
+            if words:
+                rows["tokens"].append(words)
+                rows["tags"].append(tags)
+            elif not columns and previous == "blank":
+                extra_blanks += 1
+            words, tags = [], []
+            previous = "docstart" if columns else "blank"
+    if not rows["tokens"]:
+        raise DataError(f"{field}={path!r} holds no sentence; fix: one 'word TAG' per line, a blank line between sentences")
+    if tag_column is None:
+        del rows["tags"]
+    return rows, empty
+
+
+def is_empty(words: list | None) -> bool:
+    """A row without words (dropped from training data and counted)."""
+    return not words
+
+
+def no_words_as_empty(words: list | None, column: str) -> dict[str, list]:
+    """A predict row whose words (``column``) are null: no words (its output row has ``tags: []``)."""
+    return {column: words or []}
+
+
+def has_words(words: list | None) -> bool:
+    """A row with words (kept)."""
+    return not is_empty(words)
+
+
+def tag_ids(tags: list[list], label2id: dict[str, int]) -> dict[str, list[list[int]]]:
+    """Each row's tags as ids (a ``datasets`` batched map)."""
+    return {"tag_ids": [[label2id[str(tag)] for tag in row] for row in tags]}
+
+
+def class_names(tags: list[int], names: list[str]) -> dict[str, list[str]]:
+    """A row's class ids as their names (a hub data set's ``Sequence(ClassLabel)`` column)."""
+    return {"tags": [names[tag] for tag in tags]}
+
+
+def align_tags(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, max_length: int, tags: bool) -> dict[str, list]:
+    """Tokenise pre-split words (``is_split_into_words``) and put each word's tag id on its first
+    sub-token, -100 on later sub-tokens and on special tokens (the loss and the metrics skip them).
+    Without ``tags`` (predict) the first sub-tokens get 0: the positions to read a tag from.
+
+    Adds ``input_ids``/``attention_mask`` (``token_type_ids``) of at most ``max_length`` tokens,
+    ``labels`` (as long), and ``words_cut``: the words of the row that ``max_length`` cut off
+    (no sub-token left), which get no tag.
+    """
+    encoded = tokenizer(batch["tokens"], is_split_into_words=True, truncation=True, max_length=max_length)
+    labels, cut = [], []
+    for row, words in enumerate(batch["tokens"]):
+        row_labels, seen = [], set()
+        for word in encoded.word_ids(row):
+            first = word is not None and word not in seen
+            row_labels.append((batch["tag_ids"][row][word] if tags else 0) if first else IGNORE_INDEX)
+            seen.add(word)
+        labels.append(row_labels)
+        cut.append(len(words) - len(seen - {None}))
+    return {**encoded, "labels": labels, "words_cut": cut}
+
+
+class TokenTagsDataModule(TokenizedDataModule):
+    """Batches of tagged words from jsonl/json/parquet rows, CoNLL-style text or a hub data set.
+
+    Each batch is a dict of tensors: ``input_ids``, ``attention_mask`` (and ``token_type_ids``)
+    of shape ``(micro_batch, T)``, ``labels`` ``(micro_batch, T)`` (the tag id on each word's
+    first sub-token, -100 elsewhere, padded with -100) and ``words_cut`` ``(micro_batch,)``.
+
+    Args:
+        splits: split -> local file, or hub split name when ``hub_name`` is set.  ``validation``
+            may be null (cut from train with ``val_split_seed``), ``test`` too (no test stage).
+        tokens_column, tags_column: the columns of a row's words (a list of strings) and tags
+            (a list of strings, or of a hub data set's class ids), one tag per word.
+        format: ``auto`` (CoNLL for the suffixes of :data:`CONLL_SUFFIXES`) or ``conll``.
+        conll_tag_column: the tag's column in a CoNLL line (0-based; -1 = last).
+        scheme: ``IOB2`` / ``BIO`` / ``BIOES`` / ``none`` (:mod:`.spans`); every tag is checked.
+        strict: score only well-formed entities (seqeval's strict mode); see :mod:`.spans`.
+        label2id: a fixed tag mapping (from a checkpoint); ``None`` builds it from train.
+        predict_file: a file to tag (``predict`` stage): only the words are read.
+
+    Raises (from ``setup``, before any model weights load):
+        DataError: missing file or column, a row whose words and tags differ in number (its
+            row and both lengths), an empty word, a tag outside ``scheme``, a tag in
+            validation/test that train lacks, a CoNLL line without the tag column (its number).
+    """
+
+    def __init__(
+        self,
+        *,
+        splits: dict[str, str | None],
+        hub_name: str | None,
+        hub_config: str | None,
+        tokens_column: str,
+        tags_column: str,
+        format: str,
+        conll_tag_column: int,
+        scheme: str,
+        strict: bool,
+        tokenizer: str | PreTrainedTokenizerBase,
+        max_length: int,
+        batch_size: int,
+        val_fraction: float,
+        val_split_seed: int,
+        num_workers: int,
+        pad_to_multiple_of: int | None,
+        group_by_length: bool,
+        cache_dir: str | None,
+        fetch: Callable[[], object] | None,
+        seed: int | None = None,
+        label2id: dict[str, int] | None = None,
+        predict_file: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.splits = {split: source for split, source in splits.items() if source}
+        self.hub_name, self.hub_config = hub_name, hub_config
+        self.tokens_column, self.tags_column = tokens_column, tags_column
+        self.format, self.conll_tag_column = format, conll_tag_column
+        self.scheme, self.strict = scheme, strict
+        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
+        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
+        self.max_length, self.batch_size = max_length, batch_size
+        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
+        self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
+        self.group_by_length = group_by_length
+        self.cache_dir, self.fetch = cache_dir, fetch
+        self.seed = seed
+        self.label2id = label2id
+        self.predict_file = predict_file
+        self.datasets: dict[str, datasets.Dataset] = {}
+        self.split_sizes: dict[str, int] = {}
+        self.words_cut: dict[str, int] = {}  # per split: words max_length cut off (untagged, unscored)
+        self.predict_rows: datasets.Dataset | None = None  # the predict file's rows, their fields as read
+
+    @property
+    def task_facts(self) -> dict:
+        """What the module's metrics parse tags by (stored in checkpoints: eval scores as training did)."""
+        return {"scheme": self.scheme, "strict": self.strict}
+
+    @property
+    def id2label(self) -> dict[int, str] | None:
+        """Tag id -> tag, once the tags are mapped (``None`` before)."""
+        return None if self.label2id is None else {index: name for name, index in self.label2id.items()}
+
+    def setup(self, stage: str) -> None:
+        """Load, check, map and tokenise what ``stage`` needs (idempotent)."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+            if getattr(self.tokenizer, "add_prefix_space", None) is False:
+                # Byte-level BPE (GPT-2, RoBERTa) refuses pre-split words unless each word is
+                # tokenised as if after a space, as it is inside running text.
+                self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name, add_prefix_space=True)
+        use_eos_as_pad(self.tokenizer)  # decoders (GPT-2, Llama) ship no pad token
+        self.tokenizer.padding_side = "right"  # each word's sub-tokens keep the positions they have alone
+        if stage == "predict":
+            self._setup_predict()
+            return
+        if self.label2id is None or (stage in ("fit", "validate") and "train" not in self.datasets):
+            train = self._load("train", tags=True)
+            if self.label2id is None:
+                self.label2id = self._tag_map(train)
+                log.info("Tags -> ids: %s", self.label2id)
+            if "validation" in self.splits:
+                validation = self._load("validation", tags=True)
+            else:
+                train, validation = self.hold_out_validation(
+                    train, "sentence", "data.splits.validation=path/to/dev.conll, or more sentences"
+                )
+            self.datasets["train"] = self._prepare("train", train)
+            self.datasets["validation"] = self._prepare("validation", validation)
+        if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
+            self.datasets["test"] = self._prepare("test", self._load("test", tags=True))
+        if stage == "test" and "test" not in self.datasets:
+            raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.conll")
+        if stage in ("fit", "validate"):
+            self.check_validation_interval()
+
+    def _is_conll(self, source: str) -> bool:
+        return self.hub_name is None and (self.format == "conll" or Path(source).suffix.lower() in CONLL_SUFFIXES)
+
+    def _load(self, split: str, tags: bool) -> datasets.Dataset:
+        """One split as rows of ``tokens_column`` (and, with ``tags``, ``tags_column`` as tag names),
+        checked row by row, with a :data:`WHERE` column (the row's first line in a CoNLL file, or its
+        1-based row).  Empty sentences are dropped and counted, except in predict's input (one
+        output row per input row)."""
+        source = self.splits[split] if split != "predict" else self.predict_file
+        field = split_field(split)
+        if self._is_conll(source):
+            columns, empty = read_conll(source, field, self.conll_tag_column if tags else None)
+            named = {self.tokens_column: columns["tokens"], **({self.tags_column: columns["tags"]} if tags else {})}
+            dataset, where = datasets.Dataset.from_dict({**named, WHERE: columns["line"]}), "line"
+        else:
+            if self.hub_name is None and Path(source).suffix.lower() not in TABLE_SUFFIXES:
+                raise DataError(
+                    f"{field}={source!r}: token classification reads jsonl/json/parquet rows ({self.tokens_column!r}: a list "
+                    f"of words, {self.tags_column!r}: a list of tags) or CoNLL text {list(CONLL_SUFFIXES)}; fix: one of "
+                    "those, or data.format=conll for CoNLL text with another suffix"
+                )
+            dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
+            require_columns(
+                dataset, split, source, {"tokens_column": self.tokens_column, "tags_column": self.tags_column if tags else None}
+            )
+            dataset, where = self._tags_as_names(dataset) if tags else dataset, "row"
+            dataset = dataset.add_column(WHERE, list(range(1, len(dataset) + 1)))
+            empty = 0 if split == "predict" else sum(map(is_empty, dataset[self.tokens_column]))
+            if empty:
+                dataset = dataset.filter(has_words, input_columns=self.tokens_column)
+        if empty:
+            log.warning("%s=%r: %d empty sentence(s) dropped", field, source, empty)
+        self._check_rows(dataset, field, source, where, tags)
+        return dataset
+
+    def _tags_as_names(self, dataset: datasets.Dataset) -> datasets.Dataset:
+        """A hub data set's class ids (``Sequence(ClassLabel)``) as their names: tags are names here."""
+        inner = getattr(dataset.features[self.tags_column], "feature", None)
+        if not isinstance(inner, datasets.ClassLabel):
+            return dataset
+        renamed = dataset.map(
+            class_names, input_columns=self.tags_column, fn_kwargs={"names": inner.names}, remove_columns=[self.tags_column]
+        )
+        return renamed.rename_column("tags", self.tags_column) if self.tags_column != "tags" else renamed
+
+    def _check_rows(self, dataset: datasets.Dataset, field: str, source: str, where: str, tags: bool) -> None:
+        """Every row: words a list of non-empty strings; as many tags, each of ``scheme``.  Malformed
+        entities (an ``I-`` tag that continues none) are counted and logged, not refused."""
+        malformed = 0
+        columns = [self.tokens_column, WHERE] + ([self.tags_column] if tags else [])
+        for row in dataset.select_columns(columns):
+            words, at = row[self.tokens_column] or [], f"{where} {row[WHERE]}"
+            if not isinstance(words, list) or not all(isinstance(word, str) and word.strip() for word in words):
+                raise DataError(
+                    f"{field}={source!r} {at}: data.tokens_column={self.tokens_column!r} must be a list of non-empty words, "
+                    f"got {str(words)[:120]}; fix: one string per word"
+                )
+            if not tags:
+                continue
+            row_tags = row[self.tags_column]
+            if not isinstance(row_tags, list) or len(row_tags) != len(words):
+                length = len(row_tags) if isinstance(row_tags, list) else "not a list"
+                raise DataError(
+                    f"{field}={source!r} {at}: {len(words)} words but {length} tags (data.tags_column={self.tags_column!r}); "
+                    "fix: one tag per word"
+                )
+            for tag in row_tags:
+                problem = tag_problem(str(tag), self.scheme)
+                if problem:
+                    raise DataError(
+                        f"{field}={source!r} {at}: tag {problem} (data.scheme={self.scheme}); fix: correct the tag, or "
+                        "data.scheme=none for tags without B-/I- prefixes (POS), data.scheme=BIOES for E-/S- tags"
+                    )
+            malformed += entity_spans([str(tag) for tag in row_tags], self.scheme, self.strict)[1]
+        if malformed:
+            counted = "they are not entities (strict)" if self.strict else "each begins an entity, as conlleval reads it"
+            log.warning("%s=%r: %d tag(s) continue no entity (an I- after O or another type): %s", field, source, malformed, counted)
+
+    def _tag_map(self, train: datasets.Dataset) -> dict[str, int]:
+        """Tag -> id from the train split: ``O`` first, then by name (independent of row order).
+
+        Raises:
+            DataError: fewer than two tags.
+        """
+        names = sorted({str(tag) for tags in train[self.tags_column] for tag in tags}, key=lambda tag: (tag != "O", tag))
+        if len(names) < 2:
+            raise DataError(
+                f"data.tags_column={self.tags_column!r}: the train split ({self.splits['train']}) has only the tag(s) {names}; "
+                "fix: check the tag column (data.conll_tag_column for CoNLL files)"
+            )
+        return {name: index for index, name in enumerate(names)}
+
+    def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
+        """Tags -> ids (refusing ones train lacks), then tokenise and align; counts cut words."""
+        unknown = sorted({str(tag) for tags in dataset[self.tags_column] for tag in tags} - set(self.label2id))
+        if unknown:
+            raise DataError(
+                f"data.tags_column={self.tags_column!r}: the {split} split ({self.splits.get(split, 'cut from train')}) has tags "
+                f"{unknown[:10]} that the training tags {sorted(self.label2id)} do not include; fix: correct those rows, "
+                "or add examples of those tags to train"
+            )
+        self.split_sizes[split] = len(dataset)
+        dataset = dataset.map(tag_ids, input_columns=self.tags_column, batched=True, fn_kwargs={"label2id": self.label2id})
+        return self._tokenize(split, dataset, tags=True)
+
+    def _tokenize(self, split: str, dataset: datasets.Dataset, tags: bool) -> datasets.Dataset:
+        dataset = dataset.rename_column(self.tokens_column, "tokens") if self.tokens_column != "tokens" else dataset
+        tokenized = dataset.map(
+            align_tags,
+            batched=True,
+            fn_kwargs={"tokenizer": self.tokenizer, "max_length": self.max_length, "tags": tags},
+            remove_columns=dataset.column_names,
+            desc=f"Tokenizing {split}",
+        )
+        cut = sum(tokenized["words_cut"])
+        self.words_cut[split] = cut
+        if cut:
+            rows = sum(1 for n in tokenized["words_cut"] if n)
+            outcome = "null in the predictions" if split == "predict" else f"not scored, {METRIC_SPLIT.get(split, split)}/words_cut"
+            log.warning(
+                "%s: data.max_length=%d cut %d word(s) off %d of %d row(s): they get no tag (%s); fix: a larger "
+                "data.max_length, or shorter sentences",
+                split_field(split),
+                self.max_length,
+                cut,
+                rows,
+                len(tokenized),
+                outcome,
+            )
+        return tokenized
+
+    def _setup_predict(self) -> None:
+        if self.predict_file is None:
+            raise DataError("no file to tag; fix: input=path/to/sentences.conll (or .jsonl)")
+        rows = self._load("predict", tags=False)
+        self.predict_rows = rows.remove_columns(WHERE)
+        words = rows.select_columns([self.tokens_column]).map(
+            no_words_as_empty, input_columns=self.tokens_column, fn_kwargs={"column": self.tokens_column}
+        )
+        self.datasets["predict"] = self._tokenize("predict", words, tags=False)
+
+    @property
+    def groups_by_length(self) -> bool:
+        return self.group_by_length
+
+    def collator(self) -> DataCollatorForTokenClassification:
+        # Labels padded with -100 (skipped by the loss and the metrics); lengths a multiple of 8
+        # for tensor cores (as the classification data).
+        return DataCollatorForTokenClassification(
+            self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of, label_pad_token_id=IGNORE_INDEX
+        )
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("predict")

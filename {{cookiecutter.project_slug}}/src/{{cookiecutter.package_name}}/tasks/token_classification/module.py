@@ -1,0 +1,145 @@
+"""LightningModule for token classification (NER, POS, chunking) with any ``AutoModelForTokenClassification``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import SumMetric
+from torchmetrics.classification import MulticlassAccuracy
+from transformers import AutoModelForTokenClassification
+
+from ...data.tokenization import IGNORE_INDEX
+from ..classification.module import SequenceClassificationModule
+from .spans import EntityScores
+
+# What the data module tells the module of its tags when none was stored (models/inputs.ModelInputs.task_facts).
+DEFAULT_FACTS = {"scheme": "IOB2", "strict": False}
+
+
+class TagMetrics:
+    """One split's metrics: ``{split}/acc`` (token accuracy: the share of words whose tag is right,
+    torchmetrics' micro accuracy over the positions with a label), entity-level
+    ``{split}/precision``, ``/recall``, ``/f1`` (micro) and ``/f1_<type>`` (:class:`.spans.EntityScores`),
+    ``{split}/invalid_tags`` (predicted tags that continue no entity) and ``{split}/words_cut``
+    (words ``data.max_length`` cut off: untagged and not scored)."""
+
+    def __init__(self, module: torch.nn.Module, split: str, id2label: dict[int, str], facts: dict) -> None:
+        self.split = split
+        self.accuracy = MulticlassAccuracy(num_classes=len(id2label), average="micro", ignore_index=IGNORE_INDEX)
+        self.entities = EntityScores(id2label, facts["scheme"], bool(facts["strict"]))
+        self.words_cut = SumMetric()
+        # Registered on the module: they move to its device and are reset and synced with it.
+        for name in ("accuracy", "entities", "words_cut"):
+            module.add_module(f"{split}_{name}", getattr(self, name))
+
+    def update(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        predicted = logits.argmax(dim=-1)  # (B, T)
+        self.accuracy.update(predicted, batch["labels"])
+        self.entities.update(predicted, batch["labels"])
+        if "words_cut" in batch:
+            self.words_cut.update(batch["words_cut"].sum())
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        values = {"acc": self.accuracy.compute(), **self.entities.compute(), "words_cut": self.words_cut.compute()}
+        return {f"{self.split}/{name}": value for name, value in values.items()}
+
+    def reset(self) -> None:
+        for metric in (self.accuracy, self.entities, self.words_cut):
+            metric.reset()
+
+    def values(self):
+        """The metric objects (their update counts tell whether anything was seen)."""
+        return (self.accuracy, self.entities, self.words_cut)
+
+
+class TokenClassificationModule(SequenceClassificationModule):
+    """Fine-tune (or train from scratch) a token classifier: one tag per word.
+
+    Built, checked, adapted (LoRA/QLoRA: peft's ``TOKEN_CLS``, the new head trained in full) and
+    checkpointed as :class:`..classification.module.SequenceClassificationModule` is; what
+    differs is the head (``AutoModelForTokenClassification``), the loss and the metrics.
+
+    Batches are dicts of ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)``,
+    ``labels`` ``(B, T)`` (a tag id on each word's first sub-token, -100 elsewhere) and
+    ``words_cut`` ``(B,)``; ``forward`` returns logits ``(B, T, num_tags)``.  The loss is the
+    cross-entropy summed over the labelled positions (one per word), normalised per word over
+    the optimizer step.  The tag scheme the metrics parse is the data's (``data.scheme``,
+    ``data.strict``), stored in the checkpoint (``model_inputs.task_facts``).
+    """
+
+    TASK_NAME = "token_classification"  # task.name of configs/task/token_classification.yaml
+    AUTO_CLASS = AutoModelForTokenClassification
+    PEFT_TASK_TYPE = "TOKEN_CLS"
+    BEST_OF = "val/f1"
+
+    @property
+    def tag_facts(self) -> dict:
+        """``{"scheme": ..., "strict": ...}`` of the data's tags (:data:`DEFAULT_FACTS` before any data)."""
+        return {**DEFAULT_FACTS, **((self.inputs.task_facts if self.inputs is not None else None) or {})}
+
+    def datamodule_kwargs(self) -> dict:
+        """What eval/predict pass to the data module: the checkpoint's tokenizer, tags and tag
+        scheme (the data is checked and scored as in training)."""
+        return {**super().datamodule_kwargs(), **self.tag_facts}
+
+    def metrics(self, split: str) -> TagMetrics:
+        id2label = {int(index): name for index, name in self.model.config.id2label.items()}  # (JSON keys are strings)
+        return TagMetrics(self, split, id2label, self.tag_facts)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Read the checkpoint's data facts (the base), then build the metrics again: eval builds
+        the model before it reads them, and the stored tag scheme is the one to score by."""
+        super().on_load_checkpoint(checkpoint)
+        if self.model is not None:
+            self.train_metrics, self.val_metrics, self.test_metrics = (self.metrics(split) for split in ("train", "val", "test"))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "words_cut")}
+        return self.model(**inputs).logits  # (B, T, num_tags)
+
+    @staticmethod
+    def loss_sum(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_sum, words)`` of ``logits`` ``(B, T, num_tags)`` against ``batch["labels"]``
+        ``(B, T)``: the cross-entropy summed over the positions with a label (-100 skipped)."""
+        labels = batch["labels"]
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def loss_divisor(self) -> float:
+        # The most labelled positions a micro-batch can hold keeps the loss near the per-word scale.
+        return self.inputs.micro_batch_size * (self.inputs.max_length or 1) if self.inputs is not None else 1
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        logits = self(batch)  # (B, T, num_tags)
+        self.train_metrics.update(logits.detach(), batch)  # logged at the epoch's end (on_train_epoch_end)
+        return self.add_to_window(*self.loss_sum(logits, batch))
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], loss, metrics: TagMetrics) -> None:
+        logits = self(batch)  # (B, T, num_tags)
+        loss_sum, words = self.loss_sum(logits, batch)
+        metrics.update(logits, batch)
+        loss.update(loss_sum / words.clamp(min=1), weight=words)  # a per-word mean, exact under DDP
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_loss, self.val_metrics)
+        self.log("val/loss", self.val_loss, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        # The entity scores are sums over the whole split: computed once it is seen, then logged;
+        # the base then tracks the best val/f1 (BEST_OF) from the same computed values.
+        self.log_dict(self.val_metrics.compute())
+        super().on_validation_epoch_end()
+        self.val_metrics.reset()
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.test_loss, self.test_metrics)
+        self.log("test/loss", self.test_loss, on_epoch=True)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_dict(self.test_metrics.compute())
+        self.test_metrics.reset()
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[list[int]]:
+        """Each row's tag ids, one per word that kept a sub-token (the positions of label 0)."""
+        predicted = self(batch).argmax(dim=-1)  # (B, T)
+        return [row[mask].tolist() for row, mask in zip(predicted, batch["labels"] != IGNORE_INDEX)]

@@ -1,0 +1,126 @@
+"""Entity spans from tag sequences, and entity-level precision/recall/F1 as a torchmetrics metric.
+
+Schemes (``data.scheme``): ``IOB2`` (``BIO`` is the same scheme: ``B-X`` begins an entity of
+type X, ``I-X`` continues it, ``O`` is outside), ``BIOES`` (also ``E-X`` ends a multi-token
+entity and ``S-X`` is a single-token one) and ``none`` (tags without prefixes, e.g. POS: every
+tag but ``O`` is a one-token span of its own type, so F1 is the micro F1 over tokens).
+
+Two modes (``data.strict``):
+
+- default (``strict=false``), as CoNLL's ``conlleval`` script and seqeval's default mode score:
+  an ``I-X`` (or ``E-X``) that does not continue an entity of type X begins one;
+- strict (``strict=true``), as seqeval's ``mode="strict"``: only well-formed entities count
+  (IOB2: ``B-X I-X*``; BIOES: ``B-X I-X* E-X`` or ``S-X``); the tags of a malformed one are no
+  entity.
+
+Either way such a tag is counted (:func:`entity_spans`' second value), in the data
+(``data`` logs it per split) and in the predictions (``{split}/invalid_tags``).  An entity is
+right when its type, first and last word all match the gold one (CoNLL-2003's definition, Tjong
+Kim Sang & De Meulder 2003).  Written here rather than taken from seqeval, whose last release is
+from 2020 and which pulls in scikit-learn for these ~40 lines.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import Metric
+
+SCHEMES = {"IOB2": ("B", "I"), "BIO": ("B", "I"), "BIOES": ("B", "I", "E", "S"), "none": ()}
+
+
+def split_tag(tag: str, scheme: str) -> tuple[str, str]:
+    """``("B", "PER")`` for ``B-PER``; ``("O", "")`` for ``O``; scheme ``none``: ``("S", tag)``."""
+    if tag == "O":
+        return "O", ""
+    if scheme == "none":
+        return "S", tag
+    prefix, _, kind = tag.partition("-")
+    return prefix, kind
+
+
+def tag_problem(tag: str, scheme: str) -> str | None:
+    """Why ``tag`` is not a tag of ``scheme`` (``None``: it is)."""
+    if scheme == "none" or tag == "O":
+        return None
+    prefix, kind = split_tag(tag, scheme)
+    if prefix not in SCHEMES[scheme] or not kind:
+        return f"{tag!r} is not O or one of {'/'.join(p + '-<type>' for p in SCHEMES[scheme])}"
+    return None
+
+
+def entity_spans(tags: list[str], scheme: str, strict: bool) -> tuple[set[tuple[str, int, int]], int]:
+    """The entities of one sentence's word tags, as ``{(type, first word, last word)}``, and the
+    number of tags that continue no entity (an ``I-X``/``E-X`` after ``O``, after another type or
+    after an ended entity; strict mode also counts a ``B-X`` of BIOES left without its ``E-X``)."""
+    spans, invalid = set(), 0
+    start, kind, last = None, "", "O"  # the open entity: first word, type, prefix of its last tag
+    for index, tag in enumerate([*tags, "O"]):  # a final O closes the last entity
+        prefix, this = split_tag(tag, scheme)
+        continues = start is not None and this == kind and last in ("B", "I") and prefix in ("I", "E")
+        if start is not None and not continues:  # the open entity ends before this word
+            if strict and scheme == "BIOES" and last != "E" and last != "S":
+                invalid += 1  # B-X I-X* without its E-X: no entity
+            else:
+                spans.add((kind, start, index - 1))
+            start = None
+        if continues:
+            last = prefix
+        elif prefix in ("B", "S"):
+            start, kind, last = index, this, prefix
+        elif prefix in ("I", "E"):
+            invalid += 1
+            if not strict:  # conlleval: it begins an entity
+                start, kind, last = index, this, "B" if prefix == "I" else "E"
+        if start is not None and last in ("E", "S"):  # BIOES: the entity ends at this word
+            spans.add((kind, start, index))
+            start = None
+    return spans, invalid
+
+
+class EntityScores(Metric):
+    """Entity-level true positives, predicted and gold entities per type (summed over batches and,
+    under DDP, over processes), and the predicted tags that continue no entity.
+
+    ``update(predicted, labels)``: tag ids ``(B, T)`` each; positions whose label is -100 (specials,
+    later sub-tokens of a word, padding) are skipped, so each row's remaining positions are its
+    words in order.
+    """
+
+    full_state_update = False
+
+    def __init__(self, id2label: dict[int, str], scheme: str, strict: bool) -> None:
+        super().__init__()
+        self.names = [id2label[i] for i in range(len(id2label))]
+        self.scheme, self.strict = scheme, strict
+        self.types = sorted({split_tag(name, scheme)[1] for name in self.names} - {""})
+        for state in ("true_positives", "predicted", "gold"):
+            self.add_state(state, default=torch.zeros(len(self.types), dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("invalid", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
+        index = {kind: i for i, kind in enumerate(self.types)}
+        for row_predicted, row_labels in zip(predicted.tolist(), labels.tolist()):
+            words = [(p, g) for p, g in zip(row_predicted, row_labels) if g != -100]
+            guess, invalid = entity_spans([self.names[p] for p, _ in words], self.scheme, self.strict)
+            truth, _ = entity_spans([self.names[g] for _, g in words], self.scheme, self.strict)
+            self.invalid += invalid
+            for spans, state in ((guess, self.predicted), (truth, self.gold), (guess & truth, self.true_positives)):
+                for kind, _, _ in spans:
+                    state[index[kind]] += 1
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        """``precision``, ``recall``, ``f1`` (micro: over all entities), ``f1_<type>`` per type
+        (0 where nothing was predicted or there is nothing to find), ``invalid_tags``."""
+        scores = {}
+        for name, (tp, predicted, gold) in {
+            "": (self.true_positives.sum(), self.predicted.sum(), self.gold.sum()),
+            **{f"_{kind}": (self.true_positives[i], self.predicted[i], self.gold[i]) for i, kind in enumerate(self.types)},
+        }.items():
+            precision = tp / predicted if predicted else torch.zeros(())
+            recall = tp / gold if gold else torch.zeros(())
+            f1 = 2 * tp / (predicted + gold) if predicted + gold else torch.zeros(())
+            if not name:
+                scores.update(precision=precision.float(), recall=recall.float())
+            scores[f"f1{name}"] = f1.float()
+        scores["invalid_tags"] = self.invalid.float()
+        return scores
