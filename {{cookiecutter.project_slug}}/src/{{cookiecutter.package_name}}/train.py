@@ -180,9 +180,12 @@ def batch_line(cfg: DictConfig) -> str:
 
 
 def train_command(cfg: DictConfig, *more: str) -> str:
-    """The command line of this run, with ``more`` instead of its ``ckpt_path``/``hydra.run.dir`` (secrets masked)."""
+    """The command line of this run, with ``more`` instead of its ``ckpt_path``/``hydra.run.dir`` (secrets masked).
+    A sweep trial's is that one run: its parameters, without what made the launch a sweep (pasted,
+    ``hparams_search=...`` would start the sweep again, with eval as its objective)."""
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    kept = [o for o in overrides if not o.lstrip("+~").startswith(("ckpt_path=", "hydra.run.dir="))]
+    dropped = ("ckpt_path=", "hydra.run.dir=", "hparams_search=", "hydra.sweeper.", "hydra/sweeper=", "hydra.mode=", "hydra.sweep.")
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(dropped)]
     return mask(" ".join([f"python -m {__package__}.train", *kept, *more]))
 
 

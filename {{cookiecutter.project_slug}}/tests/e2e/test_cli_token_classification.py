@@ -60,7 +60,9 @@ def test_train_killed_and_resumed_then_eval_predict_plan_quantize_and_a_sweep(tm
     assert fp32["metrics"]["f1"] == metrics["test/f1"]  # the same scorer as eval's, on the same split
 
     sweep = [*base, f"paths.log_dir={tmp_path / 'logs'}", "hparams_search=token_classification_optuna", "hydra.sweeper.n_trials=2"]
-    ok(run_module("train", [*sweep, "trainer.max_epochs=1"], cwd=tmp_path))
+    swept = ok(run_module("train", [*sweep, "trainer.max_epochs=1"], cwd=tmp_path))
+    evaluate = [line for line in (swept.stdout + swept.stderr).splitlines() if ".eval " in line]
+    assert evaluate and not any("hparams_search" in line for line in evaluate)  # a trial's own command, not the sweep's
     (sweep_dir,) = (tmp_path / "logs" / "train" / "sweeps").iterdir()
     best = OmegaConf.load(sweep_dir / "best.yaml")
     assert best.optimized_metric == "val/f1"
