@@ -115,6 +115,8 @@ def ner_overrides(tokenizer_dir: Path, data: dict[str, Path], run_dir: Path) -> 
         (["B-ORG", "I-ORG", "O", "S-LOC"], "BIOES", True, {("LOC", 3, 3)}, 1),
         (["B-ORG", "I-ORG", "O", "S-LOC"], "BIOES", False, {("ORG", 0, 1), ("LOC", 3, 3)}, 0),
         (["NN", "VB", "O", "NN"], "none", False, {("NN", 0, 0), ("VB", 1, 1), ("NN", 3, 3)}, 0),
+        # IOB1 (CoNLL-2003 as published): I- begins an entity, B- only splits two of one type
+        (["I-PER", "I-PER", "B-PER", "O", "I-LOC"], "IOB1", False, {("PER", 0, 1), ("PER", 2, 2), ("LOC", 4, 4)}, 0),
     ],
 )
 def test_entity_spans(tags, scheme, strict, spans, invalid):
@@ -155,6 +157,9 @@ def test_conll_reader_skips_docstart_counts_empty_sentences_and_picks_the_tag_co
     assert read_conll(str(path), "data.splits.train", 1)[0]["tags"] == [["NNP", "VBZ"], ["NNP"]]
     path.write_text("EU B-ORG\n\n\n\n")  # blank lines at the end: no sentence follows, none counted
     assert read_conll(str(path), "data.splits.train", -1)[1] == 0
+    path.write_text("EU NNP B-NP B-ORG\nrejects VBZ B-VP\n")  # a line that lost its entity column
+    with pytest.raises(DataError, match=r"line 2: 'rejects VBZ B-VP' has 3 column\(s\), the file's first word line 4; fix"):
+        read_conll(str(path), "data.splits.train", -1)
     path.write_text("EU B-ORG\nrejects\n")
     with pytest.raises(DataError, match=r"line 2: 'rejects' has 1 column\(s\), no tag column data.conll_tag_column=-1"):
         read_conll(str(path), "data.splits.train", -1)
@@ -199,6 +204,7 @@ def test_tags_go_on_each_words_first_sub_token_and_cut_words_are_counted(ner_tok
             [{"tokens": ["alice", "met"], "tags": ["B-PER"]}],
             r"train.jsonl' row 2: 2 words but 1 tags \(data.tags_column='tags'\); fix: one tag per word",
         ),
+        ([{"tokens": ["alice"], "tags": "B-PER"}], r"row 2: 1 words but tags that are not a list \('B-PER'\)"),
         (
             [{"tokens": ["alice"], "tags": ["PER"]}],
             r"row 2: tag 'PER' is not O or one of B-<type>/I-<type> \(data.scheme=IOB2\); fix: .*data.scheme=none",
@@ -215,9 +221,11 @@ def test_bad_rows_are_refused_with_their_row(ner_tokenizer_dir, tmp_path, rows, 
 def test_a_tag_unseen_in_training_and_a_csv_file_are_refused_and_empty_sentences_dropped(ner_tokenizer_dir, tmp_path, caplog):
     train = write_jsonl(tmp_path / "train.jsonl", ner_rows(10, 0) + [{"tokens": [], "tags": []}])
     validation = write_jsonl(tmp_path / "validation.jsonl", [{"tokens": ["acme"], "tags": ["B-MISC"]}])
-    with pytest.raises(DataError, match=r"the validation split .* has tags \['B-MISC'\] that the training tags .* do not include"):
+    with pytest.raises(
+        DataError, match=r"validation.jsonl' row 1: the validation split has tags \['B-MISC'\] that the training tags .* do not include"
+    ):
         datamodule(ner_tokenizer_dir, {"train": str(train), "validation": str(validation)}).setup("fit")
-    assert "1 empty sentence(s) dropped" in caplog.text
+    assert "1 empty sentence(s) (rows without words, or a blank line after a blank line) skipped" in caplog.text
     (tmp_path / "train.csv").write_text("tokens,tags\nalice,B-PER\n")
     with pytest.raises(DataError, match=r"token classification reads jsonl/json/parquet rows .* or CoNLL text"):
         datamodule(ner_tokenizer_dir, {"train": str(tmp_path / "train.csv")}).setup("fit")
@@ -227,7 +235,13 @@ def test_strict_mode_counts_an_i_tag_after_o(ner_tokenizer_dir, tmp_path, caplog
     rows = ner_rows(10, 0) + [{"tokens": ["acme", "corp"], "tags": ["O", "I-ORG"]}]
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     datamodule(ner_tokenizer_dir, {"train": str(train)}, strict=True).setup("fit")
-    assert "1 tag(s) continue no entity (an I- after O or another type): they are not entities (strict)" in caplog.text
+    assert (
+        "1 tag(s) continue no entity (an I- after O or another type; the first in the row at row 11): they are not entities (strict)"
+        in caplog.text
+    )
+    only_i = write_jsonl(tmp_path / "iob1.jsonl", [{"tokens": ["acme", "corp"], "tags": ["I-ORG", "I-ORG"]}] * 4)
+    with pytest.raises(DataError, match=r"holds no entity under data.scheme=IOB2 data.strict=True: every score would be 0; fix: .*IOB1"):
+        datamodule(ner_tokenizer_dir, {"train": str(only_i)}, strict=True).setup("fit")
 
 
 def test_a_byte_level_tokenizer_without_a_pad_token_tags_pre_split_words(ner_tokenizer_dir, tmp_path):
@@ -255,7 +269,9 @@ def test_config_checks_name_the_field(make_ner_cfg):
 
     with pytest.raises(ConfigError) as error:
         validate_config(make_ner_cfg("data.scheme=IOBES", "data.conll_tag_column=last"))
-    assert "data.scheme='IOBES' must be one of ['IOB2', 'BIO', 'BIOES', 'none']" in str(error.value)
+    with pytest.raises(ConfigError, match=r"data.strict=true has no meaning for data.scheme=IOB1"):
+        validate_config(make_ner_cfg("data.scheme=IOB1", "data.strict=true"))
+    assert "data.scheme='IOBES' must be one of ['IOB2', 'BIO', 'IOB1', 'BIOES', 'none']" in str(error.value)
     assert "data.conll_tag_column='last' must be an integer" in str(error.value)
 
 
@@ -362,7 +378,13 @@ def test_a_checkpoint_is_scored_by_its_stored_tag_scheme(ner_ckpt, make_ner_cfg,
     torch.save(checkpoint, tmp_path / "strict.ckpt")
     cfg = make_ner_cfg(f"ckpt_path={tmp_path / 'strict.ckpt'}", config_name="eval")
     module = load_trained_module(module_class(cfg), cfg, tmp_path / "strict.ckpt")
-    assert module.test_metrics.entities.strict and module.datamodule_kwargs()["strict"] is True
+    assert module.test_metrics.entities.strict and module.datamodule_kwargs()["trained_facts"]["strict"] is True
+    from {{ cookiecutter.package_name }}.eval import evaluate
+
+    with pytest.raises(
+        ConfigError, match=r"trained, and is scored, with data.strict=true; the config says data.strict=false; fix: data.strict=true"
+    ):
+        evaluate(cfg)
 
 
 def test_the_planner_traces_the_tasks_batch(make_ner_cfg):

@@ -13,15 +13,17 @@ from omegaconf import DictConfig
 
 from ...compress.quantization import TORCHAO_VARIANTS
 from ...errors import DataError
-from ..base import Task, to_device
+from ..base import to_device
+from ..classification import SequenceClassification
 from .spans import SCHEMES
 
 ADDED = ("tags", "words_cut")  # the fields predict adds to each input row
 
 
-class TokenClassification(Task):
+class TokenClassification(SequenceClassification):
     """One tag per word; cross-entropy over the tags of each word's first sub-token, token
-    accuracy and entity-level F1 (:mod:`.spans`)."""
+    accuracy and entity-level F1 (:mod:`.spans`).  What it does not override is the sequence
+    classifier's (the timed inputs of ``quantize``)."""
 
     name = "token_classification"
     auto_class = "AutoModelForTokenClassification"
@@ -36,9 +38,15 @@ class TokenClassification(Task):
             if not isinstance(data.get(field), str) or not data.get(field)
         ]
         if data.get("scheme") not in SCHEMES:
-            problems.append(f"data.scheme={data.get('scheme')!r} must be one of {list(SCHEMES)}; fix: data.scheme=IOB2 (B-/I- tags)")
+            problems.append(
+                f"data.scheme={data.get('scheme')!r} must be one of {list(SCHEMES)}; fix: data.scheme=IOB2 (B-/I- tags), IOB1 (the original CoNLL-2003 files)"
+            )
         if not isinstance(data.get("strict"), bool):
             problems.append(f"data.strict={data.get('strict')!r} must be true or false (seqeval's strict mode); fix: data.strict=false")
+        elif data.get("strict") and data.get("scheme") in ("IOB1", "none"):
+            problems.append(
+                f"data.strict=true has no meaning for data.scheme={data.get('scheme')} (strict mode checks IOB2/BIOES entities); fix: data.strict=false"
+            )
         if data.get("format") not in ("auto", "conll"):
             problems.append(f"data.format={data.get('format')!r} must be auto (by file suffix) or conll; fix: data.format=auto")
         column = data.get("conll_tag_column")
@@ -76,12 +84,6 @@ class TokenClassification(Task):
                 # (default=str: a parquet timestamp or decimal is written as its text, never dropped)
                 file.write(json.dumps({**row, "tags": tags, "words_cut": cut}, ensure_ascii=False, default=str) + "\n")
         return len(tagged)
-
-    def timing_inputs(self, input_ids: torch.Tensor, sample: dict[str, torch.Tensor]) -> dict[str, object]:
-        inputs = super().timing_inputs(input_ids, sample)
-        if "token_type_ids" in sample:
-            inputs["token_type_ids"] = torch.zeros_like(input_ids)
-        return inputs
 
     def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str, datamodule) -> dict[str, float]:
         """``f1`` (entity level, micro) and ``accuracy`` (token level), as ``eval`` logs them."""

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, DataCollatorForTokenClassification, PreT
 from ...data.batching import TokenizedDataModule
 from ...data.loading import first_non_utf8, load_split, require_columns, split_field
 from ...data.tokenization import IGNORE_INDEX, load_tokenizer, use_eos_as_pad
-from ...errors import DataError
+from ...errors import ConfigError, DataError
 from .spans import entity_spans, tag_problem
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def read_conll(path: str, field: str, tag_column: int | None) -> tuple[dict[str,
         raise DataError(f"{field}={path!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. iconv -f latin1 -t utf-8")
     rows: dict[str, list] = {"tokens": [], "tags": [], "line": []}
     words, tags, empty, extra_blanks, previous = [], [], 0, 0, "start"  # previous line: start | blank | docstart | word
+    width = None  # the columns of the file's first word line: every word line must have as many
     with open(path, encoding="utf-8-sig") as file:
         for number, line in enumerate([*file, ""], start=1):  # a final blank line ends the last sentence
             columns = line.split()
@@ -57,6 +58,14 @@ def read_conll(path: str, field: str, tag_column: int | None) -> tuple[dict[str,
                         f"data.conll_tag_column={tag_column}; fix: one 'word TAG' per line (columns separated by spaces "
                         "or tabs), or data.conll_tag_column=<the tag's column, 0-based; -1 = last>"
                     )
+                if tag_column is not None and width is not None and len(columns) != width:
+                    # A line that lost a column would have its tag read from another one (a chunk
+                    # tag taken for an entity tag): refused, never guessed.
+                    raise DataError(
+                        f"{field}={path!r} line {number}: {line.strip()!r} has {len(columns)} column(s), the file's first "
+                        f"word line {width}; fix: give every word line the same columns (a missing tag: O)"
+                    )
+                width = width or (len(columns) if tag_column is not None else None)
                 if not words:
                     rows["line"].append(number)
                     empty, extra_blanks = empty + extra_blanks, 0  # (blank lines at the end of the file are no sentence)
@@ -81,6 +90,11 @@ def read_conll(path: str, field: str, tag_column: int | None) -> tuple[dict[str,
 def is_empty(words: list | None) -> bool:
     """A row without words (dropped from training data and counted)."""
     return not words
+
+
+def as_override(value: object) -> str:
+    """A value as a command-line override writes it (``true``, ``IOB2``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def no_words_as_empty(words: list | None, column: str) -> dict[str, list]:
@@ -143,6 +157,8 @@ class TokenTagsDataModule(TokenizedDataModule):
         strict: score only well-formed entities (seqeval's strict mode); see :mod:`.spans`.
         label2id: a fixed tag mapping (from a checkpoint); ``None`` builds it from train.
         predict_file: a file to tag (``predict`` stage): only the words are read.
+        trained_facts: the checkpoint's ``scheme`` and ``strict`` (eval, predict, quantize): the
+            model is scored by them, so a config that says otherwise is refused.
 
     Raises (from ``setup``, before any model weights load):
         DataError: missing file or column, a row whose words and tags differ in number (its
@@ -175,6 +191,7 @@ class TokenTagsDataModule(TokenizedDataModule):
         seed: int | None = None,
         label2id: dict[str, int] | None = None,
         predict_file: str | None = None,
+        trained_facts: dict | None = None,
     ) -> None:
         super().__init__()
         self.splits = {split: source for split, source in splits.items() if source}
@@ -192,6 +209,7 @@ class TokenTagsDataModule(TokenizedDataModule):
         self.seed = seed
         self.label2id = label2id
         self.predict_file = predict_file
+        self.trained_facts = trained_facts
         self.datasets: dict[str, datasets.Dataset] = {}
         self.split_sizes: dict[str, int] = {}
         self.words_cut: dict[str, int] = {}  # per split: words max_length cut off (untagged, unscored)
@@ -209,6 +227,17 @@ class TokenTagsDataModule(TokenizedDataModule):
 
     def setup(self, stage: str) -> None:
         """Load, check, map and tokenise what ``stage`` needs (idempotent)."""
+        differ = {key: as_override(value) for key, value in (self.trained_facts or {}).items() if self.task_facts.get(key) != value}
+        if differ:
+            raise ConfigError(
+                "the checkpoint was trained, and is scored, with "
+                + ", ".join(f"data.{key}={value}" for key, value in differ.items())
+                + "; the config says "
+                + ", ".join(f"data.{key}={as_override(self.task_facts[key])}" for key in differ)
+                + "; fix: "
+                + " ".join(f"data.{key}={value}" for key, value in differ.items())
+                + " (the data config it was trained with)"
+            )
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.tokenizer_name)
             if getattr(self.tokenizer, "add_prefix_space", None) is False:
@@ -255,11 +284,16 @@ class TokenTagsDataModule(TokenizedDataModule):
             named = {self.tokens_column: columns["tokens"], **({self.tags_column: columns["tags"]} if tags else {})}
             dataset, where = datasets.Dataset.from_dict({**named, WHERE: columns["line"]}), "line"
         else:
-            if self.hub_name is None and Path(source).suffix.lower() not in TABLE_SUFFIXES:
+            suffix = Path(source).suffix.lower()
+            if self.hub_name is None and suffix not in TABLE_SUFFIXES:
+                fix = (
+                    'a jsonl file, one {"tokens": [...], "tags": [...]} a line (a list of words does not fit a csv cell)'
+                    if suffix in (".csv", ".tsv")
+                    else "one of those, or data.format=conll if it is CoNLL text"
+                )
                 raise DataError(
                     f"{field}={source!r}: token classification reads jsonl/json/parquet rows ({self.tokens_column!r}: a list "
-                    f"of words, {self.tags_column!r}: a list of tags) or CoNLL text {list(CONLL_SUFFIXES)}; fix: one of "
-                    "those, or data.format=conll for CoNLL text with another suffix"
+                    f"of words, {self.tags_column!r}: a list of tags) or CoNLL text {list(CONLL_SUFFIXES)}; fix: {fix}"
                 )
             dataset = load_split(split, source, self.hub_name, self.hub_config, self.cache_dir)
             require_columns(
@@ -271,9 +305,16 @@ class TokenTagsDataModule(TokenizedDataModule):
             if empty:
                 dataset = dataset.filter(has_words, input_columns=self.tokens_column)
         if empty:
-            log.warning("%s=%r: %d empty sentence(s) dropped", field, source, empty)
+            log.warning(
+                "%s=%r: %d empty sentence(s) (rows without words, or a blank line after a blank line) skipped", field, source, empty
+            )
         self._check_rows(dataset, field, source, where, tags)
         return dataset
+
+    def _where(self, source: str, where: int, word: int) -> str:
+        """Where word ``word`` of a row is: its line in a CoNLL file (a sentence's words are on
+        consecutive lines), else the row's number."""
+        return f"line {where + word}" if self._is_conll(source) else f"row {where}"
 
     def _tags_as_names(self, dataset: datasets.Dataset) -> datasets.Dataset:
         """A hub data set's class ids (``Sequence(ClassLabel)``) as their names: tags are names here."""
@@ -286,9 +327,15 @@ class TokenTagsDataModule(TokenizedDataModule):
         return renamed.rename_column("tags", self.tags_column) if self.tags_column != "tags" else renamed
 
     def _check_rows(self, dataset: datasets.Dataset, field: str, source: str, where: str, tags: bool) -> None:
-        """Every row: words a list of non-empty strings; as many tags, each of ``scheme``.  Malformed
-        entities (an ``I-`` tag that continues none) are counted and logged, not refused."""
-        malformed = 0
+        """Every row: words a list of non-empty strings; as many tags, each of ``scheme``.  Tags that
+        continue no entity (an ``I-`` after ``O``) are counted and logged with the first place, not
+        refused.
+
+        Raises:
+            DataError: a bad row (where it is, both lengths or the tag); a split with tags but no
+                entity under ``scheme`` and ``strict`` (every score would be 0).
+        """
+        malformed, first_malformed, entities, tagged = 0, None, 0, False
         columns = [self.tokens_column, WHERE] + ([self.tags_column] if tags else [])
         for row in dataset.select_columns(columns):
             words, at = row[self.tokens_column] or [], f"{where} {row[WHERE]}"
@@ -301,22 +348,41 @@ class TokenTagsDataModule(TokenizedDataModule):
                 continue
             row_tags = row[self.tags_column]
             if not isinstance(row_tags, list) or len(row_tags) != len(words):
-                length = len(row_tags) if isinstance(row_tags, list) else "not a list"
+                held = f"{len(row_tags)} tags" if isinstance(row_tags, list) else f"tags that are not a list ({repr(row_tags)[:60]})"
                 raise DataError(
-                    f"{field}={source!r} {at}: {len(words)} words but {length} tags (data.tags_column={self.tags_column!r}); "
-                    "fix: one tag per word"
+                    f"{field}={source!r} {at}: {len(words)} words but {held} (data.tags_column={self.tags_column!r}); fix: one tag per word"
                 )
-            for tag in row_tags:
+            for i, tag in enumerate(row_tags):
                 problem = tag_problem(str(tag), self.scheme)
                 if problem:
                     raise DataError(
-                        f"{field}={source!r} {at}: tag {problem} (data.scheme={self.scheme}); fix: correct the tag, or "
-                        "data.scheme=none for tags without B-/I- prefixes (POS), data.scheme=BIOES for E-/S- tags"
+                        f"{field}={source!r} {self._where(source, row[WHERE], i)}: tag {problem} (data.scheme={self.scheme}); "
+                        "fix: correct the tag, or data.scheme=none for tags without B-/I- prefixes (POS), data.scheme=BIOES "
+                        "for E-/S- tags"
                     )
-            malformed += entity_spans([str(tag) for tag in row_tags], self.scheme, self.strict)[1]
+            spans, invalid = entity_spans([str(tag) for tag in row_tags], self.scheme, self.strict)
+            entities, tagged = entities + len(spans), tagged or any(str(tag) != "O" for tag in row_tags)
+            if invalid and first_malformed is None:
+                first_malformed = row[WHERE]
+            malformed += invalid
+        if tagged and not entities:
+            raise DataError(
+                f"{field}={source!r} holds no entity under data.scheme={self.scheme} data.strict={self.strict}: every score "
+                "would be 0; fix: data.strict=false, or data.scheme=IOB1 for files whose entities start with I- (the original "
+                "CoNLL-2003 files)"
+            )
         if malformed:
             counted = "they are not entities (strict)" if self.strict else "each begins an entity, as conlleval reads it"
-            log.warning("%s=%r: %d tag(s) continue no entity (an I- after O or another type): %s", field, source, malformed, counted)
+            log.warning(
+                "%s=%r: %d tag(s) continue no entity (an I- after O or another type; the first in the row at %s %d): %s. "
+                "Files in IOB1 (the original CoNLL-2003 files: an entity starts with I-) are read right with data.scheme=IOB1",
+                field,
+                source,
+                malformed,
+                where,
+                first_malformed,
+                counted,
+            )
 
     def _tag_map(self, train: datasets.Dataset) -> dict[str, int]:
         """Tag -> id from the train split: ``O`` first, then by name (independent of row order).
@@ -336,10 +402,13 @@ class TokenTagsDataModule(TokenizedDataModule):
         """Tags -> ids (refusing ones train lacks), then tokenise and align; counts cut words."""
         unknown = sorted({str(tag) for tags in dataset[self.tags_column] for tag in tags} - set(self.label2id))
         if unknown:
+            source = self.splits.get(split, "cut from train")
+            first = next(
+                self._where(source, row[WHERE], i) for row in dataset for i, tag in enumerate(row[self.tags_column]) if str(tag) in unknown
+            )
             raise DataError(
-                f"data.tags_column={self.tags_column!r}: the {split} split ({self.splits.get(split, 'cut from train')}) has tags "
-                f"{unknown[:10]} that the training tags {sorted(self.label2id)} do not include; fix: correct those rows, "
-                "or add examples of those tags to train"
+                f"{split_field(split)}={source!r} {first}: the {split} split has tags {unknown[:10]} that the training tags "
+                f"{sorted(self.label2id)} do not include; fix: correct those rows, or add examples of those tags to train"
             )
         self.split_sizes[split] = len(dataset)
         dataset = dataset.map(tag_ids, input_columns=self.tags_column, batched=True, fn_kwargs={"label2id": self.label2id})

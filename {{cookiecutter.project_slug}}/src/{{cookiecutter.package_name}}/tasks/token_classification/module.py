@@ -79,8 +79,9 @@ class TokenClassificationModule(SequenceClassificationModule):
 
     def datamodule_kwargs(self) -> dict:
         """What eval/predict pass to the data module: the checkpoint's tokenizer, tags and tag
-        scheme (the data is checked and scored as in training)."""
-        return {**super().datamodule_kwargs(), **self.tag_facts}
+        scheme (``trained_facts``: the model is scored by them; a config that says otherwise is
+        refused)."""
+        return {**super().datamodule_kwargs(), "trained_facts": self.tag_facts}
 
     def metrics(self, split: str) -> TagMetrics:
         id2label = {int(index): name for index, name in self.model.config.id2label.items()}  # (JSON keys are strings)

@@ -1,7 +1,9 @@
 """Entity spans from tag sequences, and entity-level precision/recall/F1 as a torchmetrics metric.
 
 Schemes (``data.scheme``): ``IOB2`` (``BIO`` is the same scheme: ``B-X`` begins an entity of
-type X, ``I-X`` continues it, ``O`` is outside), ``BIOES`` (also ``E-X`` ends a multi-token
+type X, ``I-X`` continues it, ``O`` is outside), ``IOB1`` (the original CoNLL-2003 files: an
+entity starts with ``I-X``, and ``B-X`` only where it follows one of the same type; read as the
+default mode reads IOB2, and an ``I-`` after ``O`` is no error there), ``BIOES`` (also ``E-X`` ends a multi-token
 entity and ``S-X`` is a single-token one) and ``none`` (tags without prefixes, e.g. POS: every
 tag but ``O`` is a one-token span of its own type, so F1 is the micro F1 over tokens).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 from torchmetrics import Metric
 
-SCHEMES = {"IOB2": ("B", "I"), "BIO": ("B", "I"), "BIOES": ("B", "I", "E", "S"), "none": ()}
+SCHEMES = {"IOB2": ("B", "I"), "BIO": ("B", "I"), "IOB1": ("B", "I"), "BIOES": ("B", "I", "E", "S"), "none": ()}
 
 
 def split_tag(tag: str, scheme: str) -> tuple[str, str]:
@@ -68,7 +70,7 @@ def entity_spans(tags: list[str], scheme: str, strict: bool) -> tuple[set[tuple[
         elif prefix in ("B", "S"):
             start, kind, last = index, this, prefix
         elif prefix in ("I", "E"):
-            invalid += 1
+            invalid += scheme != "IOB1"  # (IOB1 starts every entity so)
             if not strict:  # conlleval: it begins an entity
                 start, kind, last = index, this, "B" if prefix == "I" else "E"
         if start is not None and last in ("E", "S"):  # BIOES: the entity ends at this word
