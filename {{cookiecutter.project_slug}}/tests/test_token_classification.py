@@ -264,6 +264,18 @@ def test_a_byte_level_tokenizer_without_a_pad_token_tags_pre_split_words(ner_tok
     assert (batch["input_ids"][batch["attention_mask"] == 0] == dm.tokenizer.eos_token_id).all()
 
 
+def test_a_hub_data_sets_class_id_tags_are_read_as_their_names(ner_tokenizer_dir):
+    import datasets
+
+    names = ["O", "B-PER", "I-PER"]
+    features = datasets.Features(
+        {"words": datasets.Sequence(datasets.Value("string")), "ner": datasets.Sequence(datasets.ClassLabel(names=names))}
+    )
+    rows = datasets.Dataset.from_dict({"words": [["alice", "met", "bob"]], "ner": [[1, 0, 1]]}, features=features)
+    dm = datamodule(ner_tokenizer_dir, {"train": "train"}, tokens_column="words", tags_column="ner")
+    assert dm._tags_as_names(rows)["ner"] == [["B-PER", "O", "B-PER"]]
+
+
 def test_config_checks_name_the_field(make_ner_cfg):
     from {{ cookiecutter.package_name }}.checks import validate_config
 

@@ -89,7 +89,7 @@ class TokenClassification(SequenceClassification):
         """``f1`` (entity level, micro) and ``accuracy`` (token level), as ``eval`` logs them."""
         from .module import DEFAULT_FACTS, TagMetrics
 
-        metrics = TagMetrics(torch.nn.Module(), "test", datamodule.id2label, {**DEFAULT_FACTS, **(datamodule.task_facts or {})})
+        metrics = TagMetrics("test", datamodule.id2label, {**DEFAULT_FACTS, **(datamodule.task_facts or {})})
         with torch.inference_mode():
             for batch in loader:
                 logits = forward(to_device({k: v for k, v in batch.items() if k not in ADDED and k != "labels"}, device))

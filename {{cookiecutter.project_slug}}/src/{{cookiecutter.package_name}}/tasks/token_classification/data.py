@@ -42,44 +42,46 @@ def read_conll(path: str, field: str, tag_column: int | None) -> tuple[dict[str,
     """
     if not Path(path).is_file():
         raise DataError(f"{field}={path!r} does not exist; fix: point {field} at an existing file")
-    bad = first_non_utf8([path])
-    if bad is not None:
-        raise DataError(f"{field}={path!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. iconv -f latin1 -t utf-8")
+    try:
+        with open(path, encoding="utf-8-sig") as file:
+            lines = [*file, ""]  # a final blank line ends the last sentence
+    except UnicodeDecodeError:
+        bad = first_non_utf8([path])  # (read again only to name the first bad byte)
+        raise DataError(f"{field}={path!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. iconv -f latin1 -t utf-8") from None
     rows: dict[str, list] = {"tokens": [], "tags": [], "line": []}
     words, tags, empty, extra_blanks, previous = [], [], 0, 0, "start"  # previous line: start | blank | docstart | word
     width = None  # the columns of the file's first word line: every word line must have as many
-    with open(path, encoding="utf-8-sig") as file:
-        for number, line in enumerate([*file, ""], start=1):  # a final blank line ends the last sentence
-            columns = line.split()
-            if columns and columns[0] != "-DOCSTART-":
-                if tag_column is not None and (len(columns) < 2 or not -len(columns) <= tag_column < len(columns)):
-                    raise DataError(
-                        f"{field}={path!r} line {number}: {line.strip()!r} has {len(columns)} column(s), no tag column "
-                        f"data.conll_tag_column={tag_column}; fix: one 'word TAG' per line (columns separated by spaces "
-                        "or tabs), or data.conll_tag_column=<the tag's column, 0-based; -1 = last>"
-                    )
-                if tag_column is not None and width is not None and len(columns) != width:
-                    # A line that lost a column would have its tag read from another one (a chunk
-                    # tag taken for an entity tag): refused, never guessed.
-                    raise DataError(
-                        f"{field}={path!r} line {number}: {line.strip()!r} has {len(columns)} column(s), the file's first "
-                        f"word line {width}; fix: give every word line the same columns (a missing tag: O)"
-                    )
-                width = width or (len(columns) if tag_column is not None else None)
-                if not words:
-                    rows["line"].append(number)
-                    empty, extra_blanks = empty + extra_blanks, 0  # (blank lines at the end of the file are no sentence)
-                words.append(columns[0])
-                tags.append(columns[tag_column] if tag_column is not None else None)
-                previous = "word"
-                continue
-            if words:
-                rows["tokens"].append(words)
-                rows["tags"].append(tags)
-            elif not columns and previous == "blank":
-                extra_blanks += 1
-            words, tags = [], []
-            previous = "docstart" if columns else "blank"
+    for number, line in enumerate(lines, start=1):
+        columns = line.split()
+        if columns and columns[0] != "-DOCSTART-":
+            if tag_column is not None and (len(columns) < 2 or not -len(columns) <= tag_column < len(columns)):
+                raise DataError(
+                    f"{field}={path!r} line {number}: {line.strip()!r} has {len(columns)} column(s), no tag column "
+                    f"data.conll_tag_column={tag_column}; fix: one 'word TAG' per line (columns separated by spaces "
+                    "or tabs), or data.conll_tag_column=<the tag's column, 0-based; -1 = last>"
+                )
+            if tag_column is not None and width is not None and len(columns) != width:
+                # A line that lost a column would have its tag read from another one (a chunk
+                # tag taken for an entity tag): refused, never guessed.
+                raise DataError(
+                    f"{field}={path!r} line {number}: {line.strip()!r} has {len(columns)} column(s), the file's first "
+                    f"word line {width}; fix: give every word line the same columns (a missing tag: O)"
+                )
+            width = width or (len(columns) if tag_column is not None else None)
+            if not words:
+                rows["line"].append(number)
+                empty, extra_blanks = empty + extra_blanks, 0  # (blank lines at the end of the file are no sentence)
+            words.append(columns[0])
+            tags.append(columns[tag_column] if tag_column is not None else None)
+            previous = "word"
+            continue
+        if words:
+            rows["tokens"].append(words)
+            rows["tags"].append(tags)
+        elif not columns and previous == "blank":
+            extra_blanks += 1
+        words, tags = [], []
+        previous = "docstart" if columns else "blank"
     if not rows["tokens"]:
         raise DataError(f"{field}={path!r} holds no sentence; fix: one 'word TAG' per line, a blank line between sentences")
     if tag_column is None:
@@ -112,9 +114,9 @@ def tag_ids(tags: list[list], label2id: dict[str, int]) -> dict[str, list[list[i
     return {"tag_ids": [[label2id[str(tag)] for tag in row] for row in tags]}
 
 
-def class_names(tags: list[int], names: list[str]) -> dict[str, list[str]]:
-    """A row's class ids as their names (a hub data set's ``Sequence(ClassLabel)`` column)."""
-    return {"tags": [names[tag] for tag in tags]}
+def class_names(tags: list[int], names: list[str], column: str) -> dict[str, list[str]]:
+    """A row's class ids (``column``) as their names (a hub data set's ``Sequence(ClassLabel)`` column)."""
+    return {column: [names[tag] for tag in tags]}
 
 
 def align_tags(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, max_length: int, tags: bool) -> dict[str, list]:
@@ -227,16 +229,13 @@ class TokenTagsDataModule(TokenizedDataModule):
 
     def setup(self, stage: str) -> None:
         """Load, check, map and tokenise what ``stage`` needs (idempotent)."""
-        differ = {key: as_override(value) for key, value in (self.trained_facts or {}).items() if self.task_facts.get(key) != value}
+        differ = [key for key, value in (self.trained_facts or {}).items() if self.task_facts.get(key) != value]
         if differ:
+            trained = " ".join(f"data.{key}={as_override(self.trained_facts[key])}" for key in differ)
+            config = " ".join(f"data.{key}={as_override(self.task_facts[key])}" for key in differ)
             raise ConfigError(
-                "the checkpoint was trained, and is scored, with "
-                + ", ".join(f"data.{key}={value}" for key, value in differ.items())
-                + "; the config says "
-                + ", ".join(f"data.{key}={as_override(self.task_facts[key])}" for key in differ)
-                + "; fix: "
-                + " ".join(f"data.{key}={value}" for key, value in differ.items())
-                + " (the data config it was trained with)"
+                f"the checkpoint was trained, and is scored, with {trained}; the config says {config}; "
+                f"fix: {trained} (the data config it was trained with)"
             )
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.tokenizer_name)
@@ -321,10 +320,10 @@ class TokenTagsDataModule(TokenizedDataModule):
         inner = getattr(dataset.features[self.tags_column], "feature", None)
         if not isinstance(inner, datasets.ClassLabel):
             return dataset
-        renamed = dataset.map(
-            class_names, input_columns=self.tags_column, fn_kwargs={"names": inner.names}, remove_columns=[self.tags_column]
-        )
-        return renamed.rename_column("tags", self.tags_column) if self.tags_column != "tags" else renamed
+        features = dataset.features.copy()
+        features[self.tags_column] = datasets.Sequence(datasets.Value("string"))  # (else map encodes the names back to ids)
+        fn_kwargs = {"names": inner.names, "column": self.tags_column}
+        return dataset.map(class_names, input_columns=self.tags_column, fn_kwargs=fn_kwargs, features=features)
 
     def _check_rows(self, dataset: datasets.Dataset, field: str, source: str, where: str, tags: bool) -> None:
         """Every row: words a list of non-empty strings; as many tags, each of ``scheme``.  Tags that

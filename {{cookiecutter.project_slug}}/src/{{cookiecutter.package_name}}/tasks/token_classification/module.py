@@ -18,38 +18,54 @@ DEFAULT_FACTS = {"scheme": "IOB2", "strict": False}
 
 class TagMetrics:
     """One split's metrics: ``{split}/acc`` (token accuracy: the share of words whose tag is right,
-    torchmetrics' micro accuracy over the positions with a label), entity-level
-    ``{split}/precision``, ``/recall``, ``/f1`` (micro) and ``/f1_<type>`` (:class:`.spans.EntityScores`),
-    ``{split}/invalid_tags`` (predicted tags that continue no entity) and ``{split}/words_cut``
-    (words ``data.max_length`` cut off: untagged and not scored)."""
+    torchmetrics' micro accuracy over the positions with a label), ``{split}/words_cut`` (words
+    ``data.max_length`` cut off: untagged and not scored) and, with ``entities``, entity-level
+    ``{split}/precision``, ``/recall``, ``/f1`` (micro), ``/f1_<type>`` (:class:`.spans.EntityScores`)
+    and ``{split}/invalid_tags`` (predicted tags that continue no entity).
 
-    def __init__(self, module: torch.nn.Module, split: str, id2label: dict[int, str], facts: dict) -> None:
+    Entity scoring reads the predicted tags on the host (``.tolist()``): a device sync per batch,
+    paid in evaluation and never in a training step (the training split logs ``train/acc`` only).
+    ``module``: where the metrics are registered (they move to its device and are reset with it).
+    """
+
+    def __init__(
+        self, split: str, id2label: dict[int, str], facts: dict, entities: bool = True, module: torch.nn.Module | None = None
+    ) -> None:
         self.split = split
-        self.accuracy = MulticlassAccuracy(num_classes=len(id2label), average="micro", ignore_index=IGNORE_INDEX)
-        self.entities = EntityScores(id2label, facts["scheme"], bool(facts["strict"]))
-        self.words_cut = SumMetric()
-        # Registered on the module: they move to its device and are reset and synced with it.
-        for name in ("accuracy", "entities", "words_cut"):
-            module.add_module(f"{split}_{name}", getattr(self, name))
+        self.metrics = {
+            "accuracy": MulticlassAccuracy(num_classes=len(id2label), average="micro", ignore_index=IGNORE_INDEX),
+            "words_cut": SumMetric(),
+            **({"entities": EntityScores(id2label, facts["scheme"], bool(facts["strict"]))} if entities else {}),
+        }
+        for name, metric in self.metrics.items():
+            if module is not None:
+                module.add_module(f"{split}_{name}", metric)
 
     def update(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
         predicted = logits.argmax(dim=-1)  # (B, T)
-        self.accuracy.update(predicted, batch["labels"])
-        self.entities.update(predicted, batch["labels"])
+        self.metrics["accuracy"].update(predicted, batch["labels"])
+        if "entities" in self.metrics:
+            self.metrics["entities"].update(predicted, batch["labels"])
         if "words_cut" in batch:
-            self.words_cut.update(batch["words_cut"].sum())
+            self.metrics["words_cut"].update(batch["words_cut"].sum())
 
     def compute(self) -> dict[str, torch.Tensor]:
-        values = {"acc": self.accuracy.compute(), **self.entities.compute(), "words_cut": self.words_cut.compute()}
+        values = {"acc": self.metrics["accuracy"].compute(), "words_cut": self.metrics["words_cut"].compute()}
+        if "entities" in self.metrics:
+            values.update(self.metrics["entities"].compute())
         return {f"{self.split}/{name}": value for name, value in values.items()}
 
     def reset(self) -> None:
-        for metric in (self.accuracy, self.entities, self.words_cut):
+        for metric in self.metrics.values():
             metric.reset()
 
     def values(self):
         """The metric objects (their update counts tell whether anything was seen)."""
-        return (self.accuracy, self.entities, self.words_cut)
+        return self.metrics.values()
+
+    @property
+    def entities(self) -> EntityScores | None:
+        return self.metrics.get("entities")
 
 
 class TokenClassificationModule(SequenceClassificationModule):
@@ -85,7 +101,7 @@ class TokenClassificationModule(SequenceClassificationModule):
 
     def metrics(self, split: str) -> TagMetrics:
         id2label = {int(index): name for index, name in self.model.config.id2label.items()}  # (JSON keys are strings)
-        return TagMetrics(self, split, id2label, self.tag_facts)
+        return TagMetrics(split, id2label, self.tag_facts, entities=split != "train", module=self)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Read the checkpoint's data facts (the base), then build the metrics again: eval builds
