@@ -307,3 +307,59 @@ def test_two_launches_share_a_journal_study(tmp_path):
     assert fake_sweep(tmp_path, lambda n, o: 0.5, n_trials=2, storage=storage).numbers == [0, 1]
     assert fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=4, storage=storage).numbers == [2, 3]
     assert study_states(tmp_path) == {n: "COMPLETE" for n in range(4)} and all_different(study_trials(tmp_path))
+
+
+def study_attrs(sweep_dir: Path) -> dict:
+    return optuna.load_study(study_name="s", storage=study_storage(sweep_dir)).user_attrs
+
+
+def test_a_changed_fixed_override_stops_before_any_trial_naming_key_old_new_and_fix(tmp_path, capsys):
+    """The bug: another fixed setup on the same study was topped up silently, mixing two setups."""
+    fake_sweep(tmp_path, lambda n, o: 0.5, n_trials=2, arguments=["data.max_length=32", "trainer.max_epochs=1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=3, arguments=["data.max_length=16", "trainer.max_epochs=2"])
+    assert stop.value.code == 1
+    message = capsys.readouterr().err
+    assert "data.max_length=16 (was data.max_length=32), trainer.max_epochs=2 (was trainer.max_epochs=1)" in message
+    assert f"study 's' (storage sqlite:///{tmp_path / 'optuna.db'})" in message and "Traceback" not in message
+    assert "fix: a new study for the new setup (hydra.sweeper.study_name=<new name>)" in message
+    assert "re-run with the study's overrides (data.max_length=32 trainer.max_epochs=1)" in message
+    assert study_states(tmp_path) == {0: "COMPLETE", 1: "COMPLETE"}  # nothing asked, nothing left RUNNING
+    assert study_attrs(tmp_path)["launches"] == 1
+
+
+def test_the_same_fixed_overrides_in_another_order_top_the_study_up(tmp_path):
+    """Compared as key -> value: the order does not matter, nor Hydra's own keys or launcher= (where trials run)."""
+    fake_sweep(tmp_path, lambda n, o: 0.5, n_trials=2, arguments=["data.max_length=32", "trainer.max_epochs=1", "+peft.r=8"])
+    assert study_attrs(tmp_path)["fixed_overrides"] == ["+peft.r=8", "data.max_length=32", "trainer.max_epochs=1"]
+    again = ["trainer.max_epochs=1", "+peft.r=8", "launcher=slurm", "hydra.sweeper.n_jobs=1", "data.max_length=32"]
+    seen = []
+    assert fake_sweep(tmp_path, lambda n, o: seen.append(o) or 0.6, n_trials=3, arguments=again).numbers == [2]
+    assert "data.max_length=32" in seen[0] and "trainer.max_epochs=1" in seen[0]
+    assert study_attrs(tmp_path)["fixed_overrides"] == ["+peft.r=8", "data.max_length=32", "trainer.max_epochs=1"]
+
+
+def test_an_added_or_removed_fixed_override_is_refused(tmp_path, capsys):
+    fake_sweep(tmp_path, lambda n, o: 0.5, n_trials=1, arguments=["data.max_length=32"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=2, arguments=["data.max_length=32", "trainer.max_epochs=2"])
+    assert "trainer.max_epochs=2 (was not set)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=2)
+    assert "data.max_length not set (was data.max_length=32)" in capsys.readouterr().err
+    assert study_states(tmp_path) == {0: "COMPLETE"}
+
+
+def test_a_study_from_before_the_record_gets_its_fixed_overrides_recorded_with_a_warning(tmp_path, caplog):
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'optuna.db'}", direction="maximize")
+    lr = optuna.distributions.FloatDistribution(0.1, 1.0)
+    study.add_trial(optuna.trial.create_trial(params={"optimizer.lr": 0.5}, distributions={"optimizer.lr": lr}, value=0.5))
+    with caplog.at_level("WARNING"):
+        assert fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=2, arguments=["data.max_length=32"]).numbers == [1]
+    (warning,) = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert "setup of its 1 earlier trials cannot be checked" in warning and "data.max_length=32" in warning
+    assert study_attrs(tmp_path)["fixed_overrides"] == ["data.max_length=32"]
+    with pytest.raises(SystemExit):  # from now on, checked
+        fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=3, arguments=["data.max_length=16"])

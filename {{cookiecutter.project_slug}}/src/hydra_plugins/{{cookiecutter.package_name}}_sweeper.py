@@ -21,8 +21,12 @@ override parser: ``choice(...)``, ``range(...)``, ``interval(a, b)`` and ``tag(l
 - Before the first trial: ``optimized_metric`` must be one of ``task.objectives`` and
   ``direction`` must agree with it; every parameter must name a key of the config; the search
   space must be the one the study began with (an edited ``choice(...)`` list is refused with the
-  parameter's name: Optuna cannot mix two spaces in one study).  A trial that raises an error
-  with ``stops_sweep`` (the run did not log ``optimized_metric``) stops the sweep at once.
+  parameter's name: Optuna cannot mix two spaces in one study); and the fixed overrides (the
+  ``key=value`` lines every trial gets, less Hydra's own and ``launcher=``) must be the ones the
+  study began with (a changed, added or removed one is refused with its old and new value, not
+  topped up; a study begun before they were recorded records this launch's, with a warning).
+  A trial that raises an error with ``stops_sweep`` (the run did not log ``optimized_metric``)
+  stops the sweep at once.
 - The best trial is written to ``<sweep dir>/best.yaml`` (parameters, value, trial number, job
   folder, counts) and printed; ``optimization_results.yaml`` too.
 
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 
 BETTER = {"max": "maximize", "min": "minimize"}
 JOURNAL = "journal:"  # storage prefix: Optuna's journal file storage at the path that follows
+LAUNCH_ONLY = ("launcher",)  # config groups that choose where trials run, not what they are
 
 
 class SweepConfigError(ValueError):
@@ -72,8 +77,8 @@ class ResumableOptunaSweeper(Sweeper):
         params: ``{key: sweep}`` in Hydra's override syntax (``choice``, ``range``, ``interval``, ``tag(log, ...)``).
 
     Raises (from :meth:`sweep`, printed alone with exit code 1):
-        SweepConfigError: an objective, direction, parameter or search space that cannot work;
-            more failed trials than ``max_failure_rate`` allows; no completed trial at all.
+        SweepConfigError: an objective, direction, parameter, search space or fixed overrides that
+            cannot work; more failed trials than ``max_failure_rate`` allows; no completed trial at all.
     """
 
     def __init__(
@@ -126,7 +131,7 @@ class ResumableOptunaSweeper(Sweeper):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)  # before the storage file in it is opened
         # Two launches of one command may open a new study at once: one creates it (and records
-        # its search space), the other waits and loads it.
+        # its search space and fixed overrides), the other waits and loads it.
         with (sweep_dir / ".study.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             study = optuna.create_study(
@@ -134,6 +139,7 @@ class ResumableOptunaSweeper(Sweeper):
                 load_if_exists=True,
             )  # fmt: skip
             check_search_space(study, distributions)
+            check_fixed_overrides(study, fixed_setup(fixed, secrets.mask), secrets.mask(self.storage))
             launch = study.user_attrs.get("launches", 0)  # this launch's number: 0 for the first
             study.set_user_attr("launches", launch + 1)
         study.sampler = reseeded(self.config.hydra.sweeper.sampler, launch) or study.sampler
@@ -290,6 +296,58 @@ def check_search_space(study, distributions: dict) -> None:
                 f"study {study.study_name!r} began, and one study cannot mix two search spaces; fix: a new study "
                 f"(hydra.sweeper.study_name=<new name>), or the old search space"
             )
+
+
+def fixed_setup(lines: list[str], mask: Any = str) -> dict[str, str | None]:
+    """``{key: value}`` of the fixed overrides that define a study's trials (``key=value`` lines,
+    values as typed, each passed through ``mask``), less the launch-only ones: Hydra's own
+    (``hydra.*``, ``hydra/<group>=``) and :data:`LAUNCH_ONLY` (``launcher=slurm`` moves a study
+    to a cluster, its trials stay the same).  A deletion without a value (``~key``) maps to ``None``."""
+    setup = {}
+    for item in OverridesParser.create().parse_overrides(lines):
+        if item.is_hydra_override() or item.key_or_group in ("hydra", *LAUNCH_ONLY):
+            continue
+        setup[item.get_key_element()] = mask(item.input_line.split("=", 1)[1].strip()) if "=" in item.input_line else None
+    return setup
+
+
+def check_fixed_overrides(study, setup: dict[str, str | None], storage: str) -> None:
+    """The first launch records the fixed overrides (``setup``, from :func:`fixed_setup`) in the
+    study; a later one must run with the same, in any order.  A study that began before they were
+    recorded gets this launch's, with a warning: its earlier trials' setup cannot be checked.
+
+    Raises:
+        SweepConfigError: naming each changed, added or removed key with its old and new value,
+            the study and its storage, and the fix.
+    """
+    lines = sorted(setup_line(key, value) for key, value in setup.items())
+    recorded = study.user_attrs.get("fixed_overrides")
+    if recorded is None:
+        study.set_user_attr("fixed_overrides", lines)
+        if study.trials:
+            log.warning("Study %s in %s began before its fixed overrides were recorded: the setup of its %d earlier trials "
+                        "cannot be checked; recorded this launch's, %s", study.study_name, storage, len(study.trials), lines or "none")  # fmt: skip
+        return
+    old = {key: value if sep else None for key, sep, value in (line.partition("=") for line in recorded)}
+    if old == setup:
+        return
+    changes = [
+        f"{setup_line(key, setup[key])} (was {setup_line(key, old[key])})" if key in setup and key in old
+        else f"{setup_line(key, setup[key])} (was not set)" if key in setup
+        else f"{key} not set (was {setup_line(key, old[key])})"
+        for key in sorted(set(setup) | set(old))
+        if (key in setup, setup.get(key)) != (key in old, old.get(key))
+    ]  # fmt: skip
+    raise SweepConfigError(
+        f"the fixed overrides differ from those study {study.study_name!r} (storage {storage}) began with: "
+        f"{', '.join(changes)}; one study cannot mix trials of two setups; fix: a new study for the new setup "
+        f"(hydra.sweeper.study_name=<new name>), or re-run with the study's overrides ({' '.join(recorded) or 'none'})"
+    )
+
+
+def setup_line(key: str, value: str | None) -> str:
+    """One fixed override as recorded and shown: ``key=value``, or ``key`` alone (``~key``)."""
+    return key if value is None else f"{key}={value}"
 
 
 def describe(distribution: dict | None) -> str:
