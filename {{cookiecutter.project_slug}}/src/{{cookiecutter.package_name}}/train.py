@@ -4,9 +4,11 @@
     python -m <package>.train experiment=demo_lm_lora
     python -m <package>.train experiment=demo_lm_scratch trainer.max_steps=300
 
-Writes ``metrics.json``, ``config_tree.log`` and ``checkpoints/`` into the run directory
-(``hydra.run.dir=DIR`` sets it).  ``ckpt_path=last`` (same ``hydra.run.dir``) resumes a killed or
-stopped run exactly where its ``last.ckpt`` left it.
+Writes ``metrics.json``, ``config_tree.log``, ``identity.json`` (what the run is made of:
+:mod:`.utils.identity`) and ``checkpoints/`` into the run directory (``hydra.run.dir=DIR`` sets
+it).  ``ckpt_path=last`` (same ``hydra.run.dir``) resumes a killed or stopped run exactly where its
+``last.ckpt`` left it, with the same config, data and model (``resume.allow_changed=[key,...]``
+for what may knowingly change).
 
 Exit codes: 0 done; 1 an error (bad config or data: the message says which field and the fix);
 3 CUDA out of memory (``oom_report.txt`` in the run directory); 4 non-finite loss; 5 disk full
@@ -36,6 +38,7 @@ from omegaconf import DictConfig
 from .callbacks.build import instantiate_callbacks
 from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, StopOnSignal, signals_stop_the_run
 from .callbacks.pruning import Pruning
+from .callbacks.run_identity import RunIdentity
 from .callbacks.terminal import RunHeader, print_results
 from .checks import validate_config
 from .errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
@@ -47,6 +50,7 @@ from .utils.checkpoints import last_checkpoint, save_final_checkpoint, trained_c
 from .utils.config import config_warnings, precision_is_auto, to_plain, world_size
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.hub import hub_problems
+from .utils.identity import check_resume_config
 from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .utils.run import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
 from .utils.run_folder import owned_run_folder
@@ -60,8 +64,9 @@ def train(cfg: DictConfig) -> dict:
     Raises:
         ConfigError: the config is invalid, the run folder is not this launch's to write
             (:mod:`.utils.run_folder`: it holds another run, or another launch holds its lock), or
-            ``ckpt_path`` names no checkpoint to resume or one that is refused (raised before any
-            data or weights load, and before anything is written).
+            ``ckpt_path`` names no checkpoint to resume or one that is refused, or a resume changes
+            what the run is made of (:mod:`.utils.identity`: its config before any data loads, its
+            data, model and tokenizer files before any weights load).
         DataError: the data does not match the config (raised before any weights load).
         RunStopped: a signal, a CUDA out-of-memory error or non-finite losses stopped training
             (``exit_code`` says which; a checkpoint to resume from is saved where it is safe).
@@ -78,8 +83,14 @@ def train(cfg: DictConfig) -> dict:
 def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     """The body of :func:`train`, in a run folder this launch owns; ``ckpt_path``: the checkpoint to
     resume from (``None``: a fresh start)."""
-    # One read of the checkpoint before anything loads: a damaged or crafted file fails here, with its name.
-    resumes_wandb_run = trained_checkpoint(ckpt_path).get("wandb_run_id") if ckpt_path else None
+    # One read of the checkpoint before anything loads: a damaged or crafted file fails here, with
+    # its name, and so does a resume whose config differs from the run's (utils/identity.py).
+    task = task_of(cfg)
+    resumed = trained_checkpoint(ckpt_path) if ckpt_path else None
+    where = f"ckpt_path={str(ckpt_path)!r}"
+    if resumed is not None:
+        check_resume_config(cfg, resumed, where, task.resume_refuses())
+    resumes_wandb_run = resumed.get("wandb_run_id") if resumed else None
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
     run_dir = Path(cfg.paths.output_dir)
@@ -94,12 +105,12 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     if cfg.seed is not None:
         L.seed_everything(cfg.seed, workers=True)
 
-    task = task_of(cfg)
     datamodule = hydra.utils.instantiate(cfg.data)
     module = build_module(cfg)
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     header = RunHeader(run_dir, model_line(cfg), batch_line(cfg), plan, auto_precision=precision_is_auto(cfg))
-    trainer = instantiate_trainer(cfg, [ConnectData(), *instantiate_callbacks(cfg), header], loggers)
+    identity = RunIdentity(cfg, resumed, where, task.resume_refuses())  # (after ConnectData: it compares the data's labels)
+    trainer = instantiate_trainer(cfg, [ConnectData(), identity, *instantiate_callbacks(cfg), header], loggers)
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: utils/secrets.py)
 

@@ -47,6 +47,15 @@ def test_time_to_accuracy_bench_prints_both_times_and_the_ratio(tokenizer_dir, t
 {%- endif %}
 
 
+def test_identity_cost_bench_prints_first_and_cached_hash_times(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    (tmp_path / "train.csv").write_text("text,label\n" + "a good film,positive\n" * 100)
+    lines = run_bench("identity_cost.py", "--files", str(tmp_path / "model"), str(tmp_path / "train.csv"))
+    assert re.fullmatch(r"first_s=\d+\.\d{3} cached_s=\d+\.\d{4} launch_check_s=\d+\.\d{4} gb_per_s=\d+\.\d{2}", lines[-1]), lines[-1]
+    assert lines[0].split()[0] == "path" and len(lines) == 4, lines
+
+
 def test_planner_accuracy_bench_prints_its_error(tmp_path):
 {%- if cookiecutter.tasks != "classification" %}
     case, shape = "llama_fp32", ["data.max_length=64", "batch.micro_batch_size=2", "batch.global_batch_size=2"]

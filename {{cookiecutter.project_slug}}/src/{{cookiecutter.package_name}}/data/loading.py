@@ -9,6 +9,7 @@ from pathlib import Path
 import datasets
 
 from ..errors import DataError
+from ..utils.file_hashes import content_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ def load_split(
     hub_config: str | None,
     cache_dir: str | None,
 ) -> datasets.Dataset:
-    """Load one split as a ``datasets.Dataset`` (cached as Arrow by ``datasets``).
+    """Load one split as a ``datasets.Dataset`` (cached as Arrow by ``datasets``, a local file
+    under its content hash: :func:`..utils.file_hashes.content_cache_dir`).
 
     Args:
         split: our split name (``train``, ``validation``, ``test``, ``predict``), for messages.
@@ -79,7 +81,10 @@ def load_split(
     try:
         if builder == "csv":
             kwargs = {**kwargs, "features": csv_as_written(path, kwargs["sep"], field)}
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir, **kwargs)
+        # (cached under the file's content hash: datasets keys it by path and mtime, and would serve
+        # a file rewritten with its mtime kept as the old data)
+        cache = content_cache_dir(cache_dir, [str(path)])
+        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache, **kwargs)
     except DataError:
         raise
     except Exception as error:  # datasets wraps the reader's error (decoding, parsing) in DatasetGenerationError

@@ -8,7 +8,9 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 
 from ..assets import fetch_model_files
+from ..errors import ConfigError
 from ..optim import build_optimizer, lightning_allows_fused
+from ..utils.identity import base_problem
 from ..utils.secrets import mask
 from .adapters import uses_peft
 from .inputs import ModelInputs
@@ -67,6 +69,8 @@ class HFModule(L.LightningModule):
         self._step_items = torch.zeros(())
         self.step_metrics: dict[str, torch.Tensor] = {}
         self._row_step = 0
+        # (the run's entry of its base files, where the checkpoint is): an adapter checkpoint's base is checked against it
+        self.expected_base: tuple[dict, str] | None = None
 
     def attached_trainer(self) -> L.Trainer | None:
         """The trainer running this module, or ``None`` (built by hand, or loaded for eval/export)."""
@@ -110,9 +114,19 @@ class HFModule(L.LightningModule):
 
     def prepare_data(self) -> None:
         """Install the model files once (``model.fetch``: a fetcher of the project's table, by
-        name), before anything reads them."""
+        name), before anything reads them; an adapter checkpoint's base is then compared with the
+        one it was trained on (:attr:`expected_base`, set by ``utils.checkpoints.load_trained_module``).
+
+        Raises:
+            ConfigError: the base at ``model.name_or_path`` holds other files than the run's.
+        """
         if self.hparams.model.get("fetch"):
             fetch_model_files(self.hparams.model["fetch"])
+        if self.expected_base is not None:
+            entry, where = self.expected_base
+            problem = base_problem(entry, str(self.hparams.model["name_or_path"]), where)
+            if problem:
+                raise ConfigError(problem)
 
     def setup_optimization(self) -> None:
         """Call after ``save_hyperparameters``: manual optimization when the optimizer steps

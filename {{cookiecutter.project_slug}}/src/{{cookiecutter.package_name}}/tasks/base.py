@@ -37,6 +37,12 @@ class Task:
             otherwise on the test split when there is one, else the validation split.
         prediction_suffix: the file type ``predict`` writes (``.csv``, ``.jsonl``); ``""``: the
             task has no ``predict`` (:meth:`write_predictions`).
+        identity_keys: this task's config keys (``fnmatch`` patterns over dotted keys) that are
+            part of what a run is made of (:mod:`..utils.identity`), besides the framework's
+            (model, tokenizer, ``peft``, ``max_length``, data content...): ``model``, what the
+            trained model is (its label set: e.g. the label column, the tag scheme), and
+            ``data``, how its data are read (columns, format, the held-out split).  A resume
+            refuses a change of either; eval, predict and export read the model's from the checkpoint.
     """
 
     name: ClassVar[str] = ""
@@ -48,6 +54,11 @@ class Task:
     reads_exported_folders: ClassVar[bool] = False
     scores_test_split_only: ClassVar[bool] = True
     prediction_suffix: ClassVar[str] = ""
+    identity_keys: ClassVar[dict[str, tuple[str, ...]]] = {"model": (), "data": ()}
+
+    def resume_refuses(self) -> tuple[str, ...]:
+        """The patterns of :attr:`identity_keys`, model and data together (a resume refuses both)."""
+        return (*self.identity_keys.get("model", ()), *self.identity_keys.get("data", ()))
 
     # ------------------------------------------------------------------ config checks
     def data_problems(self, data: DictConfig) -> list[str]:

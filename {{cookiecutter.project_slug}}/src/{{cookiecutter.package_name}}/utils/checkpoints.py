@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, DiskFull
 from . import stored
+from .identity import command_line_value
 from .run import atomic_write_path
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,10 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
     Raises:
         ConfigError: see :func:`trained_checkpoint`; a checkpoint of another task than
             ``module_class``'s; an adapter checkpoint whose base model folder is not on this
-            machine and that the config does not install; weights that do not fit the model
-            built (including an adapter checkpoint lacking a weight the base would draw at random).
+            machine and that the config does not install, or whose base holds other files than
+            the run's (:func:`adapter_base` finds it, :func:`.identity.base_problem` compares it,
+            before the base weights load); weights that do not fit the model built (including an
+            adapter checkpoint lacking a weight the base would draw at random).
     """
     checkpoint = trained_checkpoint(path)
     parameters = inspect.signature(module_class.__init__).parameters
@@ -192,8 +195,14 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
     stored = {key: value for key, value in checkpoint["hyper_parameters"].items() if key in parameters}
     model = dict(stored.get("model") or {})
     model["fetch"] = fetch_of_same_base(cfg, model)
-    base = model.get("name_or_path")
     peft = overrides.get("peft", stored.get("peft")) or {}
+    identity = checkpoint.get("identity")
+    if not isinstance(identity, dict):
+        log.warning("ckpt_path=%s was written before checkpoints recorded their run's identity: its base model cannot be checked", path)
+    entry = ((identity or {}).get("files") or {}).get("model.name_or_path")
+    if peft.get("method", "none") != "none" and model.get("name_or_path"):  # an adapter checkpoint: its frozen base is re-read
+        model["name_or_path"] = adapter_base(str(model["name_or_path"]), entry)
+    base = model.get("name_or_path")
     if peft.get("method", "none") != "none" and model["fetch"] is None and _local_path(base) and not Path(str(base)).exists():
         raise ConfigError(
             f"ckpt_path={str(path)!r} holds LoRA adapters whose frozen base model.name_or_path={base!r} (stored in the checkpoint) "
@@ -201,6 +210,8 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
             "checkpoint was trained with (its model.fetch installs the base), or put the base model folder there"
         )
     module = module_class(**{**stored, "model": model, **overrides})
+    if entry is not None and peft.get("method", "none") != "none":
+        module.expected_base = (entry, f"ckpt_path={str(path)!r}")  # checked once the base is installed (HFModule.prepare_data)
     module.configure_model()
     module.on_load_checkpoint(checkpoint)
     try:
@@ -212,6 +223,21 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
             "and experiment it was trained with"
         ) from error
     return module
+
+
+def adapter_base(stored: str, entry: dict | None) -> str:
+    """Where the frozen base of an adapter checkpoint is read from: ``model.name_or_path`` given on
+    the command line (it wins), else the folder the run resolved its stored path to when it is
+    still there (a relative path is read from any working directory), else the stored path as
+    given.  Its content is compared with the run's when it is installed
+    (:func:`.identity.base_problem`)."""
+    given = command_line_value("model.name_or_path")
+    if given is not None:
+        return given
+    resolved = (entry or {}).get("resolved")
+    if resolved and Path(resolved).exists():
+        return resolved
+    return stored
 
 
 def fetch_of_same_base(cfg: DictConfig, stored_model: dict) -> dict | None:

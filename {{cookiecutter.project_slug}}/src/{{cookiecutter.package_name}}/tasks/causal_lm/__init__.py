@@ -31,6 +31,18 @@ class CausalLM(Task):
     quality = {"perplexity": "min"}
     reads_exported_folders = True
     scores_test_split_only = False
+    identity_keys = {
+        "model": ("data.chat_template", "data.end_of_turn", "data.system_prompt"),
+        "data": (
+            "data.text_column",
+            "data.sample_by",
+            "data.mode",
+            "data.train_on",
+            "data.truncation",
+            "data.val_fraction",
+            "data.val_split_seed",
+        ),
+    }
 
     def data_problems(self, data: DictConfig) -> list[str]:
         problems = []

@@ -42,6 +42,7 @@ from ...data.tokenization import (  # noqa: F401 (IGNORE_INDEX, pad_token_id: re
     tokenize_in_pieces,
 )
 from ...errors import DataError
+from ...utils.file_hashes import content_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ class TextDataModule(TokenizedDataModule):
                     "text",
                     data_files=files,
                     split="train",
-                    cache_dir=self.cache_dir,
+                    cache_dir=content_cache_dir(self.cache_dir, files),  # (by content: see data/loading.py)
                     sample_by=self.sample_by,
                     keep_linebreaks=True,
                 )

@@ -23,6 +23,10 @@ class SequenceClassification(Task):
     quantize_variants = ("fp32", *TORCHAO_VARIANTS, "onnx_fp32", "onnx_int8")
     quality = {"accuracy": "max", "f1_macro": "max"}
     prediction_suffix = ".csv"
+    identity_keys = {
+        "model": ("data.label_column",),
+        "data": ("data.text_column", "data.text_pair_column", "data.val_fraction", "data.val_split_seed"),
+    }
 
     def data_problems(self, data: DictConfig) -> list[str]:
         return [

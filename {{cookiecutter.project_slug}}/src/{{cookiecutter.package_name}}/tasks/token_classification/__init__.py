@@ -30,6 +30,10 @@ class TokenClassification(SequenceClassification):
     quantize_variants = ("fp32", *TORCHAO_VARIANTS)
     quality = {"f1": "max", "accuracy": "max"}
     prediction_suffix = ".jsonl"
+    identity_keys = {
+        "model": ("data.scheme", "data.strict", "data.tags_column", "data.conll_tag_column"),
+        "data": ("data.tokens_column", "data.format", "data.val_fraction", "data.val_split_seed"),
+    }
 
     def data_problems(self, data: DictConfig) -> list[str]:
         problems = [

@@ -1,0 +1,113 @@
+"""Run identity (utils/identity.py, utils/file_hashes.py): the classes of docs/reliability.md's
+"Run identity" table, content hashes and their cache, and the datasets cache keyed by content.
+The resumes, evals and exports that use them: tests/test_resume_identity.py (classification) and
+tests/test_adapter_base.py (causal LM); the sweep row: tests/test_sweeps.py ("fixed overrides").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from {{ cookiecutter.package_name }}.tasks import tasks
+from {{ cookiecutter.package_name }}.utils import file_hashes
+from {{ cookiecutter.package_name }}.utils.identity import command_line_value, resume_class
+
+
+@pytest.fixture(autouse=True)
+def own_hash_cache(tmp_path, monkeypatch):
+    """Each test hashes into a cache file of its own (not the user's ~/.cache)."""
+    monkeypatch.setenv(file_hashes.CACHE_ENV, str(tmp_path / "file_hashes.json"))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ the table's classes
+@pytest.mark.parametrize(
+    "key, kind",
+    [
+        ("task.name", "refused"),
+        ("model.config.num_hidden_layers", "refused"),
+        ("peft.alpha", "refused"),
+        ("data.max_length", "refused"),
+        ("batch.global_batch_size", "refused"),
+        ("trainer.precision", "refused"),
+        ("data.splits.train (content)", "refused"),
+        ("labels", "refused"),
+        ("trainer.max_steps", "allowed"),
+        ("trainer.max_epochs", "allowed"),
+        ("logger.wandb.project", "allowed"),
+        ("callbacks.progress_bar.refresh_rate", "allowed"),
+        ("trainer.devices", "allowed"),
+        ("trainer.strategy", "allowed"),
+        ("optimizer.lr", "allow_changed"),
+        ("optimizer.weight_decay", "allow_changed"),
+        ("lr_schedule.warmup_ratio", "allow_changed"),
+        ("seed", "allow_changed"),
+        ("data.group_by_length", "allow_changed"),
+        ("batch.micro_batch_size", "allow_changed"),
+        ("paths.output_dir", "ignored"),
+        ("data.splits.train", "ignored"),
+        ("batch.accumulate_grad_batches", "ignored"),
+    ],
+)
+def test_each_key_falls_in_its_row_of_the_table(key, kind):
+    assert resume_class(key) == kind
+
+
+def test_each_task_declares_keys_a_resume_refuses():
+    for task in tasks().values():
+        assert task.identity_keys["model"] or task.identity_keys["data"], task.name
+        for pattern in task.resume_refuses():
+            assert resume_class(pattern) == "allow_changed", pattern  # (refused only through the task)
+            assert resume_class(pattern, task.resume_refuses()) == "refused"
+
+
+def test_the_command_line_value_is_read_from_hydras_overrides():
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+
+    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+        cfg = compose("eval", ["model.name_or_path=/somewhere/base", "seed=3"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert command_line_value("model.name_or_path") == "/somewhere/base"
+        assert command_line_value("model.tokenizer") is None
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+# ------------------------------------------------------------------ hashing and the datasets cache
+def test_a_file_rewritten_with_its_mtime_kept_is_read_as_its_new_rows(tmp_path):
+    """``cp -p``/``rsync -t`` keep the mtime: datasets' cache (path + mtime) served the old rows."""
+    from {{ cookiecutter.package_name }}.data.loading import load_split
+
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\n" + "a good film,positive\n" * 64)
+    stat = path.stat()
+    assert len(load_split("train", str(path), None, None, str(tmp_path / "cache"))) == 64
+    path.write_text("text,label\n" + "a dull film,negative\n" * 80)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert len(load_split("train", str(path), None, None, str(tmp_path / "cache"))) == 80
+
+
+def test_an_unchanged_file_is_hashed_once_across_processes_and_a_rewritten_one_again(tmp_path, monkeypatch):
+    reads = []
+    real = file_hashes.hashlib.file_digest
+    monkeypatch.setattr(file_hashes.hashlib, "file_digest", lambda file, name: reads.append(file.name) or real(file, name))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x" * 1000)
+    first = file_hashes.file_sha256(path)
+    assert first == sha256(path) and file_hashes.file_sha256(path) == first and len(reads) == 1
+    file_hashes.forget()  # a new process: the cache file is read
+    assert file_hashes.file_sha256(path) == first and len(reads) == 1
+    stat = path.stat()
+    path.write_bytes(b"y" * 1000)  # same size, mtime put back (cp -p): ctime moved
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert file_hashes.file_sha256(path) == sha256(path) != first and len(reads) == 2
