@@ -17,6 +17,9 @@ from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 TESTS = Path(__file__).parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# What a resume after an injected fault adds: the fault callback (or checkpoint plugin) is gone from
+# its config, a change a resume makes only when asked (docs/reliability.md, "Run identity").
+WITHOUT_FAULT = "resume.allow_changed=[callbacks.fault.*,trainer.plugins]"
 
 
 def subprocess_env() -> dict[str, str]:

@@ -45,6 +45,7 @@ def sha256(path: Path) -> str:
         ("callbacks.progress_bar.refresh_rate", "allowed"),
         ("trainer.devices", "allowed"),
         ("trainer.strategy", "allowed"),
+        ("data.splits.test (content)", "allowed"),
         ("optimizer.lr", "allow_changed"),
         ("optimizer.weight_decay", "allow_changed"),
         ("lr_schedule.warmup_ratio", "allow_changed"),

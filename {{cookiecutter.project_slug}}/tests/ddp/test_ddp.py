@@ -13,7 +13,7 @@ import os
 from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 {% if cookiecutter.tasks != "causal_lm" %}from ..conftest import toy_rows, write_csv
-{% endif %}from ..processes import ok, run_module
+{% endif %}from ..processes import WITHOUT_FAULT, ok, run_module
 
 
 def test_multirun_with_ddp_leaves_exactly_one_sweep_folder_and_survives_a_failed_job(cli_base, tmp_path):
@@ -70,7 +70,7 @@ def test_ddp_cpu_trains_with_two_processes_which_stop_together_on_a_signal_to_on
 {%- if cookiecutter.tasks != "causal_lm" %}
     # An odd test split: two ranks must still test every row once, as one process does.
     odd_test = write_csv(tmp_path / "test41.csv", toy_rows(41, seed=7))
-    ok(run_module("train", ddp + ["ckpt_path=last", "test_after_fit=true", f"data.splits.test={odd_test}"], cwd=tmp_path))
+    ok(run_module("train", ddp + ["ckpt_path=last", WITHOUT_FAULT, "test_after_fit=true", f"data.splits.test={odd_test}"], cwd=tmp_path))
     trained = json.loads((run_dir / "metrics.json").read_text())
     evaluated = tmp_path / "eval"
     eval_args = [f"ckpt_path={trained['best_checkpoint']}", f"data.splits.test={odd_test}", f"hydra.run.dir={evaluated}"]
@@ -80,7 +80,7 @@ def test_ddp_cpu_trains_with_two_processes_which_stop_together_on_a_signal_to_on
     assert trained["test/acc"] * 41 == pytest.approx(round(trained["test/acc"] * 41))  # a count of right rows out of 41
     assert trained["test/acc"] == pytest.approx(one_process["test/acc"]) and trained["test/loss"] == pytest.approx(one_process["test/loss"])
 {%- else %}
-    ok(run_module("train", ddp + ["ckpt_path=last"], cwd=tmp_path))
+    ok(run_module("train", ddp + ["ckpt_path=last", WITHOUT_FAULT], cwd=tmp_path))
 {%- endif %}
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
     reference = torch.load(single_process_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]

@@ -9,7 +9,7 @@ import signal
 
 from omegaconf import OmegaConf
 
-from ..processes import checkpoint_step, ok, run_module, run_train, step_losses, without_output_dir
+from ..processes import WITHOUT_FAULT, checkpoint_step, ok, run_module, run_train, step_losses, without_output_dir
 from ..test_token_classification import make_ner_data, make_ner_tokenizer, ner_overrides, ner_rows, write_conll
 
 
@@ -35,7 +35,7 @@ def test_train_killed_and_resumed_then_eval_predict_plan_quantize_and_a_sweep(tm
     fault = ["+callbacks.fault._target_=faults.KillAt", "+callbacks.fault.step=10", "+callbacks.fault.micro_batch=1"]
     assert run_train(killed, base + fault).returncode == -signal.SIGKILL
     assert checkpoint_step(killed / "checkpoints" / "last.ckpt") == 9
-    ok(run_train(killed, base + ["ckpt_path=last"]))
+    ok(run_train(killed, base + ["ckpt_path=last", WITHOUT_FAULT]))
     assert step_losses(killed) == losses  # bit-identical, step by step
 
     ckpt = f"ckpt_path={reference / 'checkpoints' / 'last.ckpt'}"

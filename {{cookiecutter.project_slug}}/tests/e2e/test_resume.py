@@ -18,7 +18,7 @@ import pytest
 
 {% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.utils.metrics_csv import launch_files, read_metrics
 
-{% endif %}from ..processes import checkpoint_step, run_train, step_losses, without_output_dir
+{% endif %}from ..processes import WITHOUT_FAULT, checkpoint_step, run_train, step_losses, without_output_dir
 
 EVERY = 3  # callbacks.step_checkpoint.every_n_train_steps in these runs
 
@@ -48,7 +48,7 @@ def kill_and_resume(base: list[str], tmp_path: Path, fault: list[str], expect_co
     assert (run_dir / "checkpoints" / "last.ckpt").is_file(), "no last.ckpt to resume from"
     checkpoint_step(run_dir / "checkpoints" / "last.ckpt")  # loads with weights_only=True
     killed_owner = json.loads((run_dir / "run.lock").read_text())["pid"]  # its lock went with it (a kernel lock)
-    resumed = run_train(run_dir, base + ["ckpt_path=last"])
+    resumed = run_train(run_dir, base + ["ckpt_path=last", WITHOUT_FAULT])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run_dir / "run.lock").read_text())["pid"] != killed_owner  # the resume held it
     return run_dir, resumed
@@ -175,7 +175,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_last_ckpt(lm_base, l
     last = run_dir / "checkpoints" / "last.ckpt"
     assert checkpoint_step(last) == EVERY  # the first save, whole
     assert list((run_dir / "checkpoints").glob(".*.partial")), "the torn write should be a temporary file"
-    resumed = run_train(run_dir, lm_base + ["ckpt_path=last"])
+    resumed = run_train(run_dir, lm_base + ["ckpt_path=last", WITHOUT_FAULT])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not list((run_dir / "checkpoints").glob(".*.partial"))
     assert_same_losses(lm_reference, step_losses(run_dir), "kill during the second checkpoint write")
@@ -203,7 +203,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(lm_base, lm_reference, tm
     assert f"Stopped by SIGTERM after optimizer step {step + 1}" in stopped.stderr
     assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") == step + 1  # the step in progress was finished
     assert max(step_losses(run_dir)) == step  # ... and logged
-    resumed = run_train(run_dir, lm_base + ["ckpt_path=last"])
+    resumed = run_train(run_dir, lm_base + ["ckpt_path=last", WITHOUT_FAULT])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_losses(lm_reference, step_losses(run_dir), f"SIGTERM during step {step}")
 {%- endif %}

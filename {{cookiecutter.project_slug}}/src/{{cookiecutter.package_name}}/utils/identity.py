@@ -106,6 +106,7 @@ ALLOWED_ON_RESUME = (
     "callbacks.throughput.*",
     "callbacks.sample_generation.*",
     "test_after_fit",
+    "data.splits.test (content)",  # (the test after the fit is an evaluation: new data is its job)
 )
 # What a schedule's length is read from: logged when a resume changes it.
 SCHEDULE_LENGTH = ("trainer.max_steps", "trainer.max_epochs")
@@ -248,9 +249,9 @@ def flatten(node: object, prefix: str = "") -> dict[str, object]:
 def resume_class(key: str, task_keys: tuple[str, ...] = ()) -> str:
     """``ignored`` | ``refused`` | ``allowed`` | ``allow_changed`` (needs ``resume.allow_changed``)
     for a changed config key (module docstring); a file's content (``<key> (content)``) and
-    ``labels`` are refused."""
+    ``labels`` are refused, except the test split's content (the test after the fit is an evaluation)."""
     if key.endswith(" (content)") or key == "labels":
-        return "refused"
+        return "allowed" if key in ALLOWED_ON_RESUME else "refused"
     if any(fnmatch(key, pattern) for pattern in NOT_IDENTITY):
         return "ignored"
     if any(fnmatch(key, pattern) for pattern in (*REFUSED_ON_RESUME, *task_keys)):
