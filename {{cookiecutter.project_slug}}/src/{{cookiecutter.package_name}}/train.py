@@ -109,7 +109,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     module = build_module(cfg)
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     header = RunHeader(run_dir, model_line(cfg), batch_line(cfg), plan, auto_precision=precision_is_auto(cfg))
-    identity = RunIdentity(cfg, resumed, where, task.resume_refuses())  # (after ConnectData: it compares the data's labels)
+    identity = RunIdentity(cfg, resumed, where)  # (after ConnectData: it compares the data's labels)
     trainer = instantiate_trainer(cfg, [ConnectData(), identity, *instantiate_callbacks(cfg), header], loggers)
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: utils/secrets.py)

@@ -8,6 +8,7 @@ installed (``prepare_data`` fetches them), so this callback hashes them in ``set
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +16,8 @@ from omegaconf import DictConfig
 
 from ..errors import ConfigError
 from ..utils.identity import VERSION, Change, file_changes, named_files, plain_config, resume_problems, write_identity
+
+log = logging.getLogger(__name__)
 
 
 class RunIdentity(L.Callback):
@@ -26,20 +29,19 @@ class RunIdentity(L.Callback):
         resumed: the checkpoint being resumed (read memory-mapped; ``None`` for a fresh run): its
             ``identity`` files and its label map (``model_inputs.id2label``) are compared.
         where: the checkpoint as messages name it (``ckpt_path=...``).
-        task_keys: ignored here (files and labels are always refused); kept for one call shape.
 
     Raises (in ``setup``):
         ConfigError: resuming with a data file, base model or tokenizer of other content than
             the checkpoint's run, or with another label map (naming key, old, new and the fix).
     """
 
-    def __init__(self, cfg: DictConfig, resumed: dict | None = None, where: str = "", task_keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, cfg: DictConfig, resumed: dict | None = None, where: str = "") -> None:
         self.config = plain_config(cfg)
         self.run_dir = Path(str(cfg.paths.output_dir))
         self.old_identity = (resumed or {}).get("identity")
         self.old_labels = ((resumed or {}).get("model_inputs") or {}).get("id2label") if resumed is not None else None
         self.resumes = resumed is not None
-        self.where, self.task_keys = where, task_keys
+        self.where = where
         self.identity: dict | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -51,9 +53,11 @@ class RunIdentity(L.Callback):
             labels = _labels(getattr(pl_module.inputs, "id2label", None) if getattr(pl_module, "inputs", None) else None)
             if _labels(self.old_labels) != labels:
                 changes.append(Change("labels", str(_labels(self.old_labels)), str(labels)))
-            problems, _ = resume_problems(changes, self.task_keys, [], self.where)
+            problems, notes = resume_problems(changes, (), [], self.where)  # (files and labels: the same for every task)
             if problems:
                 raise ConfigError("\n".join(problems))
+            for note in notes:  # (a test split added or changed)
+                log.info(note)
         self.identity = identity
         if trainer.is_global_zero:
             write_identity(identity, self.run_dir)
