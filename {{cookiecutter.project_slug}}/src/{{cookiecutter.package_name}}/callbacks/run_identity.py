@@ -15,7 +15,7 @@ import lightning as L
 from omegaconf import DictConfig
 
 from ..errors import ConfigError
-from ..utils.identity import VERSION, Change, file_changes, named_files, plain_config, resume_problems, write_identity
+from ..utils.identity import Change, file_changes, identity_of, plain_config, resume_problems, write_identity
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RunIdentity(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.identity is not None:
             return
-        identity = {"version": VERSION, "config": self.config, "files": named_files(self.config)}
+        identity = identity_of(self.config)
         if self.resumes and isinstance(self.old_identity, dict):
             changes = file_changes(self.old_identity.get("files") or {}, identity["files"])
             labels = _labels(getattr(pl_module.inputs, "id2label", None) if getattr(pl_module, "inputs", None) else None)

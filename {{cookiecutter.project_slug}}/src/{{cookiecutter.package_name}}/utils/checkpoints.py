@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import inspect
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, DiskFull
 from . import stored
-from .identity import command_line_value
+from .identity import command_line_value, is_local_path
 from .run import atomic_write_path
 
 log = logging.getLogger(__name__)
@@ -203,7 +202,7 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
     if peft.get("method", "none") != "none" and model.get("name_or_path"):  # an adapter checkpoint: its frozen base is re-read
         model["name_or_path"] = adapter_base(str(model["name_or_path"]), entry)
     base = model.get("name_or_path")
-    if peft.get("method", "none") != "none" and model["fetch"] is None and _local_path(base) and not Path(str(base)).exists():
+    if peft.get("method", "none") != "none" and model["fetch"] is None and is_local_path(str(base)) and not Path(str(base)).exists():
         raise ConfigError(
             f"ckpt_path={str(path)!r} holds LoRA adapters whose frozen base model.name_or_path={base!r} (stored in the checkpoint) "
             "is not on this machine, and the config does not install it; fix: run with the model/experiment config the "
@@ -249,13 +248,6 @@ def fetch_of_same_base(cfg: DictConfig, stored_model: dict) -> dict | None:
     if mine is None or theirs is None:
         return None
     same = str(mine) == str(theirs) or (
-        _local_path(mine) and _local_path(theirs) and Path(str(mine)).resolve() == Path(str(theirs)).resolve()
+        is_local_path(str(mine)) and is_local_path(str(theirs)) and Path(str(mine)).resolve() == Path(str(theirs)).resolve()
     )
     return OmegaConf.to_container(cfg.model.fetch, resolve=True) if same else None
-
-
-def _local_path(name: object) -> bool:
-    """Whether a ``name_or_path`` is a local path (absolute, relative with a separator, or
-    existing) rather than a Hub name (``org/name``)."""
-    text = str(name)
-    return os.path.isabs(text) or text.startswith((".", "~")) or os.path.exists(text)

@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
 from .file_hashes import combined, file_sha256, folder_sha256
+from .run import atomic_write_path
 from .secrets import mask
 from .stored import CLASS_PATH_KEYS
 
@@ -138,10 +139,10 @@ class Change:
 
 
 # ---------------------------------------------------------------------------------- building
-def run_identity(cfg: DictConfig) -> dict:
-    """The identity of a run of ``cfg`` (module docstring), hashing the files it names that
-    exist now (call after the data and model files are installed: ``prepare_data``)."""
-    config = plain_config(cfg)
+def identity_of(config: dict) -> dict:
+    """The identity of a run of the resolved ``config`` (:func:`plain_config`), hashing the
+    files it names that exist now (call after the data and model files are installed:
+    ``prepare_data``)."""
     return {"version": VERSION, "config": config, "files": named_files(config)}
 
 
@@ -226,12 +227,10 @@ def describe(entry: dict | None) -> str:
 
 
 def write_identity(identity: dict, run_dir: Path) -> Path:
-    """``run_dir/identity.json`` (written whole: a temporary file renamed into place)."""
+    """``run_dir/identity.json``, written whole (:func:`.run.atomic_write_path`)."""
     path = run_dir / IDENTITY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(identity, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, path)
+    with atomic_write_path(path) as partial:
+        partial.write_text(json.dumps(identity, indent=2, sort_keys=True) + "\n")
     return path
 
 
