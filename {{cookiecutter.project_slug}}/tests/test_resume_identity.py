@@ -92,6 +92,11 @@ def test_a_resume_that_changes_what_the_run_is_made_of_is_refused_before_anythin
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").read_bytes() == (run.dir / "checkpoints" / "last.ckpt").read_bytes()
 
 
+def test_a_misspelt_allow_changed_key_is_refused_naming_the_close_one(run, tmp_path):
+    with pytest.raises(ConfigError, match=r"'optimzer.lr', which names no key of the run's config; did you mean optimizer.lr\?"):
+        resume(run, tmp_path, "resume.allow_changed=[optimzer.lr]")
+
+
 def test_allow_changed_cannot_allow_a_refused_key(run, tmp_path):
     with pytest.raises(ConfigError, match=r"resume.allow_changed contains 'data.max_length', which a resume never changes"):
         resume(run, tmp_path, "data.max_length=16", "resume.allow_changed=[data.max_length]")

@@ -112,3 +112,17 @@ def test_an_unchanged_file_is_hashed_once_across_processes_and_a_rewritten_one_a
     path.write_bytes(b"y" * 1000)  # same size, mtime put back (cp -p): ctime moved
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert file_hashes.file_sha256(path) == sha256(path) != first and len(reads) == 2
+
+
+def test_a_folder_whose_files_changed_is_named_with_the_differing_files(tmp_path):
+    from {{ cookiecutter.package_name }}.utils.identity import file_changes, path_entry
+
+    folder = tmp_path / "train"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (folder / name).write_text(name)
+    before = {"data.splits.train": path_entry(str(folder))}
+    (folder / "b.txt").write_text("other")
+    (folder / "c.txt").write_text("new")
+    (change,) = file_changes(before, {"data.splits.train": path_entry(str(folder))})
+    assert change.key == "data.splits.train (content)" and change.new.endswith("(differing files: b.txt, c.txt)"), change

@@ -109,7 +109,9 @@ class FakeLauncher:
         return jobs
 
 
-def fake_sweep(tmp_path: Path, outcome, n_trials: int, params: dict | None = None, storage: str | None = None, arguments=()):
+def fake_sweep(
+    tmp_path: Path, outcome, n_trials: int, params: dict | None = None, storage: str | None = None, arguments=(), data: dict | None = None
+):
     """The project's sweeper on a study in ``tmp_path`` with a fake launcher: the whole trial loop
     (top-up, numbering, failures, reseeding, best.yaml) in a second, without training."""
     plugin = pytest.importorskip("hydra_plugins.{{ cookiecutter.package_name }}_sweeper")
@@ -130,6 +132,7 @@ def fake_sweep(tmp_path: Path, outcome, n_trials: int, params: dict | None = Non
             "optimized_metric": "val/acc",
             "task": {"objectives": {"val/acc": "max"}},
             "optimizer": {"lr": 0.5},
+            **({"data": data} if data is not None else {}),
             "hydra": {"sweep": {"dir": str(tmp_path)}, "sweeper": {"storage": storage, "sampler": sampler}, "runtime": {"choices": {}}},
         }
     )
@@ -363,3 +366,28 @@ def test_a_study_from_before_the_record_gets_its_fixed_overrides_recorded_with_a
     assert study_attrs(tmp_path)["fixed_overrides"] == ["data.max_length=32"]
     with pytest.raises(SystemExit):  # from now on, checked
         fake_sweep(tmp_path, lambda n, o: 0.6, n_trials=3, arguments=["data.max_length=16"])
+
+
+def test_a_data_file_rewritten_in_place_stops_the_study_and_the_same_content_elsewhere_tops_it_up(tmp_path, capsys, monkeypatch):
+    """The study records what its trials read (sha256 of the data, base-model and tokenizer files),
+    not the paths as typed: a train file with other rows at the same path is refused, the same
+    rows at another path are the same study."""
+    monkeypatch.setenv("FILE_HASH_CACHE", str(tmp_path / "file_hashes.json"))
+    data, moved, sweep_dir = tmp_path / "train.csv", tmp_path / "moved.csv", tmp_path / "sweep"
+    data.write_text("text,label\na good film,positive\n")
+    moved.write_text(data.read_text())
+
+    def sweep(path: Path, n_trials: int):
+        return fake_sweep(
+            sweep_dir, lambda n, o: 0.5, n_trials, arguments=[f"data.splits.train={path}"], data={"splits": {"train": str(path)}}
+        )
+
+    assert sweep(data, 1).numbers == [0]
+    assert sweep(moved, 2).numbers == [1]  # (the path differs, the content does not)
+    data.write_text("text,label\na dull film,negative\n")
+    with pytest.raises(SystemExit) as stop:
+        sweep(data, 3)
+    message = capsys.readouterr().err
+    assert stop.value.code == 1 and "data.splits.train (content): sha256 " in message, message
+    assert "hydra.sweeper.study_name=<new name>" in message and "Traceback" not in message
+    assert len(study_trials(sweep_dir)) == 2

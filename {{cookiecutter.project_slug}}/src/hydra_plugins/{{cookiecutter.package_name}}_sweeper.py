@@ -24,7 +24,9 @@ override parser: ``choice(...)``, ``range(...)``, ``interval(a, b)`` and ``tag(l
   parameter's name: Optuna cannot mix two spaces in one study); and the fixed overrides (the
   ``key=value`` lines every trial gets, less Hydra's own and ``launcher=``) must be the ones the
   study began with (a changed, added or removed one is refused with its old and new value, not
-  topped up; a study begun before they were recorded records this launch's, with a warning).
+  topped up; a study begun before they were recorded records this launch's, with a warning);
+  and the data, base-model and tokenizer files must hold the content the study's trials read
+  (a file rewritten in place is refused; the same content at another path is the same study).
   A trial that raises an error with ``stops_sweep`` (the run did not log ``optimized_metric``)
   stops the sweep at once.
 - The best trial is written to ``<sweep dir>/best.yaml`` (parameters, value, trial number, job
@@ -57,6 +59,8 @@ log = logging.getLogger(__name__)
 BETTER = {"max": "maximize", "min": "minimize"}
 JOURNAL = "journal:"  # storage prefix: Optuna's journal file storage at the path that follows
 LAUNCH_ONLY = ("launcher",)  # config groups that choose where trials run, not what they are
+# Overrides naming files: compared by the files' content (check_study_files), not as typed.
+FILE_KEYS = ("data.splits.", "model.name_or_path", "model.tokenizer")
 
 
 class SweepConfigError(ValueError):
@@ -140,6 +144,7 @@ class ResumableOptunaSweeper(Sweeper):
             )  # fmt: skip
             check_search_space(study, distributions)
             check_fixed_overrides(study, fixed_setup(fixed, secrets.mask), secrets.mask(self.storage))
+            check_study_files(study, study_files(self.config), secrets.mask(self.storage))
             launch = study.user_attrs.get("launches", 0)  # this launch's number: 0 for the first
             study.set_user_attr("launches", launch + 1)
         study.sampler = reseeded(self.config.hydra.sweeper.sampler, launch) or study.sampler
@@ -258,10 +263,62 @@ def override(name: str, value: Any) -> str:
     return f"{name}={value}"
 
 
+def project_module(name: str) -> Any:
+    """A module of this project (``utils.secrets``...); the plugin file is named after the package
+    (``<package>_sweeper.py``)."""
+    return importlib.import_module(f"{__name__.rsplit('.', 1)[-1].removesuffix('_sweeper')}.{name}")
+
+
 def project_secrets() -> Any:
-    """This project's :mod:`utils.secrets` (credentials refused, secrets masked); the plugin file is
-    named after the package (``<package>_sweeper.py``)."""
-    return importlib.import_module(f"{__name__.rsplit('.', 1)[-1].removesuffix('_sweeper')}.utils.secrets")
+    """This project's :mod:`utils.secrets` (credentials refused, secrets masked)."""
+    return project_module("utils.secrets")
+
+
+def study_files(config: DictConfig) -> dict[str, str]:
+    """``{key: sha256}`` of the data, base-model and tokenizer files the sweep's config names
+    (``data.splits.*``, ``model.name_or_path``, ``model.tokenizer``: the project's
+    ``utils.identity.named_files``, hashes cached), of those there now (a file a trial fetches
+    appears at a later launch); a Hub name as ``hub:<name>``."""
+    identity = project_module("utils.identity")
+
+    def pick(key: str) -> Any:
+        node = OmegaConf.select(config, key, default=None)
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+    plain = {
+        "data": {"hub_name": pick("data.hub_name"), "splits": pick("data.splits")},
+        "model": {"name_or_path": pick("model.name_or_path"), "tokenizer": pick("model.tokenizer")},
+    }
+    found = {}
+    for key, entry in identity.named_files(plain).items():
+        digest = identity.content_digest(entry) or (f"hub:{entry['given']}" if entry.get("hub") else None)
+        if digest:
+            found[key] = digest
+    return found
+
+
+def check_study_files(study, files: dict[str, str], storage: str) -> None:
+    """The first launch records the content of the files the trials read (:func:`study_files`) in
+    the study; a later one must read the same content (at any path: the paths are not compared,
+    :data:`FILE_KEYS`).  A file first seen at this launch is recorded.
+
+    Raises:
+        SweepConfigError: a file's content differs, naming its key, both hashes, the study and the fix.
+    """
+    recorded = study.user_attrs.get("files") or {}
+    changed = [
+        f"{key} (content): sha256 {recorded[key].removeprefix('hub:')[:12]} -> {files[key].removeprefix('hub:')[:12]}"
+        for key in sorted(set(recorded) & set(files))
+        if recorded[key] != files[key]
+    ]
+    if changed:
+        raise SweepConfigError(
+            f"the files study {study.study_name!r} (storage {storage}) ran its trials on have changed: {'; '.join(changed)}; "
+            "one study cannot mix trials on two data sets or models; fix: a new study for the new files "
+            "(hydra.sweeper.study_name=<new name>), or put the files back"
+        )
+    if set(files) - set(recorded):
+        study.set_user_attr("files", {**recorded, **files})
 
 
 def open_storage(storage: str) -> Any:
@@ -302,10 +359,13 @@ def fixed_setup(lines: list[str], mask: Any = str) -> dict[str, str | None]:
     """``{key: value}`` of the fixed overrides that define a study's trials (``key=value`` lines,
     values as typed, each passed through ``mask``), less the launch-only ones: Hydra's own
     (``hydra.*``, ``hydra/<group>=``) and :data:`LAUNCH_ONLY` (``launcher=slurm`` moves a study
-    to a cluster, its trials stay the same).  A deletion without a value (``~key``) maps to ``None``."""
+    to a cluster, its trials stay the same), and the paths of :data:`FILE_KEYS` (their content is
+    compared instead).  A deletion without a value (``~key``) maps to ``None``."""
     setup = {}
     for item in OverridesParser.create().parse_overrides(lines):
         if item.is_hydra_override() or item.key_or_group in ("hydra", *LAUNCH_ONLY):
+            continue
+        if item.get_key_element().lstrip("+~").startswith(FILE_KEYS):
             continue
         setup[item.get_key_element()] = mask(item.input_line.split("=", 1)[1].strip()) if "=" in item.input_line else None
     return setup

@@ -57,7 +57,7 @@ class RunIdentity(L.Callback):
             if problems:
                 raise ConfigError("\n".join(problems))
             for note in notes:  # (a test split added or changed)
-                log.info(note)
+                log.warning(note)
         self.identity = identity
         if trainer.is_global_zero:
             write_identity(identity, self.run_dir)

@@ -205,8 +205,9 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
     if peft.get("method", "none") != "none" and model["fetch"] is None and is_local_path(str(base)) and not Path(str(base)).exists():
         raise ConfigError(
             f"ckpt_path={str(path)!r} holds LoRA adapters whose frozen base model.name_or_path={base!r} (stored in the checkpoint) "
-            "is not on this machine, and the config does not install it; fix: run with the model/experiment config the "
-            "checkpoint was trained with (its model.fetch installs the base), or put the base model folder there"
+            "is not on this machine, and the config does not install it; fix: model.name_or_path=<the folder it is in now> "
+            "on the command line (its files are compared with the run's), the model/experiment config the checkpoint was "
+            "trained with (its model.fetch installs the base), or put the base model folder back there"
         )
     module = module_class(**{**stored, "model": model, **overrides})
     if entry is not None and peft.get("method", "none") != "none":

@@ -29,6 +29,7 @@ A resume (``ckpt_path=last/auto/<file>``) compares the stored identity with this
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -215,6 +216,15 @@ def content_digest(entry: dict | None) -> str | None:
     return None
 
 
+def differing_files(old: dict | None, new: dict | None) -> list[str]:
+    """The names whose hash differs between two folder entries (one missing on a side included);
+    ``[]`` unless both are folders."""
+    if not (old and new and "files" in old and "files" in new):
+        return []
+    before, after = old["files"], new["files"]
+    return sorted(name for name in set(before) | set(after) if before.get(name) != after.get(name))
+
+
 def describe(entry: dict | None) -> str:
     """An entry as messages name it: ``sha256 <12 hex> of <resolved path>``."""
     if not entry:
@@ -285,13 +295,17 @@ def file_changes(old: dict, new: dict) -> list[Change]:
             else content_digest(before) == content_digest(after)
         )
         if not same:
-            changes.append(Change(f"{key} (content)", describe(before), describe(after)))
+            differ = differing_files(before, after)
+            detail = f" (differing files: {', '.join(differ[:5])})" if differ else ""
+            changes.append(Change(f"{key} (content)", describe(before), describe(after) + detail))
     return changes
 
 
 def resume_problems(changes: list[Change], task_keys: tuple[str, ...], allow_changed: list[str], where: str) -> tuple[list[str], list[str]]:
     """``(problems, notes)`` of resuming with ``changes``: a problem line per refused change and
-    per change not named in ``allow_changed`` (with the fix), a note per allowed one.
+    per change not named in ``allow_changed`` (with the fix); a note per change the flag allowed,
+    per schedule length and per allowed file (the other allowed changes, loggers and display, pass
+    without a word).
 
     Args:
         where: the checkpoint, as messages name it (``ckpt_path=...``).
@@ -303,9 +317,12 @@ def resume_problems(changes: list[Change], task_keys: tuple[str, ...], allow_cha
             refused.append(str(change))
         elif kind == "allow_changed" and not any(fnmatch(change.key, pattern) for pattern in allow_changed):
             unasked.append(change)
-        elif kind in ("allowed", "allow_changed"):
-            stretch = " (the LR schedule stretches to the new length)" if change.key in SCHEDULE_LENGTH else ""
-            notes.append(f"resuming with {change}{stretch}")
+        elif kind == "allow_changed":
+            notes.append(f"resuming with {change} (resume.allow_changed)")
+        elif change.key in SCHEDULE_LENGTH:
+            notes.append(f"resuming with {change} (the LR schedule stretches to the new length)")
+        elif change.key.endswith(" (content)"):
+            notes.append(f"resuming with {change}")
     problems = []
     if refused:
         problems.append(
@@ -354,11 +371,21 @@ def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys
     if not isinstance(identity, dict):
         log.warning("%s was written before checkpoints recorded their run's identity: its config, data and model cannot be checked", where)
         return
-    problems, notes = resume_problems(config_changes(identity.get("config") or {}, plain_config(cfg)), task_keys, allow, where)
+    config = plain_config(cfg)
+    keys = set(flatten(identity.get("config") or {})) | set(flatten(config))
+    for pattern in allow:  # (a key that names nothing is a typo; a pattern may match nothing this time)
+        if not set("*?[") & set(pattern) and pattern not in keys:
+            close = difflib.get_close_matches(pattern, sorted(keys), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(
+                f"resume.allow_changed contains {pattern!r}, which names no key of the run's config; {hint}fix: the dotted "
+                "key the refusal names (e.g. resume.allow_changed=[optimizer.lr]; fnmatch patterns such as optimizer.* work)"
+            )
+    problems, notes = resume_problems(config_changes(identity.get("config") or {}, config), task_keys, allow, where)
     if problems:
         raise ConfigError("\n".join(problems))
     for note in notes:
-        log.info(note)
+        log.warning(note)
 
 
 def base_problem(entry: dict, name_or_path: str, where: str) -> str | None:
@@ -371,8 +398,7 @@ def base_problem(entry: dict, name_or_path: str, where: str) -> str | None:
         return None  # (a Hub name: its revision is the Hub's to keep)
     if not entry.get("hub") and content_digest(now) == content_digest(entry):
         return None
-    old_files, new_files = entry.get("files") or {}, now.get("files") or {}
-    differ = sorted(name for name in set(old_files) | set(new_files) if old_files.get(name) != new_files.get(name))
+    differ = differing_files(entry, now)
     return (
         f"{where} holds adapters trained on the base {describe(entry)}, and model.name_or_path={name_or_path!r} holds "
         f"{describe(now)} (differing files: {', '.join(differ[:5]) or 'all'}): the adapters would be applied to another "
