@@ -126,3 +126,18 @@ def test_a_folder_whose_files_changed_is_named_with_the_differing_files(tmp_path
     (folder / "c.txt").write_text("new")
     (change,) = file_changes(before, {"data.splits.train": path_entry(str(folder))})
     assert change.key == "data.splits.train (content)" and change.new.endswith("(differing files: b.txt, c.txt)"), change
+
+
+def test_a_folder_of_many_files_is_hashed_with_one_write_of_the_cache(tmp_path, monkeypatch):
+    """A corpus folder of .txt documents: one cache write for the folder (not one per file, each
+    rewriting the whole growing cache), and every file's digest right."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for index in range(50):
+        (folder / f"doc{index:02d}.txt").write_text(f"document {index}")
+    writes = []
+    save = file_hashes._save_cache
+    monkeypatch.setattr(file_hashes, "_save_cache", lambda: writes.append(1) or save())
+    digests = file_hashes.folder_sha256(folder)
+    assert len(writes) == 1 and digests == {path.name: sha256(path) for path in sorted(folder.iterdir())}
+    assert file_hashes.folder_sha256(folder) == digests and len(writes) == 1  # (all cached: no write)

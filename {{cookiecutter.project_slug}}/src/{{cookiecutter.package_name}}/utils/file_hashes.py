@@ -25,7 +25,7 @@ from pathlib import Path
 
 PACKAGE = __package__.split(".")[0]
 CACHE_ENV = "FILE_HASH_CACHE"
-MAX_ENTRIES = 20_000  # the oldest entries are dropped beyond this (a file hashed again costs one read)
+MAX_ENTRIES = 200_000  # the oldest are dropped beyond this (~25 MB of JSON; a file hashed again costs one read)
 
 _memo: dict[str, str] = {}
 _loaded_from: Path | None = None
@@ -51,30 +51,41 @@ def file_sha256(path: str | Path) -> str:
     Raises:
         OSError: the file cannot be read (missing, a folder, no permission).
     """
-    path = Path(path)
+    return files_sha256([path])[0]
+
+
+def files_sha256(paths: list[str | Path]) -> list[str]:
+    """:func:`file_sha256` of each of ``paths``, the cache file written once at the end (a
+    folder of 10,000 documents is one write, not 10,000 of a growing file).
+
+    Raises:
+        OSError: a file cannot be read.
+    """
     _load_cache()
-    key = stat_key(path)
-    if key in _memo:
-        return _memo[key]
-    with path.open("rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
-    if stat_key(path) == key:  # (a file written while it was read is not cached)
-        _memo[key] = digest
+    digests, added = [], False
+    for path in map(Path, paths):
+        key = stat_key(path)
+        if key not in _memo:
+            with path.open("rb") as file:
+                digest = hashlib.file_digest(file, "sha256").hexdigest()
+            if stat_key(path) != key:  # (a file written while it was read is not cached)
+                digests.append(digest)
+                continue
+            _memo[key], added = digest, True
+        digests.append(_memo[key])
+    if added:
         _save_cache()
-    return digest
+    return digests
 
 
-def folder_sha256(folder: str | Path, suffixes: tuple[str, ...] | None = None) -> dict[str, str]:
+def folder_sha256(folder: str | Path) -> dict[str, str]:
     """``{file name: sha256}`` of the regular files at the top level of ``folder`` (a model folder
     is flat: weights, ``config.json``, tokenizer files), hidden files (``.gitattributes``, an
-    installer's markers) and ``*.md`` left out; with ``suffixes``, only the files ending in one."""
-    found = {}
-    for path in sorted(Path(folder).iterdir()):
-        if not path.is_file() or path.name.startswith(".") or path.suffix.lower() == ".md":
-            continue
-        if suffixes is None or path.suffix.lower() in suffixes:
-            found[path.name] = file_sha256(path)
-    return found
+    installer's markers) and ``*.md`` left out."""
+    paths = [
+        path for path in sorted(Path(folder).iterdir()) if path.is_file() and not path.name.startswith(".") and path.suffix.lower() != ".md"
+    ]
+    return dict(zip((path.name for path in paths), files_sha256(paths), strict=True))
 
 
 def combined(digests: dict[str, str]) -> str:
@@ -93,7 +104,7 @@ def content_cache_dir(cache_dir: str | None, files: list[str]) -> str:
     import datasets
 
     base = Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
-    digest = combined({str(index): file_sha256(name) for index, name in enumerate(files)})
+    digest = combined({str(index): value for index, value in enumerate(files_sha256(files))})
     return str(base / "by_content" / digest[:16])
 
 
