@@ -49,6 +49,17 @@ ONLY_FOR = {
     ],
     "causal_lm": [
         f"{SRC}/tasks/causal_lm",
+        f"{SRC}/tasks/preference",  # (its module extends the causal LM's)
+        f"{SRC}/callbacks/reference_logps.py",
+        f"{CONFIGS}/task/preference.yaml",
+        f"{CONFIGS}/objective",
+        f"{CONFIGS}/data/preference.yaml",
+        f"{CONFIGS}/data/vader_dpo.yaml",
+        f"{CONFIGS}/experiment/demo_dpo_sentiment.yaml",
+        f"{CONFIGS}/experiment/lm_llama31_8b_qlora_dpo.yaml",
+        "tests/test_preference.py",
+        "tests/e2e/test_preference_resume.py",
+        "tests/real_data/test_demo_dpo.py",
         f"{SRC}/callbacks/sample_generation.py",
         f"{SRC}/assets/shakespeare.py",
         f"{SRC}/assets/gguf.py",

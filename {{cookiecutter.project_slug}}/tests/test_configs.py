@@ -29,6 +29,7 @@ TASK_DATA = {
 {%- endif %}
 {%- if cookiecutter.tasks != "classification" %}
     "causal_lm": "shakespeare",
+    "preference": "preference",
 {%- endif %}
 }
 ENTRY_CONFIGS = ("train", "eval", "plan", "quantize"
@@ -87,6 +88,8 @@ def task_contexts(group: str, option: str) -> list[list[str]]:
         return [[f"data={TASK_DATA[option]}"]]
     if group == "data":
         return [[f"task={task}"] for task in TASK_DATA]
+    if group == "objective":  # selected by configs/task/preference.yaml: no other task has the group
+        return [["task=preference", "data=preference"]]
     return [[]] + [[f"task={task}", f"data={data}"] for task, data in TASK_DATA.items()]
 
 

@@ -60,6 +60,7 @@ def task_problems(cfg: DictConfig) -> list[str]:
                 f"fix: a data config of that task (see configs/data/), or an experiment= that sets both"
             ]
         problems += task.data_problems(cfg.data)
+    problems += task.config_problems(cfg)
     implementation = cfg.loss.implementation if "loss" in cfg else "plain"
     if implementation in LOSSES and implementation not in task.loss_implementations:
         problems.append(

@@ -24,7 +24,7 @@ from .checks import validate_config
 from .compress.pruning import pruned_with, shrink_ffn
 from .errors import ConfigError
 from .eval import full_precision_overrides
-from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule
+from .tasks.causal_lm.module import CHAT_FILE, causal_module_class
 from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.outputs import claim_outputs, replace_folder, staging_folder
 from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
@@ -56,7 +56,7 @@ def export(cfg: DictConfig) -> Path:
     hparams = checkpoint.get("hyper_parameters", {})
     if "peft" not in hparams:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")
-    module = load_trained_module(CausalLMModule, cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
+    module = load_trained_module(causal_module_class(cfg), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
     model = module.merged_model()
     if pruned_with(checkpoint) == "structured":  # the zeroed FFN neurons go: a smaller folder, the same outputs
         shrink_ffn(model)

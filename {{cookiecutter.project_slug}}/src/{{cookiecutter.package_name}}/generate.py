@@ -67,15 +67,16 @@ def generation_problems(generation: DictConfig) -> list[str]:
 
 
 def load_generator(cfg: DictConfig):
-    """A :class:`CausalLMModule` from ``ckpt_path``, or one wrapping the HF folder ``model_dir``."""
+    """The config's causal-LM task module from ``ckpt_path``, or a :class:`CausalLMModule` wrapping
+    the HF folder ``model_dir``."""
     from .models.builder import config_to_dict
     from .models.inputs import ModelInputs
-    from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule
+    from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule, causal_module_class
 
     if cfg.ckpt_path is not None:
         from .utils.checkpoints import load_trained_module
 
-        return load_trained_module(CausalLMModule, cfg, cfg.ckpt_path)
+        return load_trained_module(causal_module_class(cfg), cfg, cfg.ckpt_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model_dir)

@@ -3,6 +3,9 @@
     python -m <package>.inspect_data experiment=demo_sft_sentiment rows=3
     python -m <package>.inspect_data data=chat data.splits.train=data/train.jsonl split=train first_row=40
 
+A preference pair (``task=preference``) is shown side by side: the chosen conversation, then the
+rejected one, each with its scored answer marked.
+
 Prints ``rows`` rows of ``split`` (from ``first_row``) exactly as ``train`` tokenises them: the
 trained tokens (labels kept; the answers and their end-of-turn token) in green on a terminal, or
 between ``[[`` and ``]]`` otherwise (``color=always|never`` to choose), the masked ones plain; each
@@ -92,7 +95,10 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
             f"--- row {row['row']}: {row['length']} tokens, {row['n_trained']} trained, {row['truncated']} truncated",
             style="bold" if color else "",
         )
-        console.print(marked_text(datamodule.tokenizer, row["input_ids"], row["labels"], color))
+        for prefix in datamodule.SIDE_PREFIXES:  # a preference pair: each side, as trained
+            if prefix:
+                console.print(f"{prefix.rstrip('_')}: {row[prefix + 'n_trained']} trained", style="bold" if color else "")
+            console.print(marked_text(datamodule.tokenizer, row[prefix + "input_ids"], row[prefix + "labels"], color))
     dropped = [row for row, trained in zip(rows["row"], rows["n_trained"]) if trained == 0]
     if dropped:
         console.print(

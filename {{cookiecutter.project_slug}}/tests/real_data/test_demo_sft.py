@@ -22,8 +22,8 @@ SHORT = [
 ]
 
 
-def test_instruction_tuning_teaches_the_answer(tmp_path):
-    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+def test_instruction_tuning_teaches_the_answer(tmp_path, shared_cache):
+    run_dir, cache = tmp_path / "run", shared_cache
     command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", "experiment=demo_sft_sentiment", *SHORT]
     result = subprocess.run([*command, f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}"], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

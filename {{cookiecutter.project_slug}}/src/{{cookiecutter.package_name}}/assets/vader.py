@@ -134,3 +134,98 @@ def _read_ground_truth(sdist: Path) -> str:
         if member is None:
             raise FetchError(f"{INNER_ARCHIVE} has no {GROUND_TRUTH}")
         return inner.extractfile(member).read().decode("utf-8")
+
+
+# The instruction set of the preference demo: every template with every genre (10 x 20 = 200
+# prompts), shuffled with the fetch's prompt_seed; the first half prompts the training and
+# validation pairs, the second half is held out (test pairs and the sampled reviews).
+PROMPT_TEMPLATES = (
+    "Write a one-sentence review of a {genre} movie.",
+    "Describe a {genre} film you just watched, in one sentence.",
+    "Give a short critic's blurb for a new {genre} movie.",
+    "In one sentence, what did you think of the latest {genre} film?",
+    "Write a movie-review snippet about a {genre} picture.",
+    "Sum up a {genre} movie in a single review sentence.",
+    "Share your one-line opinion of a {genre} film.",
+    "Write a brief review of a {genre} movie you saw last night.",
+    "Tell me in one sentence how a recent {genre} movie turned out.",
+    "Write a short review snippet for a {genre} film festival entry.",
+)
+GENRES = (
+    "action", "comedy", "drama", "horror", "romance", "science-fiction", "fantasy", "thriller", "mystery", "animated",
+    "documentary", "western", "musical", "war", "crime", "family", "adventure", "sports", "historical", "superhero",
+)  # fmt: skip
+
+
+def review_prompts(prompt_seed: int) -> tuple[list[str], list[str]]:
+    """``(training prompts, held-out prompts)``: the 200 instructions of :data:`PROMPT_TEMPLATES`
+    x :data:`GENRES`, shuffled with ``prompt_seed`` and cut in two halves."""
+    prompts = [template.format(genre=genre) for template in PROMPT_TEMPLATES for genre in GENRES]
+    random.Random(prompt_seed).shuffle(prompts)
+    return prompts[:100], prompts[100:]
+
+
+def fetch_vader_preferences(
+    source_dir: str, split_seed: int, out_dir: str, prompt_seed: int, chosen_min: float, rejected_max: float
+) -> Path:
+    """Preference pairs from the VADER snippets: ``out_dir/{train,validation,test}.jsonl`` rows of
+    ``{"prompt", "chosen", "rejected"}`` and ``out_dir/prompts.jsonl`` (``{"prompt"}``: the 100
+    held-out instructions the tuned model's samples answer), once.
+
+    Per split (the classification demo's 80/10/10 rows), the snippets rated ``>= chosen_min`` and
+    those rated ``<= rejected_max`` are each shuffled (``prompt_seed``) and paired in order, as many
+    pairs as the shorter list; each pair gets an instruction drawn from :func:`review_prompts`:
+    the training half for train and validation, the held-out half for test.
+
+    Returns:
+        ``out_dir`` (re-used when it exists; it appears only after a complete write).
+
+    Raises:
+        FetchError: as :func:`fetch_vader_movie_reviews`.
+    """
+    target = Path(out_dir)
+    if target.is_dir():
+        return target
+    source = fetch_vader_movie_reviews(source_dir, split_seed)
+    seen, held_out = review_prompts(prompt_seed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+        staging = Path(tmp) / "staging"
+        staging.mkdir()
+        for number, (split, _) in enumerate(SPLITS):
+            with (source / f"{split}.csv").open(newline="", encoding="utf-8") as file:
+                rows = list(csv.DictReader(file))
+            rng = random.Random(prompt_seed * 1000 + number)
+            chosen = [row["text"] for row in rows if float(row["rating"]) >= chosen_min]
+            rejected = [row["text"] for row in rows if float(row["rating"]) <= rejected_max]
+            rng.shuffle(chosen)
+            rng.shuffle(rejected)
+            prompts = held_out if split == "test" else seen
+            pairs = [{"prompt": rng.choice(prompts), "chosen": good, "rejected": bad} for good, bad in zip(chosen, rejected)]
+            (staging / f"{split}.jsonl").write_text(
+                "".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs), encoding="utf-8"
+            )
+        (staging / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_out), encoding="utf-8")
+        staging.rename(target)
+    return target
+
+
+def sentiment_scores(texts: list[str]) -> list[dict[str, float]]:
+    """Per text, VADER's own lexicon-and-rules score (``vaderSentiment``'s
+    ``SentimentIntensityAnalyzer``, Hutto & Gilbert 2014): ``vader_compound`` in [-1, 1], and
+    ``positive_share`` 1.0 when the compound is >= 0.05 (the authors' threshold for a positive
+    text), else 0.0, so that its mean over texts is the share of positive ones.
+
+    Raises:
+        ImportError: vaderSentiment is not installed (the ``judge`` extra: pip install -e ".[judge]").
+    """
+    try:
+        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+    except ImportError as error:
+        raise ImportError('the VADER judge needs the vaderSentiment package; fix: pip install -e ".[judge]"') from error
+    analyzer = SentimentIntensityAnalyzer()
+    scores = []
+    for text in texts:
+        compound = analyzer.polarity_scores(text)["compound"]
+        scores.append({"vader_compound": compound, "positive_share": float(compound >= 0.05)})
+    return scores

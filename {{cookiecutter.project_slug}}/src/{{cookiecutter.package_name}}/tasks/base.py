@@ -66,6 +66,11 @@ class Task:
         The shared keys (``max_length``, ``splits``, ``val_fraction``) are checked elsewhere."""
         return []
 
+    def config_problems(self, cfg: DictConfig) -> list[str]:
+        """What is wrong with the groups only this task reads (e.g. the preference ``objective``),
+        one line each (field, value, fix)."""
+        return []
+
     # ------------------------------------------------------------------ the planner
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
         """The batch the planner traces: ``(micro_batch, data.max_length)`` token ids and what

@@ -74,6 +74,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
             "activation_checkpointing",
             "compile",
             "loss",
+            "objective",  # the preference task's (configs/objective/)
             "optimizer",
             "lr_schedule",
             "callbacks",
@@ -96,6 +97,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "activation_checkpointing": frozenset({"mode"}),
     "compile": frozenset({"mode"}),
     "loss": frozenset({"implementation", "chunk_size"}),
+    "objective": frozenset({"name", "beta", "label_smoothing", "gamma"}),
     "paths": frozenset({"root_dir", "data_dir", "log_dir", "output_dir", "cache_dir"}),
     "latency": frozenset({"device", "batch_size", "sequence_length", "warmup", "repeats"}),  # quantize
 }

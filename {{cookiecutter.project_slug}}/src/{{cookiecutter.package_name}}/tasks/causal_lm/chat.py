@@ -471,6 +471,9 @@ class ChatDataModule(TokenizedDataModule):
         DataError / TemplateError: a malformed row, a template whose spans cannot be found.
     """
 
+    SIDE_PREFIXES = ("",)  # the column prefixes of the sequences a tokenised row holds (inspect_data)
+    BATCH_ITEM = "sequences"  # what a kept row becomes (for the log)
+
     def __init__(
         self,
         *,
@@ -619,14 +622,26 @@ class ChatDataModule(TokenizedDataModule):
                 self.max_length,
                 self.truncation,
             )
-        kept = kept.select_columns(["input_ids", "labels", "length"])
-        if self.mode == "pack_rows":
-            blocks = pack_rows(kept["length"], self.max_length)
-            columns = {"input_ids": kept["input_ids"], "labels": kept["labels"]}
-            kept = datasets.Dataset.from_list([packed_block(columns, rows) for rows in blocks])
-        self.token_counts[split] = sum(kept["length"])
-        log.info("%s: %d rows -> %d sequences, %d tokens", split, len(dataset), len(kept), self.token_counts[split])
+        kept = self.finish(split, kept.select_columns(self.kept_columns()))
+        self.token_counts[split] = self.count_tokens(kept)
+        log.info("%s: %d rows -> %d %s, %d tokens", split, len(dataset), len(kept), self.BATCH_ITEM, self.token_counts[split])
         return kept
+
+    def kept_columns(self) -> list[str]:
+        """The tokenised columns a batch is made of."""
+        return ["input_ids", "labels", "length"]
+
+    def finish(self, split: str, kept: datasets.Dataset) -> datasets.Dataset:
+        """The split as batches read it, from its kept rows: packed into blocks for ``pack_rows``."""
+        if self.mode != "pack_rows":
+            return kept
+        blocks = pack_rows(kept["length"], self.max_length)
+        columns = {"input_ids": kept["input_ids"], "labels": kept["labels"]}
+        return datasets.Dataset.from_list([packed_block(columns, rows) for rows in blocks])
+
+    def count_tokens(self, kept: datasets.Dataset) -> int:
+        """Real (non-pad) tokens of a finished split."""
+        return sum(kept["length"])
 
     @property
     def groups_by_length(self) -> bool:

@@ -108,8 +108,7 @@ class CausalLMModule(TextGeneration, HFModule):
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
         # The chunked loss calls the transformer body and the lm_head itself: compile the body.
         self.apply_levers(compile_target=causal_body(self.model) if self.loss_implementation != "plain" else None)
-        self.val_loss = MeanMetric()
-        self.test_loss = MeanMetric()
+        self.configure_metrics()
 
     def architecture_spec(
         self, precision: str, max_length: int | None, config: PretrainedConfig | None = None
@@ -204,34 +203,44 @@ class CausalLMModule(TextGeneration, HFModule):
         self.log_step_metric("train/tokens", float(self.tokens_seen), reduce_fx="max")
         self._window_tokens.zero_()
 
-    def _eval_step(self, batch: dict[str, torch.Tensor], metric: MeanMetric) -> None:
+    def configure_metrics(self) -> None:
+        """The validation and test metrics (built with the model: their state follows its device)."""
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    def eval_step(self, batch: dict[str, torch.Tensor], split: str) -> None:
+        """Update ``split``'s (val | test) metrics with one batch."""
         loss_sum, n_targets = self.model_step(batch)
-        metric.update(loss_sum / n_targets, weight=n_targets)  # token-weighted mean over the split
+        getattr(self, f"{split}_loss").update(loss_sum / n_targets, weight=n_targets)  # token-weighted mean over the split
+
+    def reset_metrics(self, split: str) -> None:
+        """Reset ``split``'s metrics at the start of its pass, not the end: trainer.validate runs under
+        inference mode, and state tensors re-created there could not be updated in place by fit's loop."""
+        getattr(self, f"{split}_loss").reset()
+
+    def log_metrics(self, split: str) -> None:
+        """Log ``split``'s metrics over the whole pass (all devices): loss and perplexity."""
+        loss = getattr(self, f"{split}_loss").compute()  # token-weighted mean over the split (all devices)
+        self.log_dict({f"{split}/loss": loss, f"{split}/ppl": torch.exp(loss)}, prog_bar=split == "val")
 
     def on_validation_epoch_start(self) -> None:
-        # Reset at the start, not the end: trainer.validate runs under inference mode, and state
-        # tensors re-created there could not be updated in place by fit's validation loop.
-        self.val_loss.reset()
+        self.reset_metrics("val")
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, self.val_loss)
+        self.eval_step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
-        self._log_loss_and_perplexity("val", self.val_loss)
+        self.log_metrics("val")
 
     def on_test_epoch_start(self) -> None:
-        self.test_loss.reset()
+        self.reset_metrics("test")
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, self.test_loss)
+        self.eval_step(batch, "test")
 
     def on_test_epoch_end(self) -> None:
-        self._log_loss_and_perplexity("test", self.test_loss)
-
-    def _log_loss_and_perplexity(self, split: str, metric: MeanMetric) -> None:
-        loss = metric.compute()  # token-weighted mean over the split (all devices)
-        self.log_dict({f"{split}/loss": loss, f"{split}/ppl": torch.exp(loss)}, prog_bar=split == "val")
+        self.log_metrics("test")
 
     # ------------------------------------------------------------------------ generation
     # ----------------------------------------------------------------------- checkpoints
@@ -250,3 +259,15 @@ class CausalLMModule(TextGeneration, HFModule):
         model = super().merged_model()
         model.config.use_cache = True
         return model
+
+
+def causal_module_class(cfg) -> type[CausalLMModule]:
+    """What ``export`` and ``generate`` load a checkpoint into: the config's task module
+    (``task.module``) when its task trains a causal LM (causal_lm, preference), else
+    :class:`CausalLMModule` (a config left at another default task).  A checkpoint of another task
+    than the class's is then refused by ``utils.checkpoints.load_trained_module``, naming the task
+    to give (``task=preference``)."""
+    from .. import module_class
+
+    found = module_class(cfg)
+    return found if issubclass(found, CausalLMModule) else CausalLMModule

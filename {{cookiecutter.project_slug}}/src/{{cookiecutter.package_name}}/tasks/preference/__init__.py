@@ -1,0 +1,81 @@
+"""Preference tuning of a causal LM: DPO, and the reference-free ORPO and SimPO, on pairs of a
+chosen and a rejected answer.  The module is :class:`.module.PreferenceModule`, the data
+:class:`.data.PreferenceDataModule`, the objectives :mod:`.objectives`, the reference of a full
+fine-tune :mod:`...callbacks.reference_logps` (configs/task/preference.yaml, configs/objective/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from ..causal_lm import CausalLM
+from .objectives import NEEDS_REFERENCE, OBJECTIVES
+
+
+class Preference(CausalLM):
+    """A causal LM tuned on pairs; built, exported, generated from and quantized as a causal LM."""
+
+    name = "preference"
+    loss_implementations = ("plain",)
+    # An exported folder is the merged policy alone: DPO's reference (adapters off, or the tables
+    # in the checkpoint) is not in it, so eval and quantize read the checkpoint.
+    reads_exported_folders = False
+    identity_keys = {
+        "model": ("data.chat_template", "data.end_of_turn", "data.system_prompt", "objective.*"),
+        "data": ("data.val_fraction", "data.val_split_seed"),
+    }
+
+    def data_problems(self, data: DictConfig) -> list[str]:
+        return []  # the pair columns are fixed; the rows are checked when read
+
+    def config_problems(self, cfg: DictConfig) -> list[str]:
+        """The ``objective`` group's values (field, value, fix)."""
+        objective = cfg.get("objective") or {}
+        problems = []
+        name = objective.get("name")
+        if name not in OBJECTIVES:
+            return [f"objective.name={name!r} is not one of {OBJECTIVES}; fix: objective=dpo (or orpo, simpo)"]
+        beta = objective.get("beta")
+        if isinstance(beta, bool) or not isinstance(beta, int | float) or beta <= 0:
+            problems.append(
+                f"objective.beta={beta!r} must be a number > 0; fix: objective.beta=0.1 (DPO; see configs/objective/{name}.yaml)"
+            )
+        smoothing = objective.get("label_smoothing", 0.0)
+        if name == "dpo" and (not isinstance(smoothing, int | float) or not 0 <= smoothing < 0.5):
+            problems.append(f"objective.label_smoothing={smoothing!r} must be in [0, 0.5); fix: objective.label_smoothing=0.0")
+        return problems
+
+    def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
+        """``micro_batch`` pairs: ``2 * micro_batch`` sequences of ``data.max_length`` tokens, the
+        completion scored on the second half of each; for DPO without adapters, reference log-probs
+        read from the batch (the tables: no reference pass), with adapters the adapters-off pass runs."""
+        length = cfg.data.max_length
+        input_ids = torch.randint(0, vocab_size, (2 * micro_batch, length))  # (2P, T)
+        labels = input_ids.clone()
+        labels[:, : length // 2] = -100  # the prompt half is not scored
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "labels": labels,
+            "token_mask": torch.ones_like(input_ids),
+        }
+        batch["pair"] = torch.arange(micro_batch)
+        batch["scored_from"] = length // 2 - 1  # the shifted targets: positions T/2-1 .. T-2 (static shapes for the trace)
+        if cfg.objective.name in NEEDS_REFERENCE and cfg.peft.method not in ("lora", "qlora"):
+            batch["reference_logps"] = torch.zeros(2 * micro_batch)
+        return batch
+
+    def after_test(self, module, datamodule, trainer, predictions: Path, split: str, key: str) -> dict:
+        """With a ``data.judge`` and ``data.sample_prompts``: :func:`.samples.judged_samples` of
+        the model as it is, as ``{split}/<judge metric>`` (``..._start`` when ``key`` is the
+        untuned model's, as train names it), the samples written to ``predictions``."""
+        if getattr(datamodule, "judge", None) is None or not datamodule.sample_prompts:
+            return {}
+        from .samples import judged_samples
+
+        return judged_samples(module, datamodule, trainer, predictions, split, "_start" if key.endswith("_start") else "")
+
+
+TASK = Preference()

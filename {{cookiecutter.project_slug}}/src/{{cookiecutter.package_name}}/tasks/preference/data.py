@@ -1,0 +1,337 @@
+"""Preference pairs: a prompt, a chosen and a rejected completion, rendered as chat SFT renders a
+conversation.
+
+**Rows.**  ``prompt``, ``chosen`` and ``rejected`` columns (jsonl, parquet, csv or a Hub data
+set), each either text or a list of ``{role, content}`` messages in the format ``data=chat``
+reads:
+
+- ``prompt`` text is one user turn; ``chosen``/``rejected`` text is one assistant answer;
+- ``prompt`` messages (a system turn, earlier turns...) end before the answer;
+  ``chosen``/``rejected`` messages end with the assistant answer, and may carry the whole
+  conversation with no ``prompt`` column (the "implicit prompt" format: every turn before the
+  last is the prompt).
+
+Each side is the conversation ``prompt + side``, rendered with the chat template and labelled
+exactly as chat SFT labels it with ``train_on=last_assistant`` (:func:`..causal_lm.chat.label_conversation`:
+the answer and the end-of-turn token that closes it are scored, nothing else; the same
+special-token refusal).  Both sides must have the same prompt, turn by turn.
+
+**Refused with the row named** (before any weights load): a missing column, an empty side,
+``chosen == rejected``, sides whose prompts differ, a malformed turn.  **Dropped and counted**:
+a pair with a side that keeps no scored token after ``max_length`` (a prompt that fills it), as
+chat SFT drops such rows.  Sides longer than ``max_length`` keep their first ``max_length``
+tokens (``truncation=right``: the prompt is kept whole, so both sides keep the same prompt).
+
+**Batches** hold whole pairs (a micro-batch of ``P`` pairs is ``2P`` sequences; no sampler,
+no DDP shard, splits a pair): ``input_ids``, ``labels``, ``attention_mask``, ``token_mask``,
+each ``(2P, T)``, the chosen sides first, then the rejected ones in the same order, and
+``pair`` ``(P,)``: each pair's index in its prepared split (for the reference log-probs
+computed before training, :mod:`...callbacks.reference_logps`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import jinja2
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ...errors import DataError, TemplateError
+from ..causal_lm.chat import GENERATION_MARKER, ChatDataModule, conversation, label_conversation, special_token_problem, special_token_texts
+from ..causal_lm.text import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+SIDES = ("chosen", "rejected")
+# The labelling rule, in the tokenised cache's key (as chat.LABEL_RULE).
+PAIR_RULE = "pairs-last-assistant-1"
+
+
+def side_messages(value: object, where: str, column: str) -> list[dict]:
+    """One side (or the prompt) as messages: text becomes one turn (assistant for a side, user
+    for the prompt); a list is checked turn by turn as chat rows are.
+
+    Raises:
+        DataError: missing, empty, or not text / a list of ``{role, content}`` turns.
+    """
+    role = "user" if column == "prompt" else "assistant"
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: {column} is empty; fix: give the row a {column}, or drop the row")
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and value:
+        messages, _ = conversation({"messages": value}, None, f"{where} ({column})")
+        if not any(turn["content"].strip() for turn in messages):
+            raise DataError(f"{where}: {column} is empty; fix: give the row a {column}, or drop the row")
+        return messages
+    raise DataError(
+        f"{where}: {column} must be text or a non-empty list of {{role, content}} messages, got {value!r:.80}; "
+        f"fix: the row's {column}, or drop the row"
+    )
+
+
+def pair_conversations(row: dict, system_prompt: str | None, where: str) -> tuple[list[dict], list[dict]]:
+    """The chosen and the rejected conversations of a row (prompt turns, then the answer).
+
+    Raises:
+        DataError: see :func:`side_messages`; a missing column; identical sides; sides whose
+            prompts (every turn before the answer) differ; a side that does not end with an
+            assistant answer.
+    """
+    missing = [column for column in SIDES if row.get(column) is None]
+    sides_are_text = all(isinstance(row.get(column), str) for column in SIDES)
+    if not missing and sides_are_text and row.get("prompt") is None:
+        missing = ["prompt"]
+    if missing:
+        raise DataError(
+            f"{where} has no {' or '.join(missing)} (columns: {sorted(row)}); "
+            'fix: rows like {"prompt": ..., "chosen": ..., "rejected": ...} (text, or lists of {role, content} messages)'
+        )
+    prompt = side_messages(row["prompt"], where, "prompt") if row.get("prompt") is not None else []
+    conversations = []
+    for column in SIDES:
+        messages = prompt + side_messages(row[column], where, column)
+        if messages[-1]["role"] != "assistant":
+            raise DataError(f"{where}: {column} does not end with an assistant answer; fix: end it with the assistant turn")
+        if system_prompt is not None:
+            messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
+        conversations.append(messages)
+    chosen, rejected = conversations
+    if chosen[:-1] != rejected[:-1]:
+        turn = next(i for i, (a, b) in enumerate(zip(chosen[:-1] + [None], rejected[:-1] + [None], strict=False)) if a != b)
+        raise DataError(
+            f"{where}: chosen and rejected have different prompts (they differ at turn {turn}), so the pair does not compare two "
+            "answers to one prompt; fix: the same turns before the answer on both sides (or a prompt column and one answer each)"
+        )
+    if chosen[-1]["content"] == rejected[-1]["content"]:
+        raise DataError(f"{where}: chosen and rejected are the same answer, so the pair prefers nothing; fix: drop the row, or correct it")
+    return chosen, rejected
+
+
+def tokenize_pairs(
+    batch: dict[str, list],
+    indices: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    system_prompt: str | None,
+    eot_id: int,
+    max_length: int,
+    split: str,
+    rule: str = "",
+) -> dict[str, list]:
+    """Render, tokenise and label a batch of pairs (a ``datasets`` map function; ``rule`` is
+    :data:`PAIR_RULE`, so the cache key changes with the labelling code).
+
+    Returns per pair, for each side ``s`` in chosen/rejected: ``s_input_ids``, ``s_labels``
+    (-100 where not scored), ``s_n_trained``; and for the pair as chat rows report them:
+    ``length`` (tokens of its longer side), ``n_trained`` and ``n_content`` (the smaller side's:
+    0 = the pair is dropped / trains no answer text), ``truncated`` (tokens cut from its longer
+    side) and ``row``.
+
+    Raises:
+        DataError: see :func:`pair_conversations`; a turn spelling a special token.
+        TemplateError: as chat SFT (a template whose answer spans cannot be found).
+    """
+    columns = list(batch)
+    out = {f"{side}_{key}": [] for side in SIDES for key in ("input_ids", "labels", "n_trained")}
+    out.update({"length": [], "n_trained": [], "n_content": [], "truncated": [], "row": []})
+    use_markers = bool(GENERATION_MARKER.search(template))
+    specials = special_token_texts(tokenizer)
+    for offset, index in enumerate(indices):
+        where = f"data.splits.{split} row {index}"
+        pair = pair_conversations({c: batch[c][offset] for c in columns}, system_prompt, where)
+        lengths, trained, content, cut = [], [], [], []
+        for side, messages in zip(SIDES, pair, strict=True):
+            problem = special_token_problem(messages, specials, f"{where} ({side})")
+            if problem:
+                raise DataError(problem)
+            try:
+                ids, labels = label_conversation(tokenizer, template, messages, "last_assistant", eot_id, use_markers, where)
+            except jinja2.TemplateError as error:
+                raise TemplateError(f"{where} ({side}): the chat template failed on this row: {type(error).__name__}: {error}") from error
+            except TemplateError as error:
+                raise TemplateError(f"{where} ({side}): {error}") from error
+            cut.append(max(0, len(ids) - max_length))
+            ids, labels = ids[:max_length], labels[:max_length]
+            n_trained = sum(label != IGNORE_INDEX for label in labels[1:])  # position 0 is never a target
+            out[f"{side}_input_ids"].append(ids)
+            out[f"{side}_labels"].append(labels)
+            out[f"{side}_n_trained"].append(n_trained)
+            lengths.append(len(ids))
+            trained.append(n_trained)
+            content.append(sum(label not in (IGNORE_INDEX, eot_id) for label in labels[1:]))
+        out["length"].append(max(lengths))
+        out["n_trained"].append(min(trained))
+        out["n_content"].append(min(content))
+        out["truncated"].append(max(cut))
+        out["row"].append(index)
+    return out
+
+
+class PairCollator:
+    """Pad a list of pairs into one batch of ``2P`` sequences (see the module docstring), on the
+    right, to the longest side rounded up to ``pad_to_multiple_of``."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None) -> None:
+        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
+
+    def __call__(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
+        sequences = [(pair[f"{side}_input_ids"], pair[f"{side}_labels"]) for side in SIDES for pair in pairs]  # chosen first
+        longest = max(len(ids) for ids, _ in sequences)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        shape = (len(sequences), longest)
+        batch = {
+            "input_ids": torch.full(shape, self.pad_token_id, dtype=torch.long),
+            "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+            "token_mask": torch.zeros(shape, dtype=torch.long),
+        }
+        for index, (ids, labels) in enumerate(sequences):
+            batch["input_ids"][index, : len(ids)] = torch.as_tensor(ids)
+            batch["labels"][index, : len(ids)] = torch.as_tensor(labels)
+            batch["token_mask"][index, : len(ids)] = 1
+        batch["attention_mask"] = batch["token_mask"].clone()
+        batch["pair"] = torch.as_tensor([pair["pair"] for pair in pairs], dtype=torch.long)  # (P,)
+        return batch
+
+
+class PreferenceDataModule(ChatDataModule):
+    """Batches of preference pairs (see the module docstring); the chat data module's loading,
+    template, end-of-turn token, held-out validation, length grouping and drop-and-count rule.
+
+    Args: as :class:`..causal_lm.chat.ChatDataModule`, without ``train_on`` (the last assistant
+    answer of each side), ``truncation`` (right) and ``mode`` (one row per side, padded); the
+    exact-match answers are not generated (``answer_rows`` is not read).  And, for judging what
+    the model writes (:meth:`..Preference.after_test`):
+
+        sample_prompts: a jsonl file of ``{"prompt": text}`` rows (held-out instructions), or ``None``.
+        samples_per_prompt, sample_max_new_tokens, sample_temperature, sample_seed: the samples
+            drawn per prompt (the same seed before and after tuning: the same random stream).
+        sample_batch_size: samples generated at once (left-padded; the KV cache grows with it).
+        judge: scores a list of texts, one ``{metric: value}`` per text (e.g.
+            :func:`...assets.vader.sentiment_scores`); ``None``: no samples are drawn.
+
+    Raises (from ``setup``, before any model weights load): as chat data, and the pair refusals above.
+    """
+
+    SIDE_PREFIXES = ("chosen_", "rejected_")  # what inspect_data shows of a row: each side
+    BATCH_ITEM = "pairs"
+
+    def __init__(
+        self,
+        *,
+        splits: dict[str, str | None],
+        hub_name: str | None,
+        hub_config: str | None,
+        tokenizer: str | PreTrainedTokenizerBase,
+        chat_template: str | None,
+        system_prompt: str | None,
+        end_of_turn: str | None,
+        max_length: int,
+        batch_size: int,
+        val_fraction: float,
+        val_split_seed: int,
+        num_workers: int,
+        pad_to_multiple_of: int | None,
+        group_by_length: bool,
+        cache_dir: str | None,
+        fetch: Callable[[], object] | None,
+        sample_prompts: str | None = None,
+        samples_per_prompt: int = 4,
+        sample_max_new_tokens: int = 48,
+        sample_temperature: float = 1.0,
+        sample_seed: int = 0,
+        sample_batch_size: int = 128,
+        judge: Callable[[list[str]], list[dict[str, float]]] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.sample_prompts, self.samples_per_prompt = sample_prompts, samples_per_prompt
+        self.sample_max_new_tokens, self.sample_temperature, self.sample_seed = sample_max_new_tokens, sample_temperature, sample_seed
+        self.judge, self.sample_batch_size = judge, sample_batch_size
+        super().__init__(
+            splits=splits,
+            hub_name=hub_name,
+            hub_config=hub_config,
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+            end_of_turn=end_of_turn,
+            train_on="last_assistant",
+            truncation="right",
+            mode="pad",
+            max_length=max_length,
+            batch_size=batch_size,
+            val_fraction=val_fraction,
+            val_split_seed=val_split_seed,
+            num_workers=num_workers,
+            pad_to_multiple_of=pad_to_multiple_of,
+            group_by_length=group_by_length,
+            answer_rows=0,
+            answer_max_new_tokens=0,
+            cache_dir=cache_dir,
+            fetch=fetch,
+            seed=seed,
+        )
+
+    def tokenized(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
+        kwargs = {
+            "tokenizer": self.tokenizer,
+            "template": self.template,
+            "system_prompt": self.system_prompt,
+            "eot_id": self.eot_id,
+            "max_length": self.max_length,
+            "split": split,
+            "rule": PAIR_RULE,
+        }
+        return dataset.map(
+            tokenize_pairs,
+            batched=True,
+            with_indices=True,
+            fn_kwargs=kwargs,
+            remove_columns=dataset.column_names,
+            desc=f"Rendering {split} pairs",
+        )
+
+    def kept_columns(self) -> list[str]:
+        return [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")] + ["length"]
+
+    def finish(self, split: str, kept: datasets.Dataset) -> datasets.Dataset:
+        """Number the kept pairs (``pair``: the index the reference log-probs are looked up by)."""
+        return kept.add_column("pair", list(range(len(kept))))
+
+    def count_tokens(self, kept: datasets.Dataset) -> int:
+        return sum(len(ids) for side in SIDES for ids in kept[f"{side}_input_ids"])
+
+    def collator(self) -> PairCollator:
+        from ..causal_lm.text import pad_token_id
+
+        return PairCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of)
+
+    def answer_prompts(self, split: str = "test") -> list[dict]:
+        return []
+
+    def sample_prompt_texts(self) -> list[str]:
+        """The instructions of :attr:`sample_prompts`, in file order.
+
+        Raises:
+            DataError: a missing file, or a row without ``prompt`` text (named by line).
+        """
+        path = Path(self.sample_prompts)
+        if not path.is_file():
+            raise DataError(
+                f'data.sample_prompts={self.sample_prompts!r} does not exist; fix: a jsonl file of {{"prompt": ...}} rows, or null'
+            )
+        prompts = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise DataError(f'data.sample_prompts={self.sample_prompts!r} line {number} has no prompt text; fix: {{"prompt": "..."}}')
+            prompts.append(row["prompt"])
+        return prompts

@@ -1,0 +1,222 @@
+"""LightningModule for preference tuning (DPO, ORPO, SimPO) of a causal LM: the causal-LM module's
+model, adapters, levers and generation, with a pair loss."""
+
+from __future__ import annotations
+
+import torch
+from torchmetrics import MeanMetric
+
+from ...errors import ConfigError
+from ...models.causal import LOGIT_TRANSFORM_FIELDS, causal_body, causal_lm_of, model_arguments
+from ..causal_lm.module import CausalLMModule
+from .objectives import NEEDS_REFERENCE, PairTerms, completion_logps, completion_logps_from_hidden, dpo, orpo, simpo
+
+DROPOUT = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+# Per pair, averaged over a step's (or a split's) pairs: logged as train/<name>, val/<name>, test/<name>.
+PAIR_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
+SPLIT_OF_STAGE = {"train": "train", "val": "validation", "test": "test"}
+
+
+class PreferenceModule(CausalLMModule):
+    """Tune a causal LM on preference pairs (:mod:`.data`): each batch holds ``P`` pairs as ``2P``
+    sequences (chosen first), and the loss is the ``objective`` group's (:mod:`.objectives`).
+
+    **The reference model** (DPO only; ORPO and SimPO need none), never a second copy in memory:
+
+    - LoRA/QLoRA (standard initialisation: the adapters start at zero, so the model with its
+      adapters switched off *is* the starting policy): the reference log-probs are the same
+      forward with the adapters off (peft's ``disable_adapter()``), under ``no_grad``;
+    - a full fine-tune: read from tables computed once with the starting weights, before the
+      first step (:class:`...callbacks.reference_logps.ReferenceLogProbs`), and stored in every checkpoint, so a
+      resumed run and ``eval`` use the starting policy's values, never the tuned one's.
+
+    **Dropout is off** in the policy (every ``nn.Dropout`` and attention-dropout probability set to
+    0 when the model is built, as TRL's trainers do by default): the log-probs of the policy and the
+    reference are deterministic, and the reference of a full fine-tune equals the policy at step 0.
+
+    **Loss normalisation**: the per-pair loss is summed over the micro-batch and divided by the
+    pairs of the whole accumulated batch (:class:`..models.base.HFModule`), so the update follows
+    the mean over the global batch's pairs.
+
+    Logged per optimizer step and per validation/test pass (means over the pairs):
+    ``train/loss`` and ``train/reward_chosen``, ``reward_rejected``, ``reward_margin``,
+    ``reward_accuracy`` (share of pairs with ``reward_chosen > reward_rejected``), ``logp_chosen``,
+    ``logp_rejected`` (summed completion log-probs, nats); ``val/*`` and ``test/*`` alike.
+
+    Args: as :class:`..causal_lm.module.CausalLMModule`, and ``objective``: the ``objective`` group
+    (``name``: dpo | orpo | simpo; ``beta``; ``label_smoothing`` for DPO; ``gamma`` for SimPO).
+    """
+
+    TASK_NAME = "preference"
+
+    def __init__(
+        self,
+        model: dict,
+        optimizer: dict,
+        peft: dict,
+        objective: dict,
+        attention: dict | None = None,
+        activation_checkpointing: dict | None = None,
+        compile: dict | None = None,
+        loss: dict | None = None,
+        qat: dict | None = None,
+        hf_config: dict | None = None,
+    ) -> None:
+        super().__init__(model, optimizer, peft, attention, activation_checkpointing, compile, loss, qat, hf_config)
+        # split -> (pairs, 2) reference log-probs (chosen, rejected) of the starting weights, for a
+        # full fine-tune's DPO (ReferenceLogProbs fills them; checkpoints keep them).
+        self.reference_tables: dict[str, torch.Tensor] = {}
+        self.at_starting_weights = True  # False once trained or loaded from a checkpoint
+        self._window_pairs = torch.zeros(len(PAIR_METRICS))
+
+    # ----------------------------------------------------------------------------- building
+    def build_model(self, precision: str, max_length: int | None, config=None, pretrained: bool = True) -> torch.nn.Module:
+        model = super().build_model(precision, max_length, config=config, pretrained=pretrained)
+        disable_dropout(model)
+        return model
+
+    def configure_metrics(self) -> None:
+        super().configure_metrics()
+        for split in ("val", "test"):
+            setattr(self, f"{split}_pairs", torch.nn.ModuleDict({name: MeanMetric() for name in PAIR_METRICS}))
+
+    @property
+    def objective(self) -> str:
+        return self.hparams.objective["name"]
+
+    @property
+    def reference_from_adapters_off(self) -> bool:
+        """Whether the reference is this model with its adapters switched off (LoRA/QLoRA, whose
+        standard initialisation leaves the starting policy equal to the base)."""
+        return self.peft_method in ("lora", "qlora")
+
+    @property
+    def needs_reference_tables(self) -> bool:
+        """DPO without adapters to switch off: the reference log-probs come from tables."""
+        return self.objective in NEEDS_REFERENCE and not self.reference_from_adapters_off
+
+    # ------------------------------------------------------------------------------ steps
+    def sequence_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed completion log-probs ``(2P,)`` and completion tokens ``(2P,)`` of every side: the
+        lm_head on the scored positions only (:func:`.objectives.completion_logps_from_hidden`),
+        or on the full logits for a model that transforms them after the lm_head (Gemma 2's softcap)."""
+        lm = causal_lm_of(self.model)
+        if any(getattr(lm.config, field, None) not in (None, 1.0) for field in LOGIT_TRANSFORM_FIELDS):
+            return completion_logps(self(batch), batch["labels"])
+        hidden = causal_body(self.model)(**model_arguments(batch)).last_hidden_state  # (2P, T, D)
+        return completion_logps_from_hidden(hidden, lm.get_output_embeddings(), batch["labels"], batch.get("scored_from"))
+
+    def reference_logps(self, batch: dict[str, torch.Tensor], split: str | None) -> torch.Tensor:
+        """``(2P,)`` reference log-probs of the batch's sides: given in the batch
+        (``reference_logps``, the planner's), the forward with the adapters off, or the
+        ``split``'s table.
+
+        Raises:
+            ConfigError: a full fine-tune's split with no table (computed from the starting weights only).
+        """
+        if "reference_logps" in batch:
+            return batch["reference_logps"]
+        if self.reference_from_adapters_off:
+            with torch.no_grad(), self.model.disable_adapter():
+                return self.sequence_logps(batch)[0]
+        table = self.reference_tables.get(split) if split else None
+        if table is None:
+            raise ConfigError(
+                f"objective={self.objective} needs the reference log-probs of the {split} pairs, which are computed from the "
+                "starting weights before the first step (callbacks/reference_logps.ReferenceLogProbs), and this run has "
+                f"none for that split (tables: {sorted(self.reference_tables)}); fix: train with the split in data.splits "
+                "(the callback computes it at step 0), or peft=lora (the reference is the model with its adapters off)"
+            )
+        chosen, rejected = table.to(batch["pair"].device)[batch["pair"]].unbind(1)  # (P,) each
+        return torch.cat([chosen, rejected])
+
+    def pair_terms(self, batch: dict[str, torch.Tensor], split: str | None) -> tuple[PairTerms, torch.Tensor]:
+        """The objective's per-pair terms and ``(P, len(PAIR_METRICS))`` per-pair metrics."""
+        logps, n_tokens = self.sequence_logps(batch)
+        pairs = logps.shape[0] // 2
+        logp_w, logp_l, n_w, n_l = logps[:pairs], logps[pairs:], n_tokens[:pairs], n_tokens[pairs:]
+        settings = self.hparams.objective
+        if self.objective == "dpo":
+            reference = self.reference_logps(batch, split).to(logps.dtype)
+            terms = dpo(logp_w, logp_l, reference[:pairs], reference[pairs:], settings["beta"], settings["label_smoothing"])
+        elif self.objective == "simpo":
+            terms = simpo(logp_w, logp_l, n_w, n_l, settings["beta"], settings["gamma"])
+        else:
+            terms = orpo(logp_w, logp_l, n_w, n_l, settings["beta"])
+        margin = terms.reward_chosen - terms.reward_rejected
+        values = [terms.reward_chosen, terms.reward_rejected, margin, (margin > 0).float(), logp_w.detach(), logp_l.detach()]
+        return terms, torch.stack(values, dim=1)
+
+    def model_step(self, batch: dict[str, torch.Tensor], split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed pair loss of the micro-batch and its number of pairs."""
+        terms, _ = self.pair_terms(batch, split)
+        return terms.loss.sum(), torch.tensor(terms.loss.shape[0], device=terms.loss.device)
+
+    def loss_divisor(self) -> float:
+        return self.inputs.micro_batch_size if self.inputs is not None else 1
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._window_pairs = torch.zeros(len(PAIR_METRICS), device=self.device)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        terms, values = self.pair_terms(batch, "train")
+        self._window_pairs += values.sum(dim=0)
+        mask = batch["token_mask"]  # (2P, T) 1 = a real token
+        self._window_tokens += mask.sum()
+        self.log_step_metric("train/padding_fraction", 1.0 - mask.float().mean())
+        return self.add_to_window(terms.loss.sum(), torch.tensor(terms.loss.shape[0], device=self.device))
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)  # train/loss (the step's pairs: self._step_items), train/tokens
+        sums = self.trainer.strategy.reduce(self._window_pairs, reduce_op="sum")  # (all devices)
+        for name, value in zip(PAIR_METRICS, sums / self._step_items, strict=True):
+            self.log_step_metric(f"train/{name}", value)
+        self._window_pairs.zero_()
+        self.at_starting_weights = False
+
+    def eval_step(self, batch: dict[str, torch.Tensor], split: str) -> None:
+        terms, values = self.pair_terms(batch, SPLIT_OF_STAGE[split])
+        pairs = terms.loss.shape[0]
+        getattr(self, f"{split}_loss").update(terms.loss.mean(), weight=pairs)
+        for name, column in zip(PAIR_METRICS, values.unbind(1), strict=True):
+            getattr(self, f"{split}_pairs")[name].update(column.mean(), weight=pairs)
+
+    def reset_metrics(self, split: str) -> None:
+        super().reset_metrics(split)
+        for metric in getattr(self, f"{split}_pairs").values():
+            metric.reset()
+
+    def log_metrics(self, split: str) -> None:
+        values = {f"{split}/loss": getattr(self, f"{split}_loss").compute()}
+        values.update({f"{split}/{name}": metric.compute() for name, metric in getattr(self, f"{split}_pairs").items()})
+        self.log_dict(values, prog_bar=split == "val")
+
+    # ----------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["reference_logps"] = {split: table.cpu() for split, table in self.reference_tables.items()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.reference_tables = {str(split): table.float() for split, table in checkpoint.get("reference_logps", {}).items()}
+        self.at_starting_weights = False
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of ``model`` to 0: each ``nn.Dropout`` (LoRA's included), and
+    each float ``attention_dropout`` / ``dropout`` attribute that attention layers read at forward
+    (Llama's, passed to SDPA).  The model's config is left as it was (exports keep it)."""
+    for module in model.modules():
+        if isinstance(module, DROPOUT):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)

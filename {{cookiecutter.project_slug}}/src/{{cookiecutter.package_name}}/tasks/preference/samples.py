@@ -1,0 +1,53 @@
+"""Judge what a preference-tuned model writes: seeded samples for held-out prompts, scored by a
+judge the project did not write (the demo's: VADER's sentiment analyzer, :func:`...assets.vader.sentiment_scores`).
+
+The samples of the untuned model (``..._start``) and of the tuned one come from the same prompts
+and the same seed: the same random stream, so the difference is the tuning's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from ...utils.run import atomic_write_path
+
+
+def judged_samples(module, datamodule, trainer, output: Path, split: str, suffix: str) -> dict[str, float]:
+    """``data.samples_per_prompt`` samples (temperature ``data.sample_temperature``, at most
+    ``data.sample_max_new_tokens`` tokens, ``torch.manual_seed(data.sample_seed)`` first) for each
+    prompt of ``data.sample_prompts``, rendered as a user turn with the run's chat template; each
+    scored by ``data.judge``.  Writes ``output`` (jsonl: ``prompt``, ``sample``, the judge's
+    values) atomically, logs and prints the means.
+
+    Returns:
+        ``{f"{split}/{metric}{suffix}": mean over the samples}`` for each metric of the judge.
+    """
+    prompts = datamodule.sample_prompt_texts()
+    repeated = [prompt for prompt in prompts for _ in range(datamodule.samples_per_prompt)]
+    if torch.cuda.is_available():
+        module.to("cuda")
+    torch.manual_seed(datamodule.sample_seed)
+    completions = module.complete(
+        module.prompt_ids(repeated),
+        batch_size=datamodule.sample_batch_size,
+        max_new_tokens=datamodule.sample_max_new_tokens,
+        do_sample=True,
+        temperature=datamodule.sample_temperature,
+        top_p=1.0,
+        top_k=0,
+    )
+    texts = [module.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in completions]
+    scores = datamodule.judge(texts)
+    records = [{"prompt": prompt, "sample": text, **score} for prompt, text, score in zip(repeated, texts, scores, strict=True)]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write_path(output) as partial:
+        partial.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), encoding="utf-8")
+    metrics = {f"{split}/{name}{suffix}": statistics.fmean(score[name] for score in scores) for name in scores[0]}
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+    print(", ".join(f"{name}={value:.4f}" for name, value in metrics.items()) + f" over {len(texts)} samples: {output}")
+    return metrics
