@@ -358,7 +358,8 @@ def test_a_short_preference_run_reports_its_pair_metrics(pretrained_folder, pair
     assert checkpoint["task"] == "preference"
     tables = checkpoint["reference_logps"]
     if peft == "none" and objective == "dpo":
-        assert sorted(tables) == ["test", "train", "validation"] and tables["test"].shape == (6, 2)
+        assert sorted(tables) == ["test", "train", "validation"]
+        assert tables["test"]["logps"].shape == (6, 2) and tables["test"]["fingerprints"].shape == (6,)
     else:
         assert tables == {}
     header = next(run_dir.rglob("metrics.csv")).read_text().splitlines()[0]
@@ -372,6 +373,18 @@ def test_a_short_preference_run_reports_its_pair_metrics(pretrained_folder, pair
     )
     for name in ("loss", "reward_accuracy", "reward_margin"):
         assert again[f"test/{name}"] == pytest.approx(metrics[f"test/{name}"], abs=1e-6), name
+    if peft == "none" and objective == "dpo":  # other test pairs: their reference is not in the checkpoint
+        from {{ cookiecutter.package_name }}.errors import ConfigError
+
+        other = write_jsonl(tmp_path / "other_test.jsonl", pair_rows(6, seed=99))
+        with pytest.raises(ConfigError, match="test pairs are not the ones this run's reference log-probs were computed for"):
+            evaluate(
+                compose_config(
+                    "eval",
+                    overrides
+                    + [f"ckpt_path={metrics['best_checkpoint']}", f"data.splits.test={other}", f"paths.output_dir={tmp_path / 'eval2'}"],
+                )
+            )
     if peft == "lora":  # the merged policy exports as a plain causal LM
         from {{ cookiecutter.package_name }}.export import export
 

@@ -76,6 +76,7 @@ class ReferenceLogProbs(L.Callback):
             )
         for split in missing:
             module.reference_tables[split] = self.table(trainer, module, datamodule, split)
+            module.reference_fingerprints[split] = datamodule.pair_fingerprints(split)
 
     def table(self, trainer: L.Trainer, module: L.LightningModule, datamodule, split: str) -> torch.Tensor:
         """The split's ``(pairs, 2)`` table: from the cache, or one pass of the starting weights."""

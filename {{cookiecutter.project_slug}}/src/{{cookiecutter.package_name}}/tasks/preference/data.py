@@ -25,19 +25,22 @@ tokens (``truncation=right``: the prompt is kept whole, so both sides keep the s
 **Batches** hold whole pairs (a micro-batch of ``P`` pairs is ``2P`` sequences; no sampler,
 no DDP shard, splits a pair): ``input_ids``, ``labels``, ``attention_mask``, ``token_mask``,
 each ``(2P, T)``, the chosen sides first, then the rejected ones in the same order, and
-``pair`` ``(P,)``: each pair's index in its prepared split (for the reference log-probs
-computed before training, :mod:`...callbacks.reference_logps`).
+``pair`` ``(P,)``: each pair's index in its prepared split, and ``pair_fingerprint`` ``(P,)`` its
+checksum (:func:`pair_fingerprint`), for the reference log-probs computed before training
+(:mod:`...callbacks.reference_logps`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import jinja2
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -173,6 +176,16 @@ def tokenize_pairs(
     return out
 
 
+def pair_fingerprint(pair: dict) -> int:
+    """A checksum of a tokenised pair (CRC-32 of both sides' ids and labels): a reference table
+    computed for other pairs is refused, never read for these (:meth:`..module.PreferenceModule.reference_logps`)."""
+    checksum = 0
+    for side in SIDES:
+        for key in ("input_ids", "labels"):
+            checksum = zlib.crc32(np.asarray(pair[f"{side}_{key}"], dtype=np.int64).tobytes() + b"|", checksum)
+    return checksum
+
+
 class PairCollator:
     """Pad a list of pairs into one batch of ``2P`` sequences (see the module docstring), on the
     right, to the longest side rounded up to ``pad_to_multiple_of``."""
@@ -197,6 +210,7 @@ class PairCollator:
             batch["token_mask"][index, : len(ids)] = 1
         batch["attention_mask"] = batch["token_mask"].clone()
         batch["pair"] = torch.as_tensor([pair["pair"] for pair in pairs], dtype=torch.long)  # (P,)
+        batch["pair_fingerprint"] = torch.as_tensor([pair_fingerprint(pair) for pair in pairs], dtype=torch.long)  # (P,)
         return batch
 
 
@@ -306,6 +320,10 @@ class PreferenceDataModule(ChatDataModule):
 
     def count_tokens(self, kept: datasets.Dataset) -> int:
         return sum(len(ids) for side in SIDES for ids in kept[f"{side}_input_ids"])
+
+    def pair_fingerprints(self, split: str) -> torch.Tensor:
+        """``(pairs,)`` int64: :func:`pair_fingerprint` of each prepared pair of ``split``, in order."""
+        return torch.as_tensor([pair_fingerprint(pair) for pair in self.datasets[split]], dtype=torch.long)
 
     def collator(self) -> PairCollator:
         from ..causal_lm.text import pad_token_id

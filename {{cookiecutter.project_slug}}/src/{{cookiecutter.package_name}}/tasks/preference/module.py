@@ -73,6 +73,7 @@ class PreferenceModule(CausalLMModule):
         # split -> (pairs, 2) reference log-probs (chosen, rejected) of the starting weights, for a
         # full fine-tune's DPO (ReferenceLogProbs fills them; checkpoints keep them).
         self.reference_tables: dict[str, torch.Tensor] = {}
+        self.reference_fingerprints: dict[str, torch.Tensor] = {}  # split -> (pairs,) the checksums of the pairs they are for
         self.at_starting_weights = True  # False once trained or loaded from a checkpoint
         self._window_pairs = torch.zeros(len(PAIR_METRICS))
 
@@ -134,7 +135,14 @@ class PreferenceModule(CausalLMModule):
                 f"none for that split (tables: {sorted(self.reference_tables)}); fix: train with the split in data.splits "
                 "(the callback computes it at step 0), or peft=lora (the reference is the model with its adapters off)"
             )
-        chosen, rejected = table.to(batch["pair"].device)[batch["pair"]].unbind(1)  # (P,) each
+        index, prints = batch["pair"], self.reference_fingerprints.get(split)
+        if prints is None or int(index.max()) >= len(prints) or not torch.equal(prints.to(index.device)[index], batch["pair_fingerprint"]):
+            raise ConfigError(
+                f"the {split} pairs are not the ones this run's reference log-probs were computed for (pair {int(index[0])}: another "
+                "file, or other rows or tokens), and the starting weights that would give theirs are gone; fix: the data.splits "
+                "the run was trained with (the reference of a full fine-tune's DPO is computed before its first step)"
+            )
+        chosen, rejected = table.to(index.device)[index].unbind(1)  # (P,) each
         return torch.cat([chosen, rejected])
 
     def pair_terms(self, batch: dict[str, torch.Tensor], split: str | None) -> tuple[PairTerms, torch.Tensor]:
@@ -202,11 +210,16 @@ class PreferenceModule(CausalLMModule):
     # ----------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint["reference_logps"] = {split: table.cpu() for split, table in self.reference_tables.items()}
+        checkpoint["reference_logps"] = {
+            split: {"logps": table.cpu(), "fingerprints": self.reference_fingerprints[split].cpu()}
+            for split, table in self.reference_tables.items()
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
-        self.reference_tables = {str(split): table.float() for split, table in checkpoint.get("reference_logps", {}).items()}
+        stored = checkpoint.get("reference_logps", {})
+        self.reference_tables = {str(split): tables["logps"].float() for split, tables in stored.items()}
+        self.reference_fingerprints = {str(split): tables["fingerprints"].long() for split, tables in stored.items()}
         self.at_starting_weights = False
 
 
