@@ -477,3 +477,32 @@ def test_the_planners_static_slice_gives_the_gathered_logps():
     sliced = completion_logps_from_hidden(hidden, head, labels, scored_from=3)
     torch.testing.assert_close(sliced[0], gathered[0])
     assert sliced[1].tolist() == gathered[1].tolist() == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["objective.beta=0"], "objective.beta=0 must be a number > 0"),
+        (["objective=simpo", "objective.gamma=-1"], "objective.gamma=-1 must be a number >= 0"),
+        (["objective=dpo", "objective.label_smoothing=0.5"], r"objective.label_smoothing=0.5 must be in \[0, 0.5\)"),
+        (["objective.name=ipo"], "objective.name='ipo' is not one of"),
+    ],
+)
+def test_a_bad_objective_is_refused_before_anything_loads(pretrained_folder, pair_files, tmp_path, overrides, message):
+    from {{ cookiecutter.package_name }}.checks import validate_config
+    from {{ cookiecutter.package_name }}.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_config("train", preference_overrides(pretrained_folder, pair_files, tmp_path / "run", *overrides)))
+
+
+def test_sample_prompts_without_a_prompt_are_refused(tokenizer, tmp_path):
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("\n")
+    datamodule = make_datamodule(tokenizer, {"train": tmp_path / "t.jsonl"}, sample_prompts=str(empty))
+    with pytest.raises(DataError, match="has no prompt"):
+        datamodule.sample_prompt_texts()
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    datamodule = make_datamodule(tokenizer, {"train": tmp_path / "t.jsonl"}, sample_prompts=str(tmp_path / "bad.jsonl"))
+    with pytest.raises(DataError, match="line 1 has no prompt text"):
+        datamodule.sample_prompt_texts()

@@ -45,6 +45,9 @@ class Preference(CausalLM):
         smoothing = objective.get("label_smoothing", 0.0)
         if name == "dpo" and (not isinstance(smoothing, int | float) or not 0 <= smoothing < 0.5):
             problems.append(f"objective.label_smoothing={smoothing!r} must be in [0, 0.5); fix: objective.label_smoothing=0.0")
+        gamma = objective.get("gamma")
+        if name == "simpo" and (isinstance(gamma, bool) or not isinstance(gamma, int | float) or gamma < 0):
+            problems.append(f"objective.gamma={gamma!r} must be a number >= 0 (the target reward margin); fix: objective.gamma=1.0")
         return problems
 
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:

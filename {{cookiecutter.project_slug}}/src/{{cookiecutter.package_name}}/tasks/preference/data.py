@@ -337,7 +337,7 @@ class PreferenceDataModule(ChatDataModule):
         """The instructions of :attr:`sample_prompts`, in file order.
 
         Raises:
-            DataError: a missing file, or a row without ``prompt`` text (named by line).
+            DataError: a missing or empty file, or a row without ``prompt`` text (named by line).
         """
         path = Path(self.sample_prompts)
         if not path.is_file():
@@ -352,4 +352,6 @@ class PreferenceDataModule(ChatDataModule):
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
                 raise DataError(f'data.sample_prompts={self.sample_prompts!r} line {number} has no prompt text; fix: {{"prompt": "..."}}')
             prompts.append(row["prompt"])
+        if not prompts:
+            raise DataError(f'data.sample_prompts={self.sample_prompts!r} has no prompt; fix: {{"prompt": "..."}} rows, or null')
         return prompts

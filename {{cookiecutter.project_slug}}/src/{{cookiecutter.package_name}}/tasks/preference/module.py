@@ -203,9 +203,13 @@ class PreferenceModule(CausalLMModule):
             metric.reset()
 
     def log_metrics(self, split: str) -> None:
-        values = {f"{split}/loss": getattr(self, f"{split}_loss").compute()}
-        values.update({f"{split}/{name}": metric.compute() for name, metric in getattr(self, f"{split}_pairs").items()})
-        self.log_dict(values, prog_bar=split == "val")
+        shown = {f"{split}/loss": getattr(self, f"{split}_loss").compute()}  # (on the progress bar for val)
+        shown[f"{split}/reward_accuracy"] = getattr(self, f"{split}_pairs")["reward_accuracy"].compute()
+        rest = {
+            f"{split}/{name}": metric.compute() for name, metric in getattr(self, f"{split}_pairs").items() if name != "reward_accuracy"
+        }
+        self.log_dict(shown, prog_bar=split == "val")
+        self.log_dict(rest)
 
     # ----------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
