@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 from {{ cookiecutter.package_name }}.callbacks.reference_logps import reference_table
 from {{ cookiecutter.package_name }}.errors import DataError
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import IGNORE_INDEX
-from {{ cookiecutter.package_name }}.tasks.preference.data import PairCollator, PreferenceDataModule, tokenize_pairs
+from {{ cookiecutter.package_name }}.tasks.preference.data import PairCollator, PreferenceDataModule, pair_fingerprint, tokenize_pairs
 from {{ cookiecutter.package_name }}.tasks.preference.module import PreferenceModule, disable_dropout
 from {{ cookiecutter.package_name }}.tasks.preference.objectives import completion_logps, dpo, orpo, simpo
 
@@ -271,6 +271,7 @@ def test_reference_logps_equal_a_separate_reference_model(tokenizer, tmp_path, f
     rows = pair_rows(6, seed=5)
     out = tokenize(tokenizer, rows)
     pairs = [{key: out[key][i] for key in out} | {"pair": i} for i in range(len(rows))]
+    pairs = [pair | {"pair_fingerprint": pair_fingerprint(pair)} for pair in pairs]
     collator = PairCollator(tokenizer.pad_token_id or 0, None)
     batch = collator(pairs)
     with torch.no_grad():

@@ -45,7 +45,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ...errors import DataError, TemplateError
-from ..causal_lm.chat import GENERATION_MARKER, ChatDataModule, conversation, label_conversation, special_token_problem, special_token_texts
+from ..causal_lm.chat import (
+    GENERATION_MARKER,
+    ChatCollator,
+    ChatDataModule,
+    conversation,
+    label_conversation,
+    special_token_problem,
+    special_token_texts,
+)
 from ..causal_lm.text import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -187,30 +195,18 @@ def pair_fingerprint(pair: dict) -> int:
 
 
 class PairCollator:
-    """Pad a list of pairs into one batch of ``2P`` sequences (see the module docstring), on the
-    right, to the longest side rounded up to ``pad_to_multiple_of``."""
+    """Pad a list of pairs into one batch of ``2P`` sequences (see the module docstring): the chat
+    collator's padding (:class:`..causal_lm.chat.ChatCollator`) over the chosen sides, then the
+    rejected ones, plus each pair's ``pair`` and ``pair_fingerprint``."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None) -> None:
-        self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
+        self.pad = ChatCollator(pad_token_id, pad_to_multiple_of, packed=False)
 
     def __call__(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [(pair[f"{side}_input_ids"], pair[f"{side}_labels"]) for side in SIDES for pair in pairs]  # chosen first
-        longest = max(len(ids) for ids, _ in sequences)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        shape = (len(sequences), longest)
-        batch = {
-            "input_ids": torch.full(shape, self.pad_token_id, dtype=torch.long),
-            "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
-            "token_mask": torch.zeros(shape, dtype=torch.long),
-        }
-        for index, (ids, labels) in enumerate(sequences):
-            batch["input_ids"][index, : len(ids)] = torch.as_tensor(ids)
-            batch["labels"][index, : len(ids)] = torch.as_tensor(labels)
-            batch["token_mask"][index, : len(ids)] = 1
-        batch["attention_mask"] = batch["token_mask"].clone()
+        sides = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]} for side in SIDES for pair in pairs]
+        batch = self.pad(sides)  # (2P, T) each, chosen first
         batch["pair"] = torch.as_tensor([pair["pair"] for pair in pairs], dtype=torch.long)  # (P,)
-        batch["pair_fingerprint"] = torch.as_tensor([pair_fingerprint(pair) for pair in pairs], dtype=torch.long)  # (P,)
+        batch["pair_fingerprint"] = torch.as_tensor([pair["pair_fingerprint"] for pair in pairs], dtype=torch.long)  # (P,)
         return batch
 
 
@@ -315,23 +311,22 @@ class PreferenceDataModule(ChatDataModule):
         return [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")] + ["length"]
 
     def finish(self, split: str, kept: datasets.Dataset) -> datasets.Dataset:
-        """Number the kept pairs (``pair``: the index the reference log-probs are looked up by)."""
-        return kept.add_column("pair", list(range(len(kept))))
+        """Number the kept pairs and checksum them, once (``pair``: the index the reference log-probs
+        are looked up by; ``pair_fingerprint``: :func:`pair_fingerprint`, checked at each lookup)."""
+        kept = kept.add_column("pair", list(range(len(kept))))
+        return kept.add_column("pair_fingerprint", [pair_fingerprint(pair) for pair in kept])
 
     def count_tokens(self, kept: datasets.Dataset) -> int:
         return sum(len(ids) for side in SIDES for ids in kept[f"{side}_input_ids"])
 
     def pair_fingerprints(self, split: str) -> torch.Tensor:
         """``(pairs,)`` int64: :func:`pair_fingerprint` of each prepared pair of ``split``, in order."""
-        return torch.as_tensor([pair_fingerprint(pair) for pair in self.datasets[split]], dtype=torch.long)
+        return torch.as_tensor(self.datasets[split]["pair_fingerprint"], dtype=torch.long)
 
     def collator(self) -> PairCollator:
         from ..causal_lm.text import pad_token_id
 
         return PairCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of)
-
-    def answer_prompts(self, split: str = "test") -> list[dict]:
-        return []
 
     def sample_prompt_texts(self) -> list[str]:
         """The instructions of :attr:`sample_prompts`, in file order.
