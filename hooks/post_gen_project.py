@@ -58,6 +58,8 @@ ONLY_FOR = {
         f"{CONFIGS}/experiment/demo_dpo_sentiment.yaml",
         f"{CONFIGS}/experiment/lm_llama31_8b_qlora_dpo.yaml",
         "tests/test_preference.py",
+        "tests/test_peft_variants.py",
+        "tests/test_training_callbacks.py",
         "tests/e2e/test_preference_resume.py",
         "tests/real_data/test_demo_dpo.py",
         f"{SRC}/callbacks/sample_generation.py",

@@ -95,12 +95,83 @@ def trained_text(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
 
 
 def label_row(
-    tokenizer, row: dict, template: str = CHATML, train_on: str = "assistant", max_length: int = 512, truncation: str = "right"
+    tokenizer,
+    row: dict,
+    template: str = CHATML,
+    train_on: str = "assistant",
+    max_length: int = 512,
+    truncation: str = "right",
+    columns: dict | None = None,
+    roles: dict | None = None,
 ) -> dict:
     batch = {key: [value] for key, value in row.items()}
     eot = tokenizer.convert_tokens_to_ids(END)
-    out = tokenize_conversations(batch, [0], tokenizer, template, None, train_on, eot, max_length, truncation, "train")
+    out = tokenize_conversations(
+        batch, [0], tokenizer, template, None, train_on, eot, max_length, truncation, "train", columns=columns, roles=roles
+    )
     return {key: values[0] for key, values in out.items()}
+
+
+def test_sharegpt_and_alpaca_rows_label_as_the_same_hand_written_chat_rows(tokenizer):
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "the king speaks"},
+            {"from": "gpt", "value": "to a fool"},
+            {"from": "human", "value": "and the queen"},
+            {"from": "gpt", "value": "love night"},
+        ]
+    }
+    assert label_row(tokenizer, sharegpt) == label_row(tokenizer, MULTI_TURN)
+    alpaca = {"instruction": "the king speaks", "input": "and the queen", "output": "to a fool"}
+    by_hand = {"messages": [{"role": "user", "content": "the king speaks\nand the queen"}, {"role": "assistant", "content": "to a fool"}]}
+    assert label_row(tokenizer, alpaca) == label_row(tokenizer, by_hand)
+    no_input = {"instruction": "the king speaks", "input": "", "output": "to a fool", "system": "Be brief."}
+    by_hand = {"messages": [MULTI_TURN["messages"][0], *MULTI_TURN["messages"][1:3]]}
+    assert label_row(tokenizer, no_input) == label_row(tokenizer, by_hand)
+    assert label_row(tokenizer, alpaca, train_on="completion")["n_trained"] > 0  # a one-turn row, like prompt/completion
+    # other names: the file's columns and speakers mapped in config, the cells read as written
+    renamed = {
+        "dialog": [
+            {"from": "narrator", "value": "Be brief."},
+            *({"from": {"human": "q", "gpt": "a"}[t["from"]], "value": t["value"]} for t in sharegpt["conversations"][1:]),
+        ]
+    }
+    roles = {"narrator": "system", "q": "user", "a": "assistant"}
+    assert label_row(tokenizer, renamed, columns={"conversations": "dialog"}, roles=roles) == label_row(tokenizer, MULTI_TURN)
+    question = {"question": "the king speaks", "answer": "to a fool"}
+    columns = {"instruction": "question", "output": "answer"}
+    assert label_row(tokenizer, question, columns=columns) == label_row(tokenizer, {"prompt": "the king speaks", "completion": "to a fool"})
+
+
+@pytest.mark.parametrize(
+    ("row", "columns", "message"),
+    [
+        ({"instruction": "hi"}, None, r"row 0: an Alpaca row needs output as text; got None"),
+        ({"question": "hi", "output": 3}, {"instruction": "question"}, r"an Alpaca row needs output as text; got 3"),
+        ({"q": "hi", "output": "yo"}, {"instruction": "question"}, r"an Alpaca row needs instruction \(column 'question'\) as text"),
+        ({"instruction": "hi", "input": ["x"], "output": "yo"}, None, r"input must be text or absent"),
+        (
+            {"conversations": [{"from": "bot", "value": "hi"}]},
+            None,
+            r"conversations turn 0: from='bot' is not one of data.roles .*fix: .*data.roles.bot=user",
+        ),
+        ({"conversations": [{"from": "human", "value": None}]}, None, r"conversations turn 0: value must be text"),
+        ({"conversations": []}, None, r"conversations must be a non-empty list of \{from, value\} turns"),
+    ],
+)
+def test_a_format_row_with_a_missing_or_wrong_field_is_refused_naming_row_and_field(tokenizer, row, columns, message):
+    with pytest.raises(DataError, match=message):
+        label_row(tokenizer, row, columns=columns)
+
+
+def test_a_columns_or_roles_setting_that_names_nothing_is_refused(tokenizer, chat_data):
+    with pytest.raises(
+        ConfigError, match=r"data.columns.question='q': data.columns maps the row fields .*fix: e.g. data.columns.instruction=question"
+    ):
+        make_datamodule(tokenizer, chat_data, columns={"question": "q"})
+    with pytest.raises(ConfigError, match=r"data.roles.bot='robot' is not one of \('system', 'user', 'assistant'\)"):
+        make_datamodule(tokenizer, chat_data, roles={"bot": "robot"})
 
 
 def test_every_assistant_turn_and_its_end_token_are_trained_and_nothing_else(tokenizer):
@@ -213,7 +284,7 @@ def test_an_answer_without_its_end_of_turn_token_is_refused():
 def test_completion_rows_train_on_the_completion_and_messages_rows_are_refused_for_it(tokenizer):
     row = label_row(tokenizer, {"prompt": "the king", "completion": "speaks"}, train_on="completion")
     assert trained_text(tokenizer, row["input_ids"], row["labels"]) == [f"speaks{END}"]
-    with pytest.raises(ValueError, match="train_on=completion needs prompt/completion rows"):
+    with pytest.raises(ValueError, match=r"train_on=completion needs prompt/completion \(or Alpaca\) rows"):
         label_row(tokenizer, MULTI_TURN, train_on="completion")
 
 
@@ -231,7 +302,7 @@ def test_a_bad_test_row_stops_the_validation_set_up_before_any_weights_load(toke
 
 
 def test_a_malformed_row_is_named(tokenizer):
-    with pytest.raises(ValueError, match="row 0 has neither a messages list nor prompt and completion"):
+    with pytest.raises(ValueError, match=r"row 0 matches no row format \(fields found: \[\]\); fix: .*data.columns"):
         label_row(tokenizer, {"text": "hello"})
     with pytest.raises(ValueError, match="role in"):
         label_row(tokenizer, {"messages": [{"role": "bot", "content": "hi"}]})

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.models.adapters import target_modules
+from {{ cookiecutter.package_name }}.models.adapters import target_modules, wrap_with_lora
 from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier, linear_layer_names
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
@@ -233,10 +233,20 @@ def test_lora_without_pretrained_weights_is_refused_before_weights_load(decoder_
         train(cfg)
 
 
-def test_lora_targets_of_an_encoder_come_from_its_family_or_the_error_names_the_fix(tmp_path):
+def test_lora_targets_are_peft_all_linear_on_any_family_or_the_named_layers(tmp_path):
+    """The default ``all-linear`` is peft's selection on any family (DistilBERT was in no list of
+    ours): every linear layer but the head; a list is checked against the model's layers."""
     lora = to_plain(compose_config("train", [f"paths.output_dir={tmp_path}", "peft=lora"]).peft)
-    bert = AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    assert target_modules(lora, bert, linear_layer_names(bert, AutoModelForSequenceClassification)) == ["query", "key", "value", "dense"]
-    distilbert = AutoConfig.for_model("distilbert", dim=32, n_layers=1, n_heads=2, hidden_dim=64)
-    with pytest.raises(ConfigError, match=r"model_type='distilbert'; fix: peft.target_modules=\[\.\.\.\] .*'q_lin'"):
-        target_modules(lora, distilbert, linear_layer_names(distilbert, AutoModelForSequenceClassification))
+    distilbert = AutoConfig.for_model("distilbert", dim=32, n_layers=1, n_heads=2, hidden_dim=64, num_labels=3)
+    assert target_modules(lora, distilbert, linear_layer_names(distilbert, AutoModelForSequenceClassification)) == "all-linear"
+    model = wrap_with_lora(AutoModelForSequenceClassification.from_config(distilbert), lora, "all-linear", task_type="SEQ_CLS")
+    adapted = {name.rsplit(".", 1)[-1] for name in model.base_model.targeted_module_names}
+    assert adapted == {"q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"}, adapted
+    trained_in_full = {name for name, p in model.named_parameters() if p.requires_grad and "lora_" not in name}
+    assert trained_in_full == {  # the head (and DistilBERT's pre_classifier, which peft saves with it by suffix)
+        f"base_model.model.{head}.modules_to_save.default.{p}" for head in ("classifier", "pre_classifier") for p in ("weight", "bias")
+    }
+    with pytest.raises(ConfigError, match=r"\['qkv'\] match no linear layer.*fix: peft.target_modules=all-linear.*'q_lin'"):
+        target_modules(
+            {**lora, "target_modules": ["q_lin", "qkv"]}, distilbert, linear_layer_names(distilbert, AutoModelForSequenceClassification)
+        )

@@ -240,8 +240,7 @@ def preference_module(folder: Path, peft: str, tokenizer) -> PreferenceModule:
             "r": 4,
             "alpha": 8,
             "dropout": 0.1,
-            "target_modules": None,
-            "target_modules_by_family": {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"]},
+            "target_modules": "all-linear",
         }
     )
     module = PreferenceModule(

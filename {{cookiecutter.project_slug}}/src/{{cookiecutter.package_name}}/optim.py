@@ -16,19 +16,37 @@ from .utils.config_keys import OWN_KEYS
 from .utils.named import OPTIMIZERS, import_path
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None, loraplus_lr_ratio: float | None = None) -> list[dict]:
     """Split trainable parameters into a decayed and a non-decayed group.
 
     Matrices (linear and embedding weights, ``ndim >= 2``) are decayed; biases and
     normalisation weights (``ndim < 2``) are not, since shrinking them toward zero only fights
     the normalisation (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019;
     the same rule as nanoGPT's ``configure_optimizers``).  Frozen parameters are left out.
+
+    With ``loraplus_lr_ratio`` (LoRA+, Hayou et al. 2024, their Algorithm 1: ``eta_B = ratio *
+    eta_A``) the LoRA ``B`` matrices (peft's ``lora_B`` / ``lora_embedding_B`` parameters) form a
+    third group at ``lr * ratio``, decayed like the other matrices.  (peft's
+    ``create_loraplus_optimizer`` builds the optimizer itself, without the fused / for-each choice
+    or :class:`StepInBackward`, and moves every 1-D parameter to the ``B`` learning rate.)
     """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    is_b = (lambda name: ".lora_B." in name or ".lora_embedding_B." in name) if loraplus_lr_ratio else (lambda name: False)
+    groups = [
+        {"params": [p for name, p in trainable if p.ndim >= 2 and not is_b(name)], "weight_decay": weight_decay},
+        {"params": [p for name, p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
+    if loraplus_lr_ratio:
+        if lr is None:
+            raise ValueError("param_groups: loraplus_lr_ratio needs lr")
+        groups.append(
+            {
+                "params": [p for name, p in trainable if p.ndim >= 2 and is_b(name)],
+                "weight_decay": weight_decay,
+                "lr": lr * loraplus_lr_ratio,
+            }
+        )
+    return groups
 
 
 def lightning_allows_fused(precision: str, gradient_clip_val: float | None) -> bool:
@@ -85,10 +103,12 @@ def optimizer_factory(optimizer_cfg: dict, device_type: str, fused_allowed: bool
     return lambda groups: cls(groups, **options)
 
 
-def build_optimizer(model: nn.Module, optimizer_cfg: dict, device_type: str = "cpu", fused_allowed: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, optimizer_cfg: dict, device_type: str = "cpu", fused_allowed: bool = True, loraplus_lr_ratio: float | None = None
+) -> torch.optim.Optimizer:
     """The optimizer of ``optimizer_cfg`` (``name``, ``lr``, ``weight_decay``, ...) over
     :func:`param_groups` of ``model`` whose parameters live on ``device_type`` (``fused_allowed``:
-    see :func:`optimizer_factory`).
+    see :func:`optimizer_factory`; ``loraplus_lr_ratio``: the LoRA+ group of :func:`param_groups`).
 
     With ``step_in_backward: true`` it is a :class:`StepInBackward` (each parameter stepped as
     soon as its gradient is complete).  The LR it holds is the peak LR; the schedule callback
@@ -98,9 +118,9 @@ def build_optimizer(model: nn.Module, optimizer_cfg: dict, device_type: str = "c
         ConfigError: see :func:`optimizer_factory`.
     """
     make = optimizer_factory(optimizer_cfg, device_type, fused_allowed)
-    groups = param_groups(model, optimizer_cfg["weight_decay"])
+    groups = param_groups(model, optimizer_cfg["weight_decay"], optimizer_cfg["lr"], loraplus_lr_ratio)
     if optimizer_cfg.get("step_in_backward"):
-        return StepInBackward([{**group, "lr": optimizer_cfg["lr"]} for group in groups], make)
+        return StepInBackward([{"lr": optimizer_cfg["lr"], **group} for group in groups], make)
     return make(groups)
 
 

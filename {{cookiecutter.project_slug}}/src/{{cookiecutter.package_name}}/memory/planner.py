@@ -453,6 +453,10 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         param_bytes += nf4 - bf16
         peak["temporaries"] += 2 * max(traced.quantized_numels)  # one dequantized bf16 weight at a time
         notes.append(f"QLoRA base counted in NF4 ({nf4 / GIB:.2f} GiB) instead of the traced bf16 ({bf16 / GIB:.2f} GiB)")
+    ema = sum(4 * numel for numel, _ in traced.trainable) if (cfg.get("callbacks") or {}).get("ema") is not None else 0
+    if ema:  # callbacks=ema: an fp32 copy of each trained tensor, alive for the whole run
+        peak["optimizer"] += ema
+        notes.append(f"callbacks=ema: the average of the trained weights ({ema / GIB:.2f} GiB) counted with the optimizer state")
     if cfg.get("loss") and cfg.loss.implementation == "liger":
         notes.append("loss=liger traced as the chunked loss with Liger's chunk count, ceil(vocab / hidden): Triton does not run on the CPU")
     if cfg.compile.mode != "off":
@@ -467,6 +471,7 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         "param_bytes": param_bytes,
         "grad_bytes": sum(numel * size for numel, size in traced.trainable),
         "optimizer_bytes": state,
+        "ema_bytes": ema,
         "pruning_bytes": traced.pruning.masks + traced.pruning.recomputed if traced.pruning else 0,
     }
     return MemoryPlan(

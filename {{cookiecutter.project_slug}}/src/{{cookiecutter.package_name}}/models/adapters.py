@@ -9,7 +9,13 @@
   a base model stored in 4-bit NormalFloat (NF4) by bitsandbytes, optionally with "double
   quantization" of the quantization constants (about 0.37 bits per parameter saved, their
   Section 3).  Their finding that adapters on *all* linear layers are needed to match full
-  fine-tuning is why the per-family target lists below cover attention and MLP.
+  fine-tuning is why the default target is peft's ``all-linear``.
+- Variants, each a ``peft.LoraConfig`` option: DoRA (Liu et al., "DoRA: Weight-Decomposed
+  Low-Rank Adaptation", 2024: a trained magnitude per output feature times the direction of
+  ``W + B @ A``; ``use_dora``), rsLoRA (Kalajdzievski, "A Rank Stabilization Scaling Factor for
+  Fine-Tuning with LoRA", 2023: scale ``alpha / sqrt(r)``; ``use_rslora``).  LoRA+ (Hayou et al.,
+  "LoRA+: Efficient Low Rank Adaptation of Large Models", 2024: ``B`` learns ``ratio`` times
+  faster than ``A``) is an optimizer parameter group (:func:`..optim.param_groups`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,11 @@ from ..errors import ConfigError
 from .precision import compute_dtype
 
 METHODS = ("none", "lora", "qlora")
+# peft's shorthand for every linear layer (nn.Linear, GPT-2's Conv1D) but the output layer (the
+# lm_head; for its SEQ_CLS task type the classifier head), resolved by peft on the model itself.
+ALL_LINEAR = "all-linear"
+# Task heads that peft's classification task types train in full (modules_to_save): never adapted.
+HEAD_NAMES = ("lm_head", "classifier", "score")
 
 
 def uses_peft(peft_cfg: dict | None) -> bool:
@@ -30,29 +41,32 @@ def uses_peft(peft_cfg: dict | None) -> bool:
     return bool(peft_cfg) and peft_cfg.get("method", "none") != "none"
 
 
-def target_modules(peft_cfg: dict, config: PretrainedConfig, linear_names: list[str]) -> list[str]:
-    """The LoRA target module names for this model, checked against its linear layers.
+def target_modules(peft_cfg: dict, config: PretrainedConfig, linear_names: list[str]) -> list[str] | str:
+    """The LoRA target modules for this model, checked against its linear layers.
 
-    ``peft.target_modules`` if set, else ``peft.target_modules_by_family[config.model_type]``.
-    A name matches a layer whose dotted path ends with it (peft's own rule).
+    ``peft.target_modules``: ``all-linear`` (also ``null``, the default) is peft's own selection,
+    every linear layer but the output layer and the task head (returned as the string, for peft to
+    resolve on the model); a list of names matches a layer whose dotted path ends with a name
+    (peft's own rule).
 
     Raises:
-        ConfigError: no list for this model family, or a name that matches no linear layer
-            (the message lists the layer names the model has).
+        ConfigError: ``all-linear`` on a model with no linear layer outside its heads, or a name
+            that matches no linear layer (the message lists the layer names the model has).
     """
-    names = peft_cfg.get("target_modules") or (peft_cfg.get("target_modules_by_family") or {}).get(config.model_type)
+    names = peft_cfg.get("target_modules")
     leaf_names = sorted({name.rsplit(".", 1)[-1] for name in linear_names})
-    if not names:
-        raise ConfigError(
-            f"peft.target_modules is null and peft.target_modules_by_family has no entry for "
-            f"model_type={config.model_type!r}; fix: peft.target_modules=[...] with some of this model's "
-            f"linear layers: {leaf_names}"
-        )
+    if names is None or names == ALL_LINEAR:
+        if not [path for path in linear_names if not set(path.split(".")) & set(HEAD_NAMES)]:
+            raise ConfigError(
+                f"peft.target_modules={ALL_LINEAR}: this {config.model_type} model has no linear layer outside its "
+                f"output head (its linear layers: {leaf_names}); fix: peft=none (train it in full)"
+            )
+        return ALL_LINEAR
     unknown = [n for n in names if not any(path == n or path.endswith("." + n) for path in linear_names)]
     if unknown:
         raise ConfigError(
             f"peft.target_modules={list(names)}: {unknown} match no linear layer of this {config.model_type} model; "
-            f"fix: choose from its linear layers {leaf_names}"
+            f"fix: peft.target_modules={ALL_LINEAR}, or choose from its linear layers {leaf_names}"
         )
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "tie_word_embeddings", False):
@@ -102,20 +116,31 @@ def check_adapter_spec(peft_cfg: dict | None, spec: dict, precision: str) -> Non
         )
 
 
-def lora_config(peft_cfg: dict, modules: list[str], task_type: str = "CAUSAL_LM"):
-    """The ``peft.LoraConfig`` of the ``peft`` group (rank ``r``, ``alpha``, ``dropout``).
+def lora_config(peft_cfg: dict, modules: list[str] | str, task_type: str = "CAUSAL_LM"):
+    """The ``peft.LoraConfig`` of the ``peft`` group (rank ``r``, ``alpha``, ``dropout``,
+    ``use_dora``, ``use_rslora``).
 
-    ``task_type``: peft's ``TaskType`` name: ``CAUSAL_LM``, or ``SEQ_CLS`` (peft then adds the
-    classifier head, a module named ``score`` or ``classifier``, to ``modules_to_save``: a trained
-    full copy of it, saved with the adapter).
+    ``task_type``: peft's ``TaskType`` name: ``CAUSAL_LM``, or ``SEQ_CLS``/``TOKEN_CLS`` (peft then
+    adds the classifier head, a module named ``score`` or ``classifier``, to ``modules_to_save``: a
+    trained full copy of it, saved with the adapter; under ``all-linear`` the head, the layers
+    inside it, and layers whose name ends with a head's (``pre_classifier``) are not adapted).
     """
     from peft import LoraConfig, TaskType
 
+    exclude = None
+    if modules == ALL_LINEAR and task_type != "CAUSAL_LM":
+        # peft full-matches a string against each module path; a name *ending* in a head's name is
+        # excluded too, since peft's modules_to_save matches by suffix (DistilBERT's pre_classifier
+        # is trained in full with its classifier, and cannot also hold an adapter).
+        exclude = rf".*({'|'.join(HEAD_NAMES)})(\..*)?"
     return LoraConfig(
         r=peft_cfg["r"],
         lora_alpha=peft_cfg["alpha"],
         lora_dropout=peft_cfg["dropout"],
         target_modules=modules,
+        exclude_modules=exclude,
+        use_dora=bool(peft_cfg.get("use_dora", False)),
+        use_rslora=bool(peft_cfg.get("use_rslora", False)),
         bias="none",
         task_type=TaskType[task_type],
     )
@@ -150,7 +175,7 @@ def quantized_loading(peft_cfg: dict, precision: str, device: torch.device | Non
     return options
 
 
-def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str], task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str] | str, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
     """Freeze ``model`` and add LoRA adapters (a ``peft.PeftModel``; ``task_type`` as in
     :func:`lora_config`).  Every trained weight is fp32: peft makes the adapters fp32 itself, and
     a classifier head copied by ``modules_to_save`` from a bf16 base is cast here (bf16 weights
@@ -169,7 +194,9 @@ def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str], t
 
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     if output is not None and inputs is not None and getattr(output, "weight", None) is getattr(inputs, "weight", False):
-        problem = tied_output_problem(modules, [name for name, module in model.named_modules() if module is output])
+        problem = tied_output_problem(
+            modules if modules != ALL_LINEAR else [], [name for name, module in model.named_modules() if module is output]
+        )
         if problem:  # (the config said the weights were not tied; the loaded model ties them)
             raise ConfigError(problem)
     model = get_peft_model(model, lora_config(peft_cfg, modules, task_type))

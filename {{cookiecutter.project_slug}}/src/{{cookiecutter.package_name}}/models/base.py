@@ -162,7 +162,8 @@ class HFModule(L.LightningModule):
         # the same way for every optimizer below (fused, 8-bit, stepped in backward).
         trainer = self.attached_trainer()
         fused = trainer is None or lightning_allows_fused(trainer.precision, trainer.gradient_clip_val)
-        return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=fused)
+        ratio = (self.hparams.get("peft") or {}).get("loraplus_lr_ratio") if uses_peft(self.hparams.get("peft")) else None
+        return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=fused, loraplus_lr_ratio=ratio)
 
     # ------------------------------------------------------------------ loss normalisation
     def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -439,6 +439,46 @@ def _lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
         problems.append(f"optimizer.name={optimizer.name} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw")
     if optimizer.get("step_in_backward"):
         problems += _step_in_backward_problems(cfg)
+    ema = (cfg.get("callbacks") or {}).get("ema")
+    if ema is not None:
+        problems += _ema_problems(cfg, ema)
+    neftune = (cfg.get("callbacks") or {}).get("neftune")
+    if neftune is not None:
+        alpha = neftune.get("alpha")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+            problems.append(
+                f"callbacks.neftune.alpha={alpha!r} must be a positive number (the paper's 5, 10, 15); fix: callbacks.neftune.alpha=5"
+            )
+        if "compile" in cfg and str(cfg.compile.mode) != "off":
+            problems.append(
+                f"callbacks=neftune with compile={cfg.compile.mode}: the noise hook changes its scale every batch inside the "
+                "compiled graph (recompiles, untested); fix: compile=off"
+            )
+    return problems
+
+
+def _ema_problems(cfg: DictConfig, ema: DictConfig) -> list[str]:
+    """``callbacks=ema``: its decay, and the settings it cannot average under."""
+    problems = []
+    decay = ema.get("decay")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        problems.append(f"callbacks.ema.decay={decay!r} must be in (0, 1); fix: callbacks.ema.decay=0.999")
+    precision = str(cfg.trainer.get("precision", "")) if "trainer" in cfg else ""
+    if precision in ("bf16-true", "16-true"):
+        problems.append(
+            f"callbacks=ema with precision={precision}: the trained weights are half precision, where (1 - decay) x (weight - "
+            "average) mostly rounds to nothing; fix: precision=bf16-mixed (fp32 trained weights), or callbacks=default"
+        )
+    if (cfg.get("optimizer") or {}).get("step_in_backward"):
+        problems.append(
+            "callbacks=ema with optimizer.step_in_backward=true: stepping in backward is for runs whose full gradients do not "
+            "fit, where an fp32 copy of every trained weight fits even less; fix: optimizer.step_in_backward=false, or callbacks=default"
+        )
+    if (cfg.get("pruning") or {}).get("method", "none") != "none":
+        problems.append(
+            f"callbacks=ema with pruning={cfg.pruning.method}: the average of the weights before and after each pruning step "
+            "puts pruned weights back; fix: pruning=none, or callbacks=default"
+        )
     return problems
 
 
@@ -560,8 +600,24 @@ def _peft_problems(peft: DictConfig) -> list[str]:
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         problems.append(f"peft.dropout={dropout!r} must be in [0, 1); fix: e.g. peft.dropout=0.05")
     modules = peft.get("target_modules")
-    if modules is not None and (isinstance(modules, str) or not all(isinstance(m, str) and m for m in modules)):
-        problems.append(f"peft.target_modules={modules!r} must be a list of layer names, e.g. peft.target_modules=[q_proj,v_proj]")
+    if (
+        modules is not None
+        and modules != "all-linear"
+        and (isinstance(modules, str) or not modules or not all(isinstance(m, str) and m for m in modules))
+    ):
+        problems.append(
+            f"peft.target_modules={modules!r} must be all-linear (peft's selection) or a list of layer names; "
+            "fix: peft.target_modules=all-linear, or e.g. peft.target_modules=[q_proj,v_proj]"
+        )
+    for key in ("use_dora", "use_rslora"):
+        if not isinstance(peft.get(key, False), bool):
+            problems.append(f"peft.{key}={peft.get(key)!r} must be true or false; fix: peft.{key}=true")
+    ratio = peft.get("loraplus_lr_ratio")
+    if ratio is not None and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio < 1):
+        problems.append(
+            f"peft.loraplus_lr_ratio={ratio!r} must be null or a number >= 1 (the B matrices' learning rate over A's, "
+            "LoRA+); fix: e.g. peft.loraplus_lr_ratio=16"
+        )
     return problems
 
 

@@ -87,7 +87,9 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
         {"name", "module", "module_args", "datamodules", "monitor", "monitor_mode", "objectives", "validate_before_fit", "requires"}
     ),
     "model": frozenset({"name_or_path", "tokenizer", "config", "fetch", "architecture"}),
-    "peft": frozenset({"method", "r", "alpha", "dropout", "target_modules", "target_modules_by_family", "quant_type", "double_quant"}),
+    "peft": frozenset(
+        {"method", "r", "alpha", "dropout", "target_modules", "use_dora", "use_rslora", "loraplus_lr_ratio", "quant_type", "double_quant"}
+    ),
     "pruning": frozenset({"method", "begin_step", "end_step", "final_sparsity", "frequency"}),
     "qat": frozenset({"scheme", "group_size"}),
     "resume": frozenset({"allow_changed"}),
@@ -134,7 +136,6 @@ FREE_FORM = frozenset(
         *HF_CONFIG_NODES,  # transformers config fields: checked by their class (_hf_config_problem)
         "task.objectives",
         "task.requires",
-        "peft.target_modules_by_family",
         "callbacks",
         "logger",  # their entries are checked one by one as _target_ nodes
     }

@@ -1,8 +1,9 @@
 """Instruction / chat data for causal LMs: render with the chat template, train on the answers.
 
 Rows are a ``messages`` list of ``{role, content}`` turns (system / user / assistant, several
-turns) or ``prompt`` / ``completion`` columns (one turn, turned into a user and an assistant
-message).  Each row is rendered with the tokenizer's own chat template (``apply_chat_template``),
+turns), ShareGPT ``conversations`` (``{from, value}`` turns), Alpaca ``instruction`` / ``input`` /
+``output`` columns, or ``prompt`` / ``completion`` columns (one turn, turned into a user and an
+assistant message); ``data.columns`` maps those names to other column names (:func:`conversation`).  Each row is rendered with the tokenizer's own chat template (``apply_chat_template``),
 or with the one ``chat_template`` names, and tokenised once (cached by ``datasets``, keyed by the
 template, the system prompt, ``train_on``, ``truncation`` and ``max_length``).
 
@@ -68,6 +69,10 @@ from .text import IGNORE_INDEX, pad_token_id
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+# ShareGPT's speakers (and our own role names) -> roles; data.roles replaces it for other names.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+# The fields of every row format conversation() reads (data.columns maps them to a file's names).
+ROW_FIELDS = ("messages", "conversations", "instruction", "input", "output", "system", "prompt", "completion")
 # Named templates shipped with the project (data.chat_template=<name>), for tokenizers without one.
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "assets" / "chat_templates"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -122,39 +127,101 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, end_of_turn: str | None) 
     return token_id
 
 
-def conversation(row: dict, system_prompt: str | None, where: str) -> tuple[list[dict], bool]:
-    """The row as chat messages (and whether it was a prompt/completion row), with the system
-    turn set or replaced by ``system_prompt`` when that is not ``None``.
+def conversation(
+    row: dict, system_prompt: str | None, where: str, columns: dict[str, str] | None = None, roles: dict[str, str] | None = None
+) -> tuple[list[dict], bool]:
+    """The row as chat messages (and whether it was a one-turn prompt/completion or Alpaca row),
+    with the system turn set or replaced by ``system_prompt`` when that is not ``None``.
+
+    Row formats, read in this order (the first whose columns the row has):
+
+    - ``messages``: a list of ``{role, content}`` turns (roles :data:`ROLES`);
+    - ShareGPT: ``conversations``, a list of ``{from, value}`` turns, ``from`` read through
+      ``roles`` (default :data:`SHAREGPT_ROLES`: ``human`` -> user, ``gpt`` -> assistant...);
+    - Alpaca: ``instruction``, optional ``input``, ``output`` (and optional ``system``): one user
+      turn, the instruction and the input joined by a newline when the input is not empty (as
+      LLaMA-Factory and axolotl read it), and one assistant turn;
+    - ``prompt`` / ``completion``: one user and one assistant turn.
+
+    ``columns`` maps these names to the file's own column names (``{"instruction": "question",
+    "output": "answer"}``); the cell values are read as written, never changed.
 
     Raises:
-        DataError: the row has neither ``messages`` nor ``prompt``/``completion``, or a turn
-            without a known role or with non-text content (named by ``where``).
+        DataError: the row matches no format, or a field of its format is missing or not text, or
+            a turn without a known role (named by ``where``, the field and the value).
     """
-    if row.get("messages") is not None:
-        messages, completion_row = row["messages"], False
+    columns = columns or {}
+    row = {name: row.get(columns.get(name, name)) for name in ROW_FIELDS}
+    named = lambda name: name if columns.get(name, name) == name else f"{name} (column {columns[name]!r})"
+    completion_row = False
+    if row["messages"] is not None:
+        messages = row["messages"]
         if isinstance(messages, str):
             raise DataError(
-                f"{where}: messages is text ({messages!r:.60}), not a list of {{role, content}} turns (a csv cell holds text only); "
-                "fix: jsonl or parquet rows, or prompt/completion columns"
+                f"{where}: {named('messages')} is text ({messages!r:.60}), not a list of {{role, content}} turns (a csv cell holds "
+                "text only); fix: jsonl or parquet rows, or prompt/completion columns"
             )
         if not isinstance(messages, list) or not messages:
             raise DataError(
-                f"{where}: messages must be a non-empty list of {{role, content}}; got {messages!r:.80}; fix: the row's messages"
+                f"{where}: {named('messages')} must be a non-empty list of {{role, content}}; got {messages!r:.80}; fix: the row's messages"
             )
         for turn in messages:
             if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
                 raise DataError(f"{where}: each turn needs a role in {ROLES} and text content; got {turn!r:.80}; fix: the row's messages")
         messages = [{"role": turn["role"], "content": turn["content"]} for turn in messages]
-    elif isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+    elif row["conversations"] is not None:
+        messages = sharegpt_messages(row["conversations"], roles or SHAREGPT_ROLES, f"{where}: {named('conversations')}")
+    elif row["instruction"] is not None or row["output"] is not None:
+        for field in ("instruction", "output"):
+            if not isinstance(row[field], str):
+                raise DataError(
+                    f"{where}: an Alpaca row needs {named(field)} as text; got {row[field]!r:.60}; fix: the row's {field} "
+                    "(or data.columns mapping it to the file's column)"
+                )
+        for field in ("input", "system"):
+            if row[field] is not None and not isinstance(row[field], str):
+                raise DataError(f"{where}: {named(field)} must be text or absent; got {row[field]!r:.60}; fix: the row's {field}")
+        prompt = row["instruction"] + ("\n" + row["input"] if row["input"] else "")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+        if row["system"]:
+            messages.insert(0, {"role": "system", "content": row["system"]})
+        completion_row = True
+    elif isinstance(row["prompt"], str) and isinstance(row["completion"], str):
         messages, completion_row = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}], True
     else:
+        present = sorted(name for name, value in row.items() if value is not None)
         raise DataError(
-            f"{where} has neither a messages list nor prompt and completion text (columns: {sorted(row)}); "
-            'fix: rows like {"messages": [{"role": "user", "content": ...}, ...]} or {"prompt": ..., "completion": ...}'
+            f"{where} matches no row format (fields found: {present}); fix: rows with messages [{{role, content}}], "
+            "conversations [{from, value}] (ShareGPT), instruction/input/output (Alpaca) or prompt/completion, "
+            "or data.columns mapping those names to your columns"
         )
     if system_prompt is not None:
         messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
     return messages, completion_row
+
+
+def sharegpt_messages(turns: object, roles: dict[str, str], where: str) -> list[dict]:
+    """ShareGPT turns (``{from, value}``; ``{role, content}`` is read too) as ``{role, content}``
+    messages, each ``from`` mapped by ``roles``.
+
+    Raises:
+        DataError: not a non-empty list of turns, a ``from`` missing from ``roles``, non-text ``value``.
+    """
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where} must be a non-empty list of {{from, value}} turns; got {turns!r:.80}; fix: the row's conversations")
+    messages = []
+    for number, turn in enumerate(turns):
+        speaker = turn.get("from", turn.get("role")) if isinstance(turn, dict) else None
+        value = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        if speaker not in roles:
+            raise DataError(
+                f"{where} turn {number}: from={speaker!r} is not one of data.roles {sorted(roles)}; fix: data.roles "
+                f"mapping it to one of {ROLES}, e.g. data.roles.{speaker}=user"
+            )
+        if not isinstance(value, str):
+            raise DataError(f"{where} turn {number}: value must be text; got {value!r:.60}; fix: the row's conversations")
+        messages.append({"role": roles[speaker], "content": value})
+    return messages
 
 
 def render(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -301,9 +368,12 @@ def tokenize_conversations(
     truncation: str,
     split: str,
     rule: str = "",
+    columns: dict[str, str] | None = None,
+    roles: dict[str, str] | None = None,
 ) -> dict[str, list]:
     """Render, tokenise and label a batch of rows (a ``datasets`` map function).  ``rule`` is
-    :data:`LABEL_RULE`, passed so that ``datasets``' cache key changes with the labelling code.
+    :data:`LABEL_RULE`, passed so that ``datasets``' cache key changes with the labelling code;
+    ``columns`` and ``roles``: the row formats' names (:func:`conversation`).
 
     Returns per row: ``input_ids``, ``labels`` (-100 where not trained), ``length`` (tokens after
     truncation), ``n_trained`` (labels that are not -100; 0 = the row would be dropped),
@@ -315,16 +385,17 @@ def tokenize_conversations(
             with no assistant turn to train on, a turn whose content spells a special token
             (:func:`special_token_problem`).  TemplateError: see :func:`answer_labels`.
     """
-    columns = list(batch)
+    names = list(batch)
     out = {"input_ids": [], "labels": [], "length": [], "n_trained": [], "n_content": [], "truncated": [], "row": []}
     use_markers = bool(GENERATION_MARKER.search(template))
     specials = special_token_texts(tokenizer)
     for offset, index in enumerate(indices):
         where = f"data.splits.{split} row {index}"
-        messages, completion_row = conversation({c: batch[c][offset] for c in columns}, system_prompt, where)
+        messages, completion_row = conversation({c: batch[c][offset] for c in names}, system_prompt, where, columns, roles)
         if train_on == "completion" and not completion_row:
             raise DataError(
-                f"{where} is a messages row, but data.train_on=completion needs prompt/completion rows; fix: data.train_on=assistant"
+                f"{where} is a multi-turn row, but data.train_on=completion needs prompt/completion (or Alpaca) rows; "
+                "fix: data.train_on=assistant"
             )
         problem = special_token_problem(messages, specials, where)
         if problem:
@@ -444,6 +515,26 @@ class ChatCollator:
         return batch
 
 
+def row_format_names(columns: object, roles: object) -> tuple[dict[str, str], dict[str, str]]:
+    """``data.columns`` and ``data.roles`` checked, as plain dicts (``roles`` ``None``: :data:`SHAREGPT_ROLES`).
+
+    Raises:
+        ConfigError: a ``columns`` key that is no row field, a value that is not a column name; a
+            ``roles`` value that is not a role.
+    """
+    columns, roles = dict(columns or {}), dict(roles) if roles is not None else dict(SHAREGPT_ROLES)
+    for name, column in columns.items():
+        if name not in ROW_FIELDS or not isinstance(column, str) or not column:
+            raise ConfigError(
+                f"data.columns.{name}={column!r}: data.columns maps the row fields {ROW_FIELDS} to your file's column names; "
+                "fix: e.g. data.columns.instruction=question data.columns.output=answer"
+            )
+    for speaker, role in roles.items():
+        if role not in ROLES:
+            raise ConfigError(f"data.roles.{speaker}={role!r} is not one of {ROLES}; fix: e.g. data.roles.{speaker}=user")
+    return columns, roles
+
+
 class ChatDataModule(TokenizedDataModule):
     """Causal-LM batches of chat rows, loss on the answers (see the module docstring).
 
@@ -499,8 +590,11 @@ class ChatDataModule(TokenizedDataModule):
         cache_dir: str | None,
         fetch: Callable[[], object] | None,
         seed: int | None = None,
+        columns: dict[str, str] | None = None,
+        roles: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
+        self.columns, self.roles = row_format_names(columns, roles)
         for field, value, allowed in (("mode", mode, CHAT_MODES), ("train_on", train_on, TRAIN_ON), ("truncation", truncation, TRUNCATION)):
             if value not in allowed:
                 raise ConfigError(f"data.{field}={value!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
@@ -573,6 +667,8 @@ class ChatDataModule(TokenizedDataModule):
             "truncation": self.truncation,
             "split": split,
             "rule": LABEL_RULE,
+            "columns": self.columns,
+            "roles": self.roles,
         }
         return dataset.map(
             tokenize_conversations,
@@ -664,7 +760,7 @@ class ChatDataModule(TokenizedDataModule):
         self.prepare_tokenizer()
         rows, unanswered = [], 0
         for index, row in enumerate(self.load(split)):
-            messages, _ = conversation(row, self.system_prompt, f"data.splits.{split} row {index}")
+            messages, _ = conversation(row, self.system_prompt, f"data.splits.{split} row {index}", self.columns, self.roles)
             if messages[-1]["role"] != "assistant":
                 unanswered += 1
                 continue

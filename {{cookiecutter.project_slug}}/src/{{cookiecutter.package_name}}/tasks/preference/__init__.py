@@ -48,6 +48,11 @@ class Preference(CausalLM):
         gamma = objective.get("gamma")
         if name == "simpo" and (isinstance(gamma, bool) or not isinstance(gamma, int | float) or gamma < 0):
             problems.append(f"objective.gamma={gamma!r} must be a number >= 0 (the target reward margin); fix: objective.gamma=1.0")
+        if (cfg.get("callbacks") or {}).get("neftune") is not None:
+            problems.append(
+                "callbacks=neftune with task=preference: the noise would reach the adapters-off reference pass too, and "
+                "NEFTune is an instruction-tuning (SFT) method; fix: callbacks=default (or callbacks=early_stopping)"
+            )
         return problems
 
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,125 @@
+"""An exponential moving average (EMA) of the trainable parameters, validated, tested and exported
+in place of the raw weights.
+
+After each optimizer step, ``ema = decay * ema + (1 - decay) * weight`` for every parameter with
+``requires_grad`` (torch's ``swa_utils.get_ema_multi_avg_fn``), never for a frozen base: with
+LoRA the average is the size of the adapter.  The average is kept on the parameters' device, in
+their dtype, which must be fp32 (``*-mixed`` or ``32-true`` precision; in bf16 most updates of
+``(1 - decay) * (weight - ema)`` round away).
+
+What each file holds:
+
+- validation (during the fit and after it) runs on the averaged weights, so ``val/*``, the best
+  checkpoint's choice and early stopping judge the average;
+- every checkpoint (``last.ckpt``, ``best-*.ckpt``) holds the averaged weights as the model's
+  weights, so ``eval``, ``test``, ``predict``, ``export`` and ``generate`` use them with no
+  option; the raw weights are in the callback's state (``callbacks["EMA"]["raw"]``), and a resume
+  puts them back in the model and continues both exactly;
+- after the fit the model holds the averaged weights.
+
+Swapping the two sets for a validation exchanges tensor references (no copy).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+
+class EMA(L.Callback):
+    """Keep, validate and checkpoint an EMA of the trainable parameters (module docstring).
+
+    Args:
+        decay: the weight of the old average per optimizer step, in (0, 1); 0.999 averages over
+            about the last 1,000 steps (``1 / (1 - decay)``).
+
+    Raises:
+        ValueError: ``decay`` outside (0, 1) (``callbacks.ema.decay``).
+    """
+
+    def __init__(self, decay: float = 0.999) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+            raise ValueError(f"callbacks.ema.decay={decay!r} must be in (0, 1); fix: callbacks.ema.decay=0.999")
+        self.decay = float(decay)
+        self._update = get_ema_multi_avg_fn(self.decay)
+        self.averaged: dict[str, torch.Tensor] | None = None
+        self._raw_from_checkpoint: dict[str, torch.Tensor] | None = None
+        self._stashed: dict[str, torch.Tensor] | None = None  # the raw weights while the model holds the average
+        self._step = -1
+
+    @staticmethod
+    def trained(pl_module: L.LightningModule) -> dict[str, torch.nn.Parameter]:
+        return {name: p for name, p in pl_module.named_parameters() if p.requires_grad}
+
+    def _ready(self, pl_module: L.LightningModule) -> None:
+        """Start the average from the model's weights: the starting weights, or after a resume the
+        checkpoint's (the average), the raw ones then put back from the callback's state."""
+        if self.averaged is not None:
+            return
+        params = self.trained(pl_module)
+        if self._raw_from_checkpoint is not None and set(self._raw_from_checkpoint) != set(params):
+            raise ValueError(
+                f"the checkpoint's EMA state holds {len(self._raw_from_checkpoint)} trained tensors, this model trains "
+                f"{len(params)}: not the same run; fix: resume the run that wrote it, or start a new one"
+            )
+        self.averaged = {name: p.detach().clone() for name, p in params.items()}
+        if self._raw_from_checkpoint is not None:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(self._raw_from_checkpoint[name])
+            self._raw_from_checkpoint = None
+        self._step = pl_module.trainer.global_step
+
+    def _swap(self, pl_module: L.LightningModule) -> None:
+        """Exchange the model's weights and the average (references only)."""
+        for name, p in self.trained(pl_module).items():
+            p.data, self.averaged[name] = self.averaged[name], p.data
+
+    def _hold_average(self, pl_module: L.LightningModule) -> None:
+        if self._stashed is None:
+            self._swap(pl_module)
+            self._stashed = self.averaged  # (now the raw weights)
+
+    def _hold_raw(self, pl_module: L.LightningModule) -> None:
+        if self._stashed is not None:
+            self._swap(pl_module)
+            self._stashed = None
+
+    # ------------------------------------------------------------------------------ hooks
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
+        self._ready(pl_module)
+        self._hold_raw(pl_module)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int) -> None:
+        if trainer.global_step != self._step:  # an optimizer step happened (not every micro-batch is one)
+            params = self.trained(pl_module)
+            self._update(list(self.averaged.values()), [params[name].detach() for name in self.averaged], None)
+            self._step = trainer.global_step
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._ready(pl_module)
+        self._hold_average(pl_module)  # (the next training batch puts the raw weights back)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.averaged is not None:
+            self._hold_average(pl_module)  # the fit's result is the average (test, export)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        """The checkpoint's model weights become the average; the raw ones go in the callback state."""
+        self._ready(pl_module)
+        holding_average = self._stashed is not None
+        average = {name: p.detach() for name, p in self.trained(pl_module).items()} if holding_average else self.averaged
+        raw = self._stashed if holding_average else {name: p.detach() for name, p in self.trained(pl_module).items()}
+        canonical = {id(p): name for name, p in self.trained(pl_module).items()}
+        for name, p in pl_module.named_parameters(remove_duplicate=False):  # tied weights: every name of the tensor
+            if id(p) in canonical and name in checkpoint["state_dict"]:
+                checkpoint["state_dict"][name] = average[canonical[id(p)]].clone()
+        checkpoint["callbacks"][self.state_key] = {"decay": self.decay, "raw": {name: t.clone() for name, t in raw.items()}}
+
+    def state_dict(self) -> dict:
+        return {}  # (written by on_save_checkpoint, which sees the model)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("raw") is not None:
+            self._raw_from_checkpoint = dict(state_dict["raw"])
