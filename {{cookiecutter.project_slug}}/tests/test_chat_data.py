@@ -142,6 +142,9 @@ def test_sharegpt_and_alpaca_rows_label_as_the_same_hand_written_chat_rows(token
     question = {"question": "the king speaks", "answer": "to a fool"}
     columns = {"instruction": "question", "output": "answer"}
     assert label_row(tokenizer, question, columns=columns) == label_row(tokenizer, {"prompt": "the king speaks", "completion": "to a fool"})
+    # a prompt/completion file that keeps another column named like an Alpaca field is still read as prompt/completion
+    kept = {"prompt": "the king speaks", "completion": "to a fool", "output": 3, "instruction": None}
+    assert label_row(tokenizer, kept) == label_row(tokenizer, {"prompt": "the king speaks", "completion": "to a fool"})
 
 
 @pytest.mark.parametrize(

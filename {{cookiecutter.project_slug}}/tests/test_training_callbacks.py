@@ -179,6 +179,7 @@ def test_the_planner_counts_the_average_of_the_trained_weights(tmp_path):
         (("precision=bf16-true",), r"callbacks=ema with precision=bf16-true: .*fix: precision=bf16-mixed"),
         (("optimizer.step_in_backward=true", "batch.accumulate_grad_batches=1"), r"callbacks=ema with optimizer.step_in_backward=true"),
         (("pruning=magnitude",), r"callbacks=ema with pruning=magnitude: .*fix: pruning=none"),
+        (("trainer=fsdp",), r"callbacks=ema with trainer=fsdp: .*fix: trainer=ddp"),
     ],
 )
 def test_ema_settings_it_cannot_take_are_refused_before_anything_loads(overrides, message, tmp_path):

@@ -474,6 +474,13 @@ def _ema_problems(cfg: DictConfig, ema: DictConfig) -> list[str]:
             "callbacks=ema with optimizer.step_in_backward=true: stepping in backward is for runs whose full gradients do not "
             "fit, where an fp32 copy of every trained weight fits even less; fix: optimizer.step_in_backward=false, or callbacks=default"
         )
+    from .distributed import is_fsdp
+
+    if "trainer" in cfg and is_fsdp(cfg.trainer):
+        problems.append(
+            "callbacks=ema with trainer=fsdp: each rank holds a shard of every flattened parameter, and the average is kept "
+            "and checkpointed per unsharded parameter name; fix: trainer=ddp (or one GPU), or callbacks=default"
+        )
     if (cfg.get("pruning") or {}).get("method", "none") != "none":
         problems.append(
             f"callbacks=ema with pruning={cfg.pruning.method}: the average of the weights before and after each pruning step "

@@ -138,10 +138,11 @@ def conversation(
     - ``messages``: a list of ``{role, content}`` turns (roles :data:`ROLES`);
     - ShareGPT: ``conversations``, a list of ``{from, value}`` turns, ``from`` read through
       ``roles`` (default :data:`SHAREGPT_ROLES`: ``human`` -> user, ``gpt`` -> assistant...);
+    - ``prompt`` / ``completion`` (both text): one user and one assistant turn; other columns
+      (an ``output`` kept beside them, say) are left alone;
     - Alpaca: ``instruction``, optional ``input``, ``output`` (and optional ``system``): one user
       turn, the instruction and the input joined by a newline when the input is not empty (as
-      LLaMA-Factory and axolotl read it), and one assistant turn;
-    - ``prompt`` / ``completion``: one user and one assistant turn.
+      LLaMA-Factory and axolotl read it), and one assistant turn.
 
     ``columns`` maps these names to the file's own column names (``{"instruction": "question",
     "output": "answer"}``); the cell values are read as written, never changed.
@@ -171,6 +172,8 @@ def conversation(
         messages = [{"role": turn["role"], "content": turn["content"]} for turn in messages]
     elif row["conversations"] is not None:
         messages = sharegpt_messages(row["conversations"], roles or SHAREGPT_ROLES, f"{where}: {named('conversations')}")
+    elif isinstance(row["prompt"], str) and isinstance(row["completion"], str):
+        messages, completion_row = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}], True
     elif row["instruction"] is not None or row["output"] is not None:
         for field in ("instruction", "output"):
             if not isinstance(row[field], str):
@@ -186,8 +189,6 @@ def conversation(
         if row["system"]:
             messages.insert(0, {"role": "system", "content": row["system"]})
         completion_row = True
-    elif isinstance(row["prompt"], str) and isinstance(row["completion"], str):
-        messages, completion_row = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}], True
     else:
         present = sorted(name for name, value in row.items() if value is not None)
         raise DataError(
