@@ -45,7 +45,8 @@ class EMA(L.Callback):
         self._update = get_ema_multi_avg_fn(self.decay)
         self.averaged: dict[str, torch.Tensor] | None = None
         self._raw_from_checkpoint: dict[str, torch.Tensor] | None = None
-        self._stashed: dict[str, torch.Tensor] | None = None  # the raw weights while the model holds the average
+        # Whether the model holds the average; while it does, ``self.averaged`` holds the raw weights (swapped).
+        self._holding_average = False
         self._step = -1
 
     @staticmethod
@@ -77,14 +78,14 @@ class EMA(L.Callback):
             p.data, self.averaged[name] = self.averaged[name], p.data
 
     def _hold_average(self, pl_module: L.LightningModule) -> None:
-        if self._stashed is None:
+        if not self._holding_average:
             self._swap(pl_module)
-            self._stashed = self.averaged  # (now the raw weights)
+            self._holding_average = True
 
     def _hold_raw(self, pl_module: L.LightningModule) -> None:
-        if self._stashed is not None:
+        if self._holding_average:
             self._swap(pl_module)
-            self._stashed = None
+            self._holding_average = False
 
     # ------------------------------------------------------------------------------ hooks
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
@@ -108,9 +109,8 @@ class EMA(L.Callback):
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         """The checkpoint's model weights become the average; the raw ones go in the callback state."""
         self._ready(pl_module)
-        holding_average = self._stashed is not None
-        average = {name: p.detach() for name, p in self.trained(pl_module).items()} if holding_average else self.averaged
-        raw = self._stashed if holding_average else {name: p.detach() for name, p in self.trained(pl_module).items()}
+        in_model = {name: p.detach() for name, p in self.trained(pl_module).items()}
+        average, raw = (in_model, self.averaged) if self._holding_average else (self.averaged, in_model)
         canonical = {id(p): name for name, p in self.trained(pl_module).items()}
         for name, p in pl_module.named_parameters(remove_duplicate=False):  # tied weights: every name of the tensor
             if id(p) in canonical and name in checkpoint["state_dict"]:
