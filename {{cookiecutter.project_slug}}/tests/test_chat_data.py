@@ -612,3 +612,80 @@ def test_inspect_data_names_a_row_truncated_away(chat_tokenizer_dir, chat_data, 
     dropped, out = run_inspect_data([*overrides, "rows=1", "color=never"])
     assert dropped == [3]
     assert "1 of 4 rows have no trained token" in out and "rows [3]" in out
+
+
+# ------------------------------------------------------------------ several training files, mixed
+def alpaca_rows(n: int, seed: int) -> list[dict]:
+    """The same toy task as :func:`chat_rows`, as Alpaca rows."""
+    return [{"instruction": row["prompt"], "input": "", "output": row["completion"]} for row in chat_rows(n, seed)]
+
+
+@pytest.fixture
+def two_files(chat_data, tmp_path) -> dict[str, object]:
+    first = write_jsonl(tmp_path / "first.jsonl", chat_rows(40, seed=11))  # prompt/completion
+    second = write_jsonl(tmp_path / "second.jsonl", alpaca_rows(20, seed=12))  # Alpaca
+    return {"train": [str(first), str(second)], "validation": str(chat_data["validation"])}
+
+
+def test_several_train_files_in_two_formats_mix_in_their_shares_with_a_seed(tokenizer, two_files):
+    def mixed(**options):
+        datamodule = make_datamodule(tokenizer, {}, splits=two_files, **options)
+        datamodule.prepare_tokenizer()
+        return datamodule.split_rows("train")
+
+    whole = mixed()  # no shares: every row of each file, once, in file order
+    assert list(zip(whole["part"], whole["row"])) == [(0, row) for row in range(40)] + [(1, row) for row in range(20)]
+    under = mixed(mix_ratios=[0.5, 0.5])  # until the first file runs out: no row twice
+    drawn = list(zip(under["part"], under["row"]))
+    assert len(set(drawn)) == len(drawn) and sum(part == 1 for part, _ in drawn) == 20
+    assert 10 <= sum(part == 0 for part, _ in drawn) <= 30  # about as many from the 40-row file (binomial, p = 0.5)
+    assert mixed(mix_ratios=[0.5, 0.5])["input_ids"] == under["input_ids"]  # seeded: the same mix again
+    assert mixed(mix_ratios=[0.5, 0.5], mix_seed=1)["input_ids"] != under["input_ids"]
+    over = mixed(mix_ratios=[0.2, 0.8], mix_until="all_exhausted")  # every row at least once: the small file repeats
+    assert set(zip(over["part"], over["row"])) == set(zip(whole["part"], whole["row"])) and len(over) > 60
+    assert sum(over["part"]) / len(over) == pytest.approx(0.8, abs=0.1)
+    datamodule = make_datamodule(tokenizer, {}, splits=two_files, mix_ratios=[0.5, 0.5])
+    datamodule.setup("fit")
+    assert datamodule.split_sizes["train"] == len(under) and datamodule.datasets["train"]["input_ids"] == under["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("ratios", "until", "message"),
+    [
+        ([0.6, 0.3], "first_exhausted", r"data.mix_ratios=\[0.6, 0.3\] sums to 0.9, not 1; fix: shares that sum to 1"),
+        ([1.2, -0.2], "first_exhausted", r"every share must be a number > 0"),
+        ([1.0], "first_exhausted", r"must be a list of 2 shares, one per file of data.splits.train"),
+        (None, "longest", r"data.mix_until='longest' is not one of \('first_exhausted', 'all_exhausted'\)"),
+    ],
+)
+def test_a_mix_that_does_not_add_up_is_refused_with_the_field_and_the_fix(tokenizer, two_files, ratios, until, message):
+    with pytest.raises(ConfigError, match=message):
+        make_datamodule(tokenizer, {}, splits=two_files, mix_ratios=ratios, mix_until=until)
+    with pytest.raises(ConfigError, match=r"data.mix_ratios=\[0.5, 0.5\] needs data.splits.train as a list of files"):
+        make_datamodule(tokenizer, {}, splits={**two_files, "train": two_files["train"][0]}, mix_ratios=[0.5, 0.5])
+    with pytest.raises(ConfigError, match=r"a validation split is not cut from a mix; fix: data.splits.validation="):
+        make_datamodule(tokenizer, {}, splits={"train": two_files["train"]})
+
+
+def test_a_mix_is_checked_before_weights_load_and_each_file_is_part_of_the_runs_identity(
+    chat_tokenizer_dir, chat_pretrained, two_files, tmp_path
+):
+    from {{ cookiecutter.package_name }}.checks import validate_config
+    from {{ cookiecutter.package_name }}.utils.config import to_plain
+    from {{ cookiecutter.package_name }}.utils.identity import named_files
+
+    overrides = chat_overrides(chat_tokenizer_dir, {"validation": two_files["validation"]}, chat_pretrained, tmp_path / "run")
+    listed = f"data.splits.train=[{','.join(two_files['train'])}]"
+    with pytest.raises(ConfigError, match=r"data.mix_ratios=\[0.7, 0.7\] sums to 1.4"):
+        validate_config(compose_config("train", [*overrides, listed, "data.mix_ratios=[0.7,0.7]"]))
+    files = named_files(to_plain(compose_config("train", [*overrides, listed])))
+    assert [files[f"data.splits.train[{i}]"]["given"] for i in (0, 1)] == two_files["train"]
+    assert files["data.splits.train[0]"]["sha256"] != files["data.splits.train[1]"]["sha256"]
+
+
+def test_inspect_data_shows_the_mix_naming_each_rows_file(chat_tokenizer_dir, chat_pretrained, two_files, tmp_path):
+    overrides = chat_overrides(chat_tokenizer_dir, {"validation": two_files["validation"]}, chat_pretrained, tmp_path / "inspect")
+    listed = f"data.splits.train=[{','.join(two_files['train'])}]"
+    _, out = run_inspect_data([*overrides, listed, "data.mix_ratios=[0.5,0.5]", "rows=60", "color=never"])
+    assert "--- row 0 of data.splits.train[1]:" in out and "--- row 0 of data.splits.train[0]:" in out
+    assert "every one of the" in out

@@ -14,22 +14,34 @@ A model trained on chat data (``data=chat``) is written with its chat template, 
 token as the EOS of the tokenizer and of ``generation_config.json`` (so ``generate`` stops at the
 end of the answer anywhere), and ``chat.json`` (end-of-turn token, system prompt), from which
 this project's ``generate model_dir=`` renders prompts as chat.
+
+Each folder is then reloaded as a user would (the merged one by ``AutoModelForCausalLM``, the
+adapter by ``PeftModel.from_pretrained`` on a fresh full-precision base) and scored on the
+configured test split (``data.splits.test``) against the checkpoint itself (loaded as this command
+loads it: a QLoRA adapter on the unquantized base), on the GPU when there is one:
+``export_report.json`` / ``export_report.md`` in ``output_dir`` (the compression report's format:
+size, perplexity, Δ and ratio against the checkpoint).  Without a test split the report says
+"not measured (no test split)"; that is not a failure.  ``measure=false`` skips the scoring.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import hydra
 import torch
 from omegaconf import DictConfig
 
 from .checks import validate_config
 from .compress.pruning import pruned_with, shrink_ffn
+from .compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
 from .errors import ConfigError
 from .eval import full_precision_overrides
-from .models.adapters import uses_peft
+from .models.adapters import save_adapter, uses_peft
 from .models.precision import compute_dtype
+from .tasks import task_of
 from .tasks.causal_lm.module import CHAT_FILE, causal_module_class
 from .utils.checkpoints import load_trained_module, trained_checkpoint
 from .utils.outputs import claim_outputs, replace_folder, staging_folder
@@ -37,6 +49,7 @@ from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_FOLDER = "adapter"  # output_dir/adapter: the LoRA/QLoRA adapter alone (peft's save_pretrained)
+REPORT_FILES = ("export_report.json", "export_report.md")
 
 
 def export(cfg: DictConfig) -> Path:
@@ -46,7 +59,7 @@ def export(cfg: DictConfig) -> Path:
     so it is complete or absent; such folders of dead exports are removed at start.
 
     Raises:
-        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), a missing or refused checkpoint, a non-causal-LM checkpoint, an output folder
+        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), ``measure`` not a bool, a missing or refused checkpoint, a non-causal-LM checkpoint, an output folder
             that exists (without ``overwrite=true``; with it, only a folder export wrote is
             replaced) or that lies inside another run's folder.
     """
@@ -55,6 +68,10 @@ def export(cfg: DictConfig) -> Path:
         raise ConfigError(
             f"dtype={cfg.dtype!r} is not one of {DTYPES} (the saved weights' floating-point type; null = the run's compute "
             f"dtype; int8/int4 weights are quantize's job); fix: dtype=bfloat16, or python -m {__package__}.quantize for integer weights"
+        )
+    if not isinstance(cfg.measure, bool):
+        raise ConfigError(
+            f"measure={cfg.measure!r} must be true or false (score the written folders on data.splits.test); fix: measure=true"
         )
     output = Path(cfg.output_dir)
     # Memory-mapped: only the hyperparameters are read here, not the weights (loaded once, below).
@@ -65,6 +82,11 @@ def export(cfg: DictConfig) -> Path:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")
     dtype = cfg.dtype or str(compute_dtype((checkpoint.get("model_inputs") or {}).get("precision", "32-true"))).removeprefix("torch.")
     module = load_trained_module(causal_module_class(cfg), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
+    scorer = Scorer(cfg, module)  # the test split, read (and refused when bad) before anything is written
+    load = f"python -m {__package__}.eval ckpt_path={cfg.ckpt_path} (with the run's experiment=)"
+    measurements = [
+        scorer.measure("checkpoint", module.model, Path(cfg.ckpt_path).stat().st_size, str(cfg.ckpt_path), CHECKPOINT_NOTE, load)
+    ]
     with staging_folder(output, "export") as tmp:
         staging = Path(tmp) / "model"
         if module.chat:  # the end-of-turn token ends generation (and is the folder's EOS)
@@ -72,7 +94,7 @@ def export(cfg: DictConfig) -> Path:
             module.tokenizer.eos_token = eot
             module.model.generation_config.eos_token_id = module.tokenizer.convert_tokens_to_ids(eot)
         if uses_peft(hparams.get("peft")):  # the adapter alone, before merging changes the weights
-            module.model.save_pretrained(staging / ADAPTER_FOLDER)
+            save_adapter(module.model, staging / ADAPTER_FOLDER, module.initial_adapter)  # (PiSSA/OLoRA: for the original base)
             module.tokenizer.save_pretrained(staging / ADAPTER_FOLDER)
         model = module.merged_model()
         if pruned_with(checkpoint) == "structured":  # the zeroed FFN neurons go: a smaller folder, the same outputs
@@ -83,10 +105,123 @@ def export(cfg: DictConfig) -> Path:
         if module.chat:
             chat = {"end_of_turn": module.inputs.end_of_turn, "system_prompt": module.inputs.system_prompt}
             (staging / CHAT_FILE).write_text(json.dumps(chat, indent=1) + "\n", encoding="utf-8")
+        base_path, attention = module.hparams.model.get("name_or_path"), module.attn_implementation
+        del model, module  # (one model in memory at a time from here)
+        measurements += scorer.measure_folders(staging, output, dtype, base_path, attention)
+        report = build_report(measurements, [], scorer.context(cfg), baseline="checkpoint")
+        write_report(staging, report, REPORT_FILES)
         replace_folder(staging, output, marker="config.json")
+    print(markdown_table(report))
     adapter = f"; the adapter alone: {output / ADAPTER_FOLDER} (PeftModel.from_pretrained)" if uses_peft(hparams.get("peft")) else ""
     print(f"Exported: {output}, {dtype} (load with AutoModelForCausalLM.from_pretrained){adapter}")
     return output
+
+
+CHECKPOINT_NOTE = "the training checkpoint (trained weights, optimizer and run state), loaded as export loads it"
+
+
+class Scorer:
+    """The export report's measurements: the configured test split's loader, and each model's
+    perplexity over it (``Task.score``) on the GPU when there is one, else the CPU.
+
+    Raises (at construction, before anything is written):
+        DataError / ConfigError: a bad test split (the data module's own checks).
+    """
+
+    def __init__(self, cfg: DictConfig, module) -> None:
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.task = task_of(module.TASK_NAME)
+        self.datamodule = self.loader = None
+        self.unmeasured = ""
+        if not cfg.measure:
+            self.unmeasured = "measure=false"
+        elif cfg.task.name != module.TASK_NAME:  # the data group is another task's: its rows are not this model's
+            self.unmeasured = (
+                f"the config's task is {cfg.task.name}, the checkpoint's {module.TASK_NAME}; pass the run's experiment= "
+                f"(or task={module.TASK_NAME} and its data group) with data.splits.test"
+            )
+        elif (cfg.data.get("splits") or {}).get("test") is None:
+            self.unmeasured = "no test split: data.splits.test is null; set it to measure the folders"
+        else:
+            self.datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
+            self.datamodule.prepare_data()
+            self.datamodule.setup("test")
+            self.loader = self.datamodule.test_dataloader()
+
+    def score(self, model: torch.nn.Module) -> dict[str, float]:
+        """The task's metrics (perplexity) of ``model`` over the test split; ``{}`` when not measured."""
+        if self.loader is None:
+            return {}
+        model.eval().to(self.device)
+        forward: Callable[[dict], torch.Tensor] = lambda inputs: model(**inputs).logits  # noqa: E731  (B, T, V)
+        metrics = self.task.score(forward, self.loader, self.device, self.datamodule)
+        model.to("cpu")
+        return metrics
+
+    def measure(self, name: str, model: torch.nn.Module, size_bytes: int, path: str, storage: str, load: str = "") -> Measurement:
+        if self.loader is not None:
+            print(f"[{name}] scoring on the test split ({len(self.datamodule.datasets['test'])} rows, {self.device}) ...")
+        return Measurement(
+            name=name,
+            runtime=f"pytorch-eager-{self.device}",
+            latency_baseline=name,
+            size_bytes=size_bytes,
+            metrics=self.score(model),
+            latency_ms=[],
+            load=load,
+            storage=storage,
+            path=path,
+            note=f"not measured ({self.unmeasured})" if self.unmeasured else "",
+        )
+
+    def measure_folders(self, staging: Path, output: Path, dtype: str, base_path: str | None, attention: str) -> list[Measurement]:
+        """The adapter folder (when written) on a fresh fp32 base, then the merged folder, each
+        reloaded from ``staging`` by transformers/peft alone."""
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        measurements = []
+        adapter = staging / ADAPTER_FOLDER
+        if adapter.is_dir():
+            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, attn_implementation=attention)
+            model = PeftModel.from_pretrained(base, adapter)
+            measurements.append(
+                self.measure(
+                    "adapter",
+                    model,
+                    weight_bytes(adapter),
+                    str(output / ADAPTER_FOLDER),
+                    "peft adapter (fp32 safetensors), on the fp32 base model.name_or_path",
+                    f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base_path!r}), {str(output / ADAPTER_FOLDER)!r})",
+                )
+            )
+            del model, base
+        model = AutoModelForCausalLM.from_pretrained(staging, dtype=getattr(torch, dtype), attn_implementation=attention)
+        measurements.append(
+            self.measure(
+                "merged",
+                model,
+                weight_bytes(staging) - (weight_bytes(adapter) if adapter.is_dir() else 0),
+                str(output),
+                f"a plain Hugging Face folder, {dtype} safetensors (adapters merged)",
+                f"AutoModelForCausalLM.from_pretrained({str(output)!r})",
+            )
+        )
+        return measurements
+
+    def context(self, cfg: DictConfig) -> dict:
+        test = self.datamodule.datasets["test"] if self.loader is not None else None
+        return {
+            "title": "Export report",
+            "source": str(cfg.ckpt_path),
+            "task": self.task.name,
+            "split": "test" if test is not None else None,
+            "rows": len(test) if test is not None else 0,
+            "data": str(cfg.data.splits.get("test")) if test is not None else None,
+            "unmeasured": self.unmeasured,
+            "metric_names": list(self.task.quality),
+            "size_meaning": "the checkpoint file's bytes; each folder's weight files (safetensors)",
+        }
 
 
 @hydra_main("export")

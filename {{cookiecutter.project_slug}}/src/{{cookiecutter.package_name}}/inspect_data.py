@@ -82,7 +82,7 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
         )
     datamodule.prepare_data()
     datamodule.prepare_tokenizer()
-    rows = datamodule.tokenized(cfg.split, datamodule.load(cfg.split))
+    rows = datamodule.split_rows(cfg.split)  # (a list of train files: the mix, as train reads it)
     console = console or Console(force_terminal={"always": True, "never": False}.get(cfg.color), highlight=False, soft_wrap=True)
     color = console.is_terminal if cfg.color == "auto" else cfg.color == "always"
     legend = "trained tokens in green, masked ones dim" if color else f"trained tokens between {OPEN} and {CLOSE}, masked ones plain"
@@ -91,8 +91,9 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
         console.print(f"first_row={cfg.first_row} is past the last row ({len(rows) - 1}): no row printed")
     for index in range(cfg.first_row, min(cfg.first_row + cfg.rows, len(rows))):
         row = rows[index]
+        where = f"row {row['row']} of data.splits.{cfg.split}[{row['part']}]" if "part" in row else f"row {row['row']}"
         console.print(
-            f"--- row {row['row']}: {row['length']} tokens, {row['n_trained']} trained, {row['truncated']} truncated",
+            f"--- {where}: {row['length']} tokens, {row['n_trained']} trained, {row['truncated']} truncated",
             style="bold" if color else "",
         )
         for prefix in datamodule.SIDE_PREFIXES:  # a preference pair: each side, as trained

@@ -107,6 +107,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
 
     datamodule = hydra.utils.instantiate(cfg.data)
     module = build_module(cfg)
+    module.restores_weights = ckpt_path is not None  # a resume: the checkpoint sets the weights (and a PiSSA residual)
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     header = RunHeader(run_dir, model_line(cfg), batch_line(cfg), plan, auto_precision=precision_is_auto(cfg))
     identity = RunIdentity(cfg, resumed, where)  # (after ConnectData: it compares the data's labels)

@@ -166,6 +166,38 @@ def test_lm_killed_at_a_random_point_resumes_bit_identically(lm_base, lm_referen
     assert_same_losses(lm_reference, step_losses(run_dir), context)
 
 
+def test_lm_with_ema_and_early_stopping_killed_resumes_to_the_same_stop_and_weights(lm_base, tmp_path):
+    """The EMA's two weight sets and early stopping's counters come back from ``last.ckpt``: after a
+    SIGKILL the resumed run logs the same losses, stops at the same validation and ends with the
+    same raw and averaged weights.  ``mode=max`` on ``val/loss`` makes the stop come early and at a
+    known count (the first validation is the best; the third is the second without an
+    improvement); a resume that lost the counter would stop a validation or more later."""
+    import torch
+
+    base = [
+        *lm_base,
+        "callbacks=[ema,early_stopping]",
+        "callbacks.ema.decay=0.5",
+        "callbacks.early_stopping.patience=2",
+        "callbacks.early_stopping.mode=max",
+        "trainer.val_check_interval=4",  # micro-batches: every 2 optimizer steps
+    ]
+    reference_dir = tmp_path / "reference"
+    reference = uninterrupted_losses(base, reference_dir)
+    assert len(reference) == 6, sorted(reference)  # stopped at the 3rd validation (step 6), not at max_epochs
+    fault = ["+callbacks.fault._target_=faults.KillAt", "+callbacks.fault.step=5", "+callbacks.fault.micro_batch=0"]
+    run_dir, _ = kill_and_resume(base, tmp_path, fault, expect_code=-signal.SIGKILL)  # (resumes from step 3 or 4)
+    assert_same_losses(reference, step_losses(run_dir), "callbacks=[ema,early_stopping], SIGKILL before step 5")
+    ends = [torch.load(d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True) for d in (reference_dir, run_dir)]
+    raw = ends[0]["callbacks"]["EMA"]["raw"]
+    assert raw and set(raw) == set(ends[1]["callbacks"]["EMA"]["raw"])
+    for name, value in raw.items():
+        assert torch.equal(ends[1]["callbacks"]["EMA"]["raw"][name], value), name
+        assert torch.equal(ends[1]["state_dict"][name], ends[0]["state_dict"][name]), name  # the average
+    stopping = [next(value for key, value in end["callbacks"].items() if key.startswith("EarlyStopping")) for end in ends]
+    assert stopping[0] == stopping[1] and stopping[0]["wait_count"] == 2
+
+
 def test_kill_during_a_checkpoint_write_leaves_the_previous_last_ckpt(lm_base, lm_reference, tmp_path):
     # The 2nd save is the step checkpoint after step 2 * EVERY; the kill tears its write in half.
     fault = ["trainer.plugins=[{_target_: faults.KillDuringSave, save: 2}]"]

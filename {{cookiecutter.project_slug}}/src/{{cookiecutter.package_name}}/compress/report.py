@@ -32,7 +32,8 @@ class Measurement:
         latency_baseline: the variant its latency is compared with: the fp32 of the same runtime.
         size_bytes: bytes of its weight files (:func:`weight_bytes`).
         metrics: the task metrics on the evaluation split (``accuracy``, ``f1_macro``, or ``perplexity``).
-        latency_ms: one forward of the timed batch per sample, in milliseconds (after the warm-up).
+        latency_ms: one forward of the timed batch per sample, in milliseconds (after the warm-up);
+            empty when the variant was not timed (``export``'s report: size and quality only).
         load: the Python line that loads the saved folder.
         storage: how its weights are stored, in words.
         path: the variant's folder.
@@ -47,6 +48,7 @@ class Measurement:
     load: str
     storage: str
     path: str = ""
+    note: str = ""  # why a metric is missing ("not measured (no evaluation split)"), empty otherwise
 
 
 def weight_bytes(folder: Path) -> int:
@@ -89,7 +91,8 @@ def build_report(measurements: list[Measurement], refusals: list[dict], context:
     Per variant: ``size_mb`` (:data:`BYTES_PER_MB`) and ``size_ratio`` (of ``baseline``'s bytes);
     each metric and its ``delta`` (variant minus baseline, same units); ``latency_ms`` (p50, p90,
     mean, n) and ``latency_ratio`` (p50 and p90 over those of ``latency_baseline``, the fp32 of the
-    same runtime; ``None`` when that variant was not measured).
+    same runtime; ``None`` when that variant was not measured); ``latency_ms`` is ``None`` for a
+    variant that was not timed.
 
     Raises:
         ValueError: ``baseline`` is not among the measurements.
@@ -98,7 +101,7 @@ def build_report(measurements: list[Measurement], refusals: list[dict], context:
     if baseline not in by_name:
         raise ValueError(f"the baseline {baseline!r} was not measured (measured: {sorted(by_name)})")
     base = by_name[baseline]
-    summaries = {m.name: latency_summary(m.latency_ms) for m in measurements}
+    summaries = {m.name: latency_summary(m.latency_ms) if m.latency_ms else None for m in measurements}
     variants = []
     for m in measurements:
         latency = summaries[m.name]
@@ -115,9 +118,11 @@ def build_report(measurements: list[Measurement], refusals: list[dict], context:
                 "size_ratio": ratio(m.size_bytes, base.size_bytes),
                 "metrics": dict(m.metrics),
                 "delta": {key: (value - base.metrics[key]) if key in base.metrics else None for key, value in m.metrics.items()},
+                "metric_ratio": {key: ratio(value, base.metrics.get(key)) for key, value in m.metrics.items()},
+                "note": m.note,
                 "latency_ms": latency,
                 "latency_baseline": m.latency_baseline,
-                "latency_ratio": {q: ratio(latency[q], reference[q] if reference else None) for q in ("p50", "p90")},
+                "latency_ratio": {q: ratio(latency[q] if latency else None, reference[q] if reference else None) for q in ("p50", "p90")},
             }
         )
     return {**context, "baseline": baseline, "variants": variants, "refusals": list(refusals)}
@@ -130,39 +135,66 @@ def _number(value: float | None, digits: int = 2, signed: bool = False) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """The variants as one Markdown table: size, metrics with their delta, latency with its ratio."""
-    metric_names = list(report["variants"][0]["metrics"])
-    header = ["variant", "runtime", "size MB", "× fp32"]
+    """The variants as one Markdown table: size, metrics with their delta, latency with its ratio
+    (the latency columns only when some variant was timed; a variant's note in a last column when
+    some variant has one)."""
+    metric_names = report.get("metric_names") or list(report["variants"][0]["metrics"])
+    timed = any(v["latency_ms"] for v in report["variants"])
+    noted = any(v.get("note") for v in report["variants"])
+    header = ["variant", "runtime", "size MB", f"× {report['baseline']}"]
     for name in metric_names:
-        header += [name, "Δ"]
-    header += ["p50 ms", "p90 ms", "p50 × fp32 (same runtime)"]
+        header += [name, "Δ", f"× {report['baseline']}"]
+    header += ["p50 ms", "p90 ms", "p50 × fp32 (same runtime)"] if timed else []
+    header += ["note"] if noted else []
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for v in report["variants"]:
         row = [f"`{v['name']}`", v["runtime"], _number(v["size_mb"]), _number(v["size_ratio"], 3)]
         for name in metric_names:
-            row += [_number(v["metrics"].get(name), 4), _number(v["delta"].get(name), 4, signed=True)]
-        baseline = "" if v["latency_baseline"] == v["name"] else f" (vs `{v['latency_baseline']}`)"
-        row += [_number(v["latency_ms"]["p50"], 1), _number(v["latency_ms"]["p90"], 1), _number(v["latency_ratio"]["p50"]) + baseline]
+            row += [
+                _number(v["metrics"].get(name), 4),
+                _number(v["delta"].get(name), 4, signed=True),
+                _number((v.get("metric_ratio") or {}).get(name), 4),
+            ]
+        if timed:
+            latency = v["latency_ms"] or {"p50": None, "p90": None}
+            baseline = "" if v["latency_baseline"] == v["name"] else f" (vs `{v['latency_baseline']}`)"
+            row += [_number(latency["p50"], 1), _number(latency["p90"], 1), _number(v["latency_ratio"]["p50"]) + baseline]
+        row += [v.get("note") or ""] if noted else []
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def markdown_report(report: dict) -> str:
-    """The whole ``compress_report.md``: what was measured and how, the table, how each variant
-    is stored and loads, and the refusals with their reasons and fixes."""
-    latency = report["latency"]
+    """The whole ``compress_report.md`` (or ``export_report.md``: ``report["title"]``, no latency):
+    what was measured and how, the table, how each variant is stored and loads, and the refusals
+    with their reasons and fixes."""
+    latency = report.get("latency")
+    measured = (
+        f"- metric: {', '.join(report['metric_names'])} on the **{report['split']}** split ({report['rows']} rows"
+        f"{', `' + report['data'] + '`' if report.get('data') else ''}); "
+        f"Δ = variant − `{report['baseline']}`"
+        if report.get("split")
+        else f"- metric: not measured ({report.get('unmeasured', 'no evaluation split')})"
+    )
     lines = [
-        "# Compression report",
+        f"# {report.get('title', 'Compression report')}",
         "",
         f"- source: `{report['source']}` (task {report['task']})",
-        f"- metric: {', '.join(report['metric_names'])} on the **{report['split']}** split ({report['rows']} rows); "
-        f"Δ = variant − `{report['baseline']}`",
-        f"- latency: one forward of a batch of {latency['batch_size']} × {latency['sequence_length']} tokens, "
-        f"{latency['warmup']} warm-up runs, then p50/p90 of {latency['repeats']} on {latency['device']} "
-        f"({latency['threads']} CPU threads, load average {latency['load_average']:.1f} when it started: above the thread count, "
-        "other processes shared the cores and every timing is inflated); the ratio is against the fp32 variant of the same runtime",
+        measured,
+        *(
+            [
+                f"- latency: one forward of a batch of {latency['batch_size']} × {latency['sequence_length']} tokens, "
+                f"{latency['warmup']} warm-up runs, then p50/p90 of {latency['repeats']} on {latency['device']} "
+                f"({latency['threads']} CPU threads, load average {latency['load_average']:.1f} when it started: above the thread "
+                "count, other processes shared the cores and every timing is inflated); the ratio is against the fp32 variant of "
+                "the same runtime"
+            ]
+            if latency
+            else []
+        ),
         *([f"- {report['shrunk']} (fp32 included)"] if report.get("shrunk") else []),
-        f"- size: bytes of the weight files (safetensors/onnx, embeddings included), MB = 10^6 bytes; × fp32 against `{report['baseline']}`",
+        f"- size: {report.get('size_meaning', 'bytes of the weight files (safetensors/onnx, embeddings included)')}, "
+        f"MB = 10^6 bytes; × {report['baseline']} against `{report['baseline']}`",
         "",
         markdown_table(report),
         "",
@@ -179,9 +211,10 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(folder: Path, report: dict) -> tuple[Path, Path]:
-    """Write ``compress_report.json`` (NaN/inf as null) and ``compress_report.md`` into ``folder``."""
-    json_path, md_path = folder / REPORT_JSON, folder / REPORT_MD
+def write_report(folder: Path, report: dict, names: tuple[str, str] = (REPORT_JSON, REPORT_MD)) -> tuple[Path, Path]:
+    """Write the report as JSON (NaN/inf as null) and Markdown into ``folder``, named ``names``
+    (``compress_report.json``/``.md`` by default)."""
+    json_path, md_path = folder / names[0], folder / names[1]
     json_path.write_text(json.dumps(_finite(report), indent=2) + "\n", encoding="utf-8")
     md_path.write_text(markdown_report(report), encoding="utf-8")
     return json_path, md_path

@@ -16,11 +16,24 @@
   Fine-Tuning with LoRA", 2023: scale ``alpha / sqrt(r)``; ``use_rslora``).  LoRA+ (Hayou et al.,
   "LoRA+: Efficient Low Rank Adaptation of Large Models", 2024: ``B`` learns ``ratio`` times
   faster than ``A``) is an optimizer parameter group (:func:`..optim.param_groups`).
+- Initialisations that rewrite the frozen base (``init_lora_weights``): PiSSA (Meng et al.,
+  "PiSSA: Principal Singular Values and Singular Vectors Adaptation of Large Language Models",
+  2024: ``A``, ``B`` from the top-``r`` singular vectors of ``W``; ``pissa_niter_<n>``: the fast
+  randomised SVD) and OLoRA (Büyükakyüz, "OLoRA: Orthonormal Low-Rank Adaptation of Large
+  Language Models", 2024: from a QR decomposition of ``W``).  Both leave the base at the residual
+  ``W - scale * B0 @ A0``.  A checkpoint keeps trained weights only, so it also keeps the initial
+  adapter ``(A0, B0)`` (:func:`adapter_tensors`); a load builds the adapters with peft's plain
+  initialisation and recomputes the residual from the stored pair (:func:`restore_residual`:
+  peft's own expression, no SVD again), and the adapter folder of ``export`` is converted for the
+  original base by peft (``save_pretrained(..., path_initial_model_for_weight_conversion=...)``:
+  a rank-``2r`` adapter, :func:`save_adapter`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+from pathlib import Path
 
 import torch
 from transformers import BitsAndBytesConfig, PretrainedConfig
@@ -34,6 +47,67 @@ METHODS = ("none", "lora", "qlora")
 ALL_LINEAR = "all-linear"
 # Task heads that peft's classification task types train in full (modules_to_save): never adapted.
 HEAD_NAMES = ("lm_head", "classifier", "score")
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies (on the CPU) of every ``lora_A``/``lora_B`` weight of ``model``, by parameter name."""
+    return {
+        name: param.detach().to("cpu", copy=True) for name, param in model.named_parameters() if ".lora_A." in name or ".lora_B." in name
+    }
+
+
+def lora_layers(model: torch.nn.Module):
+    """``(name, module)`` of each peft LoRA layer of ``model`` (the modules holding ``lora_A``)."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)]
+
+
+def restore_residual(model: torch.nn.Module, initial: dict[str, torch.Tensor]) -> int:
+    """Set each adapted layer's base weight to ``W - scale * B0 @ A0`` (computed in fp32 on the
+    CPU, then cast back to the weight's dtype: the expression PiSSA and OLoRA use in peft), with
+    ``(A0, B0)`` the initial adapter stored by the run (:func:`adapter_tensors`).  Call on a model
+    whose adapters were built with peft's plain initialisation (its base is the original ``W``).
+
+    Returns the number of layers rewritten.
+
+    Raises:
+        ValueError: ``initial`` does not hold an ``(A0, B0)`` pair for every adapted layer.
+    """
+    done = 0
+    for name, layer in lora_layers(model):
+        for adapter in layer.lora_A:
+            a_key, b_key = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
+            if a_key not in initial or b_key not in initial:
+                raise ValueError(f"the checkpoint's initial adapter lacks {a_key} / {b_key}: not the run that wrote it")
+            weight = layer.get_base_layer().weight
+            residual = weight.detach().to("cpu", torch.float32) - layer.scaling[adapter] * initial[b_key].float() @ initial[a_key].float()
+            with torch.no_grad():
+                weight.copy_(residual.to(weight.dtype))
+            done += 1
+    return done
+
+
+def save_adapter(model: torch.nn.Module, folder: Path, initial: dict[str, torch.Tensor] | None) -> None:
+    """peft's ``save_pretrained`` of the adapter into ``folder``; for a PiSSA/OLoRA run
+    (``initial``: its initial adapter) converted by peft for the *original* base: the initial
+    adapter is saved first (beside ``folder``, removed after), then peft writes the rank-``2r``
+    adapter ``[B, -B0] @ [A; A0]`` that ``PeftModel.from_pretrained(base, folder)`` loads."""
+    if not initial:
+        model.save_pretrained(folder)
+        return
+    params = dict(model.named_parameters())
+    trained = {name: params[name].detach().clone() for name in initial}
+    starting = folder.parent / f"{folder.name}_initial"  # (peft loads it as an adapter of that name: no dots)
+    with torch.no_grad():
+        for name, tensor in initial.items():
+            params[name].copy_(tensor)
+    try:
+        model.save_pretrained(starting)
+    finally:
+        with torch.no_grad():
+            for name, tensor in trained.items():
+                params[name].copy_(tensor)
+    model.save_pretrained(folder, path_initial_model_for_weight_conversion=str(starting))
+    shutil.rmtree(starting)
 
 
 def uses_peft(peft_cfg: dict | None) -> bool:
@@ -116,9 +190,10 @@ def check_adapter_spec(peft_cfg: dict | None, spec: dict, precision: str) -> Non
         )
 
 
-def lora_config(peft_cfg: dict, modules: list[str] | str, task_type: str = "CAUSAL_LM"):
+def lora_config(peft_cfg: dict, modules: list[str] | str, task_type: str = "CAUSAL_LM", initialise: bool = True):
     """The ``peft.LoraConfig`` of the ``peft`` group (rank ``r``, ``alpha``, ``dropout``,
-    ``use_dora``, ``use_rslora``).
+    ``use_dora``, ``use_rslora``, ``init_lora_weights``; ``initialise=False``: peft's plain
+    initialisation whatever the group says, for a model whose weights a checkpoint then sets).
 
     ``task_type``: peft's ``TaskType`` name: ``CAUSAL_LM``, or ``SEQ_CLS``/``TOKEN_CLS`` (peft then
     adds the classifier head, a module named ``score`` or ``classifier``, to ``modules_to_save``: a
@@ -141,6 +216,7 @@ def lora_config(peft_cfg: dict, modules: list[str] | str, task_type: str = "CAUS
         exclude_modules=exclude,
         use_dora=bool(peft_cfg.get("use_dora", False)),
         use_rslora=bool(peft_cfg.get("use_rslora", False)),
+        init_lora_weights=peft_cfg.get("init_lora_weights", True) if initialise else True,
         bias="none",
         task_type=TaskType[task_type],
     )
@@ -175,9 +251,11 @@ def quantized_loading(peft_cfg: dict, precision: str, device: torch.device | Non
     return options
 
 
-def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str] | str, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
-    """Freeze ``model`` and add LoRA adapters (a ``peft.PeftModel``; ``task_type`` as in
-    :func:`lora_config`).  Every trained weight is fp32: peft makes the adapters fp32 itself, and
+def wrap_with_lora(
+    model: torch.nn.Module, peft_cfg: dict, modules: list[str] | str, task_type: str = "CAUSAL_LM", initialise: bool = True
+) -> torch.nn.Module:
+    """Freeze ``model`` and add LoRA adapters (a ``peft.PeftModel``; ``task_type`` and
+    ``initialise`` as in :func:`lora_config`).  Every trained weight is fp32: peft makes the adapters fp32 itself, and
     a classifier head copied by ``modules_to_save`` from a bf16 base is cast here (bf16 weights
     would round most AdamW updates away).
 
@@ -199,7 +277,7 @@ def wrap_with_lora(model: torch.nn.Module, peft_cfg: dict, modules: list[str] | 
         )
         if problem:  # (the config said the weights were not tied; the loaded model ties them)
             raise ConfigError(problem)
-    model = get_peft_model(model, lora_config(peft_cfg, modules, task_type))
+    model = get_peft_model(model, lora_config(peft_cfg, modules, task_type, initialise))
     for parameter in model.parameters():
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()

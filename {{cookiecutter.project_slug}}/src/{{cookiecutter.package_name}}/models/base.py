@@ -10,9 +10,10 @@ from lightning.pytorch.loggers import WandbLogger
 from ..assets import fetch_model_files
 from ..errors import ConfigError
 from ..optim import build_optimizer, lightning_allows_fused
+from ..utils.config import rewrites_base
 from ..utils.identity import base_problem
 from ..utils.secrets import mask
-from .adapters import uses_peft
+from .adapters import adapter_tensors, restore_residual, uses_peft, wrap_with_lora
 from .inputs import ModelInputs
 from .levers import apply_levers
 
@@ -55,6 +56,10 @@ class HFModule(L.LightningModule):
         super().__init__()
         self.model = None  # built in configure_model
         self.fresh_ids: set[int] = set()  # ids of the parameters from_pretrained drew at random (remember_fresh)
+        # True when a checkpoint will set the weights (a resume, eval/export...): adapters are built
+        # with peft's plain initialisation, and a PiSSA/OLoRA run's residual comes from the checkpoint.
+        self.restores_weights = False
+        self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA/OLoRA: (A0, B0), kept in checkpoints
         self.tokenizer = None
         self.inputs: ModelInputs | None = None
         self.skipped_steps = 0
@@ -328,6 +333,8 @@ class HFModule(L.LightningModule):
         if "hyper_parameters" in checkpoint:  # the stored groups, with secrets masked (utils/secrets.py)
             checkpoint["hyper_parameters"] = mask(dict(checkpoint["hyper_parameters"]))
         checkpoint["task"] = self.TASK_NAME  # which task's module reads it back (utils/checkpoints.load_trained_module)
+        if self.initial_adapter:  # PiSSA/OLoRA: what rebuilds the residual base on a load
+            checkpoint["initial_adapter"] = self.initial_adapter
         checkpoint["model_inputs"] = self.inputs.state_dict()
         checkpoint["skipped_steps"] = self.skipped_steps
         checkpoint["start_metrics"] = dict(self.start_metrics)
@@ -335,7 +342,37 @@ class HFModule(L.LightningModule):
             if isinstance(logger, WandbLogger) and logger.version:  # the run's id, once it exists (or the id resumed)
                 checkpoint["wandb_run_id"] = logger.version  # a resume's W&B run names the run it continues
 
+    def add_adapters(self, model: torch.nn.Module, targets: list[str] | str, task_type: str = "CAUSAL_LM", pretrained: bool = True):
+        """``model`` with the ``peft`` group's LoRA adapters (:func:`.adapters.wrap_with_lora`).
+        ``peft.init_lora_weights`` runs on pretrained weights of a fresh start only; a PiSSA/OLoRA
+        start keeps its initial adapter (:attr:`initial_adapter`, saved in every checkpoint), from
+        which a load rebuilds the residual base (:meth:`on_load_checkpoint`)."""
+        # (a stored HF config: the module of a checkpoint, whose load sets the weights)
+        initialise = pretrained and not self.restores_weights and self.hparams.get("hf_config") is None
+        model = wrap_with_lora(model, self.hparams.peft, targets, task_type=task_type, initialise=initialise)
+        if initialise and rewrites_base(self.hparams.peft):
+            self.initial_adapter = adapter_tensors(model)
+        return model
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore the module's own state; for a PiSSA/OLoRA checkpoint first the residual base
+        (:func:`.adapters.restore_residual`), which the weights then loaded adapt.
+
+        Raises:
+            ConfigError: a PiSSA/OLoRA checkpoint whose initial adapter is missing, or a model
+                whose adapters were initialised again (a load must set ``restores_weights``).
+        """
+        initial = checkpoint.get("initial_adapter")
+        if rewrites_base(self.hparams.get("peft")) and self.model is not None:
+            if not initial:
+                raise ConfigError(
+                    f"the checkpoint was trained with peft.init_lora_weights={self.hparams.peft['init_lora_weights']} but holds "
+                    "no initial adapter, without which its residual base weights cannot be rebuilt; fix: retrain with this version"
+                )
+            if self.initial_adapter is not None:  # (built with PiSSA/OLoRA again: its base is not the original)
+                raise ConfigError("internal: a PiSSA/OLoRA model was initialised before its checkpoint loaded (restores_weights unset)")
+            restore_residual(self.model, initial)
+            self.initial_adapter = {name: tensor.cpu() for name, tensor in initial.items()}
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         self.start_metrics = {str(k): float(v) for k, v in checkpoint.get("start_metrics", {}).items()}
         if not self.knows_its_data:  # (a resumed fit keeps the data's)

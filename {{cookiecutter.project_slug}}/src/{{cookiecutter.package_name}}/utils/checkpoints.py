@@ -210,6 +210,7 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
             "trained with (its model.fetch installs the base), or put the base model folder back there"
         )
     module = module_class(**{**stored, "model": model, **overrides})
+    module.restores_weights = True  # the checkpoint sets the weights: no PiSSA/OLoRA initialisation first
     if entry is not None and peft.get("method", "none") != "none":
         module.expected_base = (entry, f"ckpt_path={str(path)!r}")  # checked once the base is installed (HFModule.prepare_data)
     module.configure_model()

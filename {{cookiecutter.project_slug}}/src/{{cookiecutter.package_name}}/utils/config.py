@@ -11,6 +11,7 @@ import difflib
 import importlib.util
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -619,11 +620,50 @@ def _peft_problems(peft: DictConfig) -> list[str]:
     for key in ("use_dora", "use_rslora"):
         if not isinstance(peft.get(key, False), bool):
             problems.append(f"peft.{key}={peft.get(key)!r} must be true or false; fix: peft.{key}=true")
+    problems += _lora_init_problems(peft)
     ratio = peft.get("loraplus_lr_ratio")
     if ratio is not None and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio < 1):
         problems.append(
             f"peft.loraplus_lr_ratio={ratio!r} must be null or a number >= 1 (the B matrices' learning rate over A's, "
             "LoRA+); fix: e.g. peft.loraplus_lr_ratio=16"
+        )
+    return problems
+
+
+# peft.init_lora_weights values that rewrite the base weights (and pissa_niter_<n>, PISSA_NITER).
+BASE_REWRITING_INITS = ("pissa", "olora")
+PISSA_NITER = re.compile(r"pissa_niter_[1-9][0-9]*")
+
+
+def rewrites_base(peft: dict | DictConfig | None) -> bool:
+    """Whether the ``peft`` group trains adapters initialised by PiSSA or OLoRA
+    (``init_lora_weights``), which leave the frozen base as a residual."""
+    peft = peft or {}
+    init = peft.get("init_lora_weights", True)
+    adapters = peft.get("method", "none") != "none"
+    return adapters and isinstance(init, str) and (init in BASE_REWRITING_INITS or bool(PISSA_NITER.fullmatch(init)))
+
+
+def _lora_init_problems(peft: DictConfig) -> list[str]:
+    """``peft.init_lora_weights``: true, pissa, pissa_niter_<n> or olora, and what PiSSA/OLoRA cannot join."""
+    init = peft.get("init_lora_weights", True)
+    if init is True:
+        return []
+    if not rewrites_base(peft):
+        return [
+            f"peft.init_lora_weights={init!r} must be true, pissa, pissa_niter_<n> (e.g. pissa_niter_4) or olora; "
+            "fix: peft.init_lora_weights=true"
+        ]
+    problems = []
+    if peft.get("method") == "qlora":
+        problems.append(
+            f"peft.init_lora_weights={init} with peft=qlora: the residual base would be quantized to 4 bits again, so the "
+            "checkpoint's initial adapter could not rebuild it exactly on a load; fix: peft=lora, or peft.init_lora_weights=true"
+        )
+    if peft.get("use_dora"):
+        problems.append(
+            f"peft.init_lora_weights={init} with peft.use_dora=true: the conversion of its adapter for the original base "
+            "is not checked for DoRA here; fix: one of them"
         )
     return problems
 

@@ -88,7 +88,19 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     ),
     "model": frozenset({"name_or_path", "tokenizer", "config", "fetch", "architecture"}),
     "peft": frozenset(
-        {"method", "r", "alpha", "dropout", "target_modules", "use_dora", "use_rslora", "loraplus_lr_ratio", "quant_type", "double_quant"}
+        {
+            "method",
+            "r",
+            "alpha",
+            "dropout",
+            "target_modules",
+            "use_dora",
+            "use_rslora",
+            "loraplus_lr_ratio",
+            "init_lora_weights",
+            "quant_type",
+            "double_quant",
+        }
     ),
     "pruning": frozenset({"method", "begin_step", "end_step", "final_sparsity", "frequency"}),
     "qat": frozenset({"scheme", "group_size"}),
@@ -109,7 +121,7 @@ ENTRY_KEYS: dict[str, frozenset[str]] = {
     "inspect_data": frozenset({"split", "rows", "first_row", "color"}),
     "predict": frozenset({"input", "output", "overwrite"}),
     "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation", "overwrite"}),
-    "export": frozenset({"output_dir", "dtype", "overwrite"}),
+    "export": frozenset({"output_dir", "dtype", "overwrite", "measure"}),
     "quantize": frozenset({"model_dir", "output_dir", "variants", "unavailable", "group_size", "latency", "overwrite"}),
 }
 # Arguments of a _target_ that this project passes itself: never from the config.

@@ -161,7 +161,9 @@ def named_files(config: dict) -> dict[str, dict]:
     data, model = config.get("data") or {}, config.get("model") or {}
     if data.get("hub_name") is None:
         for split, source in (data.get("splits") or {}).items():
-            if source is not None:
+            if isinstance(source, list):  # several files (a mix of training files)
+                files.update({f"data.splits.{split}[{index}]": path_entry(str(item)) for index, item in enumerate(source)})
+            elif source is not None:
                 files[f"data.splits.{split}"] = path_entry(str(source))
     if model.get("name_or_path"):
         files["model.name_or_path"] = path_entry(str(model["name_or_path"]), model_files)

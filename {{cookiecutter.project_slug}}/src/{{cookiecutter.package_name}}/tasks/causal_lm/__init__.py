@@ -41,6 +41,9 @@ class CausalLM(Task):
             "data.truncation",
             "data.val_fraction",
             "data.val_split_seed",
+            "data.mix_ratios",
+            "data.mix_until",
+            "data.mix_seed",
         ),
     }
 
@@ -50,7 +53,9 @@ class CausalLM(Task):
             for field, allowed in (("mode", CHAT_MODES), ("train_on", TRAIN_ON), ("truncation", TRUNCATION)):
                 if data.get(field) not in allowed:
                     problems.append(f"data.{field}={data.get(field)!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
-            return problems
+            from .chat import mix_problems
+
+            return problems + mix_problems(dict(data.get("splits") or {}), data.get("mix_ratios"), data.get("mix_until", "first_exhausted"))
         if not isinstance(data.get("text_column"), str) or not data.get("text_column"):
             problems.append(f"data.text_column={data.get('text_column')!r} must name a column of your data, e.g. data.text_column=text")
         if data.get("mode") not in TEXT_MODES:

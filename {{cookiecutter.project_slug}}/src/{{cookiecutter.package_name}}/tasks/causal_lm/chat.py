@@ -51,6 +51,7 @@ import bisect
 import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -536,6 +537,50 @@ def row_format_names(columns: object, roles: object) -> tuple[dict[str, str], di
     return columns, roles
 
 
+MIX_UNTIL = ("first_exhausted", "all_exhausted")  # datasets.interleave_datasets' stopping strategies
+
+
+def mix_problems(splits: dict, ratios: object, until: object) -> list[str]:
+    """What is wrong with a mix of training files (``data.splits.train`` a list, ``data.mix_ratios``,
+    ``data.mix_until``), each with the field, the value and the fix; ``[]`` when it is fine."""
+    train = splits.get("train")
+    if isinstance(train, str) or train is None:
+        if ratios is not None:
+            return [
+                f"data.mix_ratios={ratios!r} needs data.splits.train as a list of files to mix; fix: "
+                "'data.splits.train=[a.jsonl,b.jsonl]' with as many ratios, or data.mix_ratios=null"
+            ]
+        return []
+    problems = []
+    files = list(train)
+    if not files or not all(isinstance(file, str) and file for file in files):
+        problems.append(
+            f"data.splits.train={files!r} must be a file or a non-empty list of files; fix: 'data.splits.train=[a.jsonl,b.jsonl]'"
+        )
+    if not splits.get("validation"):
+        problems.append(
+            "data.splits.train is a list of files and data.splits.validation is null: a validation split is not cut from a "
+            "mix; fix: data.splits.validation=path/to/val.jsonl"
+        )
+    if ratios is not None:
+        values = list(ratios) if not isinstance(ratios, str) else None
+        if values is None or len(values) != len(files):
+            problems.append(
+                f"data.mix_ratios={ratios!r} must be a list of {len(files)} shares, one per file of data.splits.train; "
+                f"fix: e.g. data.mix_ratios=[{','.join(['0.5'] * 2)}] for two files"
+            )
+        elif not all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values):
+            problems.append(
+                f"data.mix_ratios={values!r}: every share must be a number > 0 (a file with no share is left out of "
+                "data.splits.train instead); fix: positive shares that sum to 1"
+            )
+        elif abs(sum(values) - 1) > 1e-6:
+            problems.append(f"data.mix_ratios={values!r} sums to {sum(values):g}, not 1; fix: shares that sum to 1, e.g. [0.7, 0.3]")
+    if until not in MIX_UNTIL:
+        problems.append(f"data.mix_until={until!r} is not one of {MIX_UNTIL}; fix: data.mix_until=first_exhausted")
+    return problems
+
+
 class ChatDataModule(TokenizedDataModule):
     """Causal-LM batches of chat rows, loss on the answers (see the module docstring).
 
@@ -546,7 +591,14 @@ class ChatDataModule(TokenizedDataModule):
     Args:
         splits: split -> a jsonl/json/parquet file, or the hub's split name when ``hub_name`` is
             set.  ``validation`` may be null (cut from train with ``val_split_seed``); ``test``
-            may be null.
+            may be null.  ``train`` may be a list of files (each in any row format, each read
+            and labelled on its own, messages naming ``data.splits.train[i]``), then mixed.
+        mix_ratios: ``None``: the files' rows one after the other (all of them, once); else one
+            share per file (> 0, summing to 1): rows drawn from the files at random in these
+            shares (``datasets.interleave_datasets``, seeded with ``mix_seed``: the same mix on
+            every run and every rank, so a resume is exact) until ``mix_until``.
+        mix_until: ``first_exhausted`` (no row repeats; the larger files are cut) or
+            ``all_exhausted`` (every row at least once; the smaller files repeat).
         chat_template: ``None`` (the tokenizer's), a shipped name or a ``.jinja`` path; set on
             the tokenizer, so checkpoints and exports carry it.
         system_prompt: ``None`` keeps the rows' system turns (and the template's default);
@@ -593,13 +645,21 @@ class ChatDataModule(TokenizedDataModule):
         seed: int | None = None,
         columns: dict[str, str] | None = None,
         roles: dict[str, str] | None = None,
+        mix_ratios: list[float] | None = None,
+        mix_until: str = "first_exhausted",
+        mix_seed: int = 0,
     ) -> None:
         super().__init__()
+        problems = mix_problems(dict(splits), mix_ratios, mix_until)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.mix_ratios = [float(v) for v in mix_ratios] if mix_ratios is not None else None
+        self.mix_until, self.mix_seed = mix_until, mix_seed
         self.columns, self.roles = row_format_names(columns, roles)
         for field, value, allowed in (("mode", mode, CHAT_MODES), ("train_on", train_on, TRAIN_ON), ("truncation", truncation, TRUNCATION)):
             if value not in allowed:
                 raise ConfigError(f"data.{field}={value!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
-        self.splits = {split: source for split, source in splits.items() if source}
+        self.splits = {split: source if isinstance(source, str) else list(source) for split, source in splits.items() if source}
         self.hub_name, self.hub_config = hub_name, hub_config
         self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
         self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
@@ -634,12 +694,16 @@ class ChatDataModule(TokenizedDataModule):
         """Load, render, tokenise and label what ``stage`` needs (cached on disk by ``datasets``)."""
         self.prepare_tokenizer()
         if stage in ("fit", "validate") and "train" not in self.datasets:
-            train = self.load("train")
-            if "validation" in self.splits:
+            if self.mixes("train"):  # (mix_problems made sure a validation split is given)
+                self.datasets["train"] = self._prepare("train", None, rows=self.split_rows("train"))
                 validation = self.load("validation")
             else:
-                train, validation = self.hold_out_validation(train, "row", "data.splits.validation=path/to/val.jsonl, or more rows")
-            self.datasets["train"] = self._prepare("train", train)
+                train = self.load("train")
+                if "validation" in self.splits:
+                    validation = self.load("validation")
+                else:
+                    train, validation = self.hold_out_validation(train, "row", "data.splits.validation=path/to/val.jsonl, or more rows")
+                self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)
         # The test split is checked with the others (train validates before fitting, and scores the
         # untuned model's answers to it), so a bad test row stops the run before any weights load.
@@ -649,6 +713,35 @@ class ChatDataModule(TokenizedDataModule):
             raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.jsonl")
         if stage in ("fit", "validate"):
             self.check_validation_interval()
+
+    def mixes(self, split: str) -> bool:
+        """Whether ``split`` is a list of files to mix (``train`` only)."""
+        return isinstance(self.splits.get(split), list)
+
+    def split_rows(self, split: str) -> datasets.Dataset:
+        """The split's rows rendered, tokenised and labelled, none dropped (:meth:`tokenized`); for a
+        list of files, each file's with a ``part`` column (its index in the list), mixed as
+        ``mix_ratios``/``mix_until`` say (``row`` stays the row's index in its own file)."""
+        if not self.mixes(split):
+            return self.tokenized(split, self.load(split))
+        parts = []
+        for index, source in enumerate(self.splits[split]):
+            label = f"{split}[{index}]"  # messages name data.splits.train[i]
+            rows = self.tokenized(label, load_split(label, source, self.hub_name, self.hub_config, self.cache_dir))
+            parts.append(rows.add_column("part", [index] * len(rows)))
+        if self.mix_ratios is None:
+            return datasets.concatenate_datasets(parts)
+        mixed = datasets.interleave_datasets(parts, probabilities=self.mix_ratios, seed=self.mix_seed, stopping_strategy=self.mix_until)
+        drawn = Counter(mixed["part"])
+        log.info(
+            "data.splits.%s: %s mixed with shares %s until %s: %s rows",
+            split,
+            len(parts),
+            self.mix_ratios,
+            self.mix_until,
+            ", ".join(f"{drawn[i]} of {len(part)} from [{i}]" for i, part in enumerate(parts)),
+        )
+        return mixed
 
     def load(self, split: str) -> datasets.Dataset:
         """The split's raw rows (kept for ``inspect_data`` and the exact-match answers)."""
@@ -680,10 +773,12 @@ class ChatDataModule(TokenizedDataModule):
             desc=f"Rendering {split}",
         )
 
-    def _prepare(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
-        """Tokenise, drop (and count) rows with no trained token, pack when ``mode=pack_rows``."""
-        self.split_sizes[split] = len(dataset)
-        tokenized = self.tokenized(split, dataset)
+    def _prepare(self, split: str, dataset: datasets.Dataset | None, rows: datasets.Dataset | None = None) -> datasets.Dataset:
+        """Tokenise (or take ``rows``, already tokenised: :meth:`split_rows`), drop (and count)
+        rows with no trained token, pack when ``mode=pack_rows``."""
+        tokenized = self.tokenized(split, dataset) if rows is None else rows
+        self.split_sizes[split] = len(tokenized)
+        dataset = tokenized  # (its length, for the messages)
         trained = tokenized["n_trained"]
         self.dropped[split] = [row for row, n in zip(tokenized["row"], trained) if n == 0]
         if self.dropped[split]:

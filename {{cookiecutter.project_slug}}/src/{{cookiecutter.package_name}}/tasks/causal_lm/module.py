@@ -7,7 +7,7 @@ from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ...errors import ConfigError
-from ...models.adapters import quantized_loading, uses_peft, wrap_with_lora
+from ...models.adapters import quantized_loading, uses_peft
 from ...models.base import HFModule
 from ...models.builder import config_to_dict, spec_config
 from ...models.causal import (
@@ -161,7 +161,7 @@ class CausalLMModule(TextGeneration, HFModule):
         else:
             model = AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation, dtype=dtype)
         if method != "none":
-            model = wrap_with_lora(model, peft_cfg, modules)
+            model = self.add_adapters(model, modules, pretrained=pretrained and bool(spec.get("name_or_path")))
         self.prepare_qat(model)
         return model
 

@@ -8,7 +8,7 @@ from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig
 
-from ...models.adapters import check_adapter_spec, quantized_loading, target_modules, wrap_with_lora
+from ...models.adapters import check_adapter_spec, quantized_loading, target_modules
 from ...models.base import HFModule
 from ...models.builder import (
     build_sequence_classifier,
@@ -190,7 +190,7 @@ class SequenceClassificationModule(HFModule):
             self.remember_fresh(model, info)
         if method != "none":
             targets = self.lora_targets(config or self.architecture())
-            model = wrap_with_lora(model, self.hparams.peft, targets, task_type=self.PEFT_TASK_TYPE)
+            model = self.add_adapters(model, targets, task_type=self.PEFT_TASK_TYPE, pretrained=config is None)
         self.prepare_qat(model)
         return model
 

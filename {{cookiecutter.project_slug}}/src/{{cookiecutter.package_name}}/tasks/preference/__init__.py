@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from ...utils.config import rewrites_base
 from ..causal_lm import CausalLM
 from .objectives import NEEDS_REFERENCE, OBJECTIVES
 
@@ -48,6 +49,12 @@ class Preference(CausalLM):
         gamma = objective.get("gamma")
         if name == "simpo" and (isinstance(gamma, bool) or not isinstance(gamma, int | float) or gamma < 0):
             problems.append(f"objective.gamma={gamma!r} must be a number >= 0 (the target reward margin); fix: objective.gamma=1.0")
+        if name in NEEDS_REFERENCE and rewrites_base(cfg.get("peft")):
+            problems.append(
+                f"objective={name} with peft.init_lora_weights={cfg.peft.init_lora_weights}: the reference is the model with its "
+                "adapters off, and PiSSA/OLoRA leave a residual base there, not the model you started from; fix: "
+                "peft.init_lora_weights=true, or a reference-free objective (objective=orpo, simpo)"
+            )
         if (cfg.get("callbacks") or {}).get("neftune") is not None:
             problems.append(
                 "callbacks=neftune with task=preference: the noise would reach the adapters-off reference pass too, and "
