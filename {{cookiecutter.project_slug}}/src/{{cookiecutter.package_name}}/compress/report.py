@@ -140,7 +140,7 @@ def markdown_table(report: dict) -> str:
     some variant has one)."""
     metric_names = report.get("metric_names") or list(report["variants"][0]["metrics"])
     timed = any(v["latency_ms"] for v in report["variants"])
-    noted = any(v.get("note") for v in report["variants"])
+    noted = any(v["note"] for v in report["variants"])
     header = ["variant", "runtime", "size MB", f"× {report['baseline']}"]
     for name in metric_names:
         header += [name, "Δ", f"× {report['baseline']}"]
@@ -153,13 +153,13 @@ def markdown_table(report: dict) -> str:
             row += [
                 _number(v["metrics"].get(name), 4),
                 _number(v["delta"].get(name), 4, signed=True),
-                _number((v.get("metric_ratio") or {}).get(name), 4),
+                _number(v["metric_ratio"].get(name), 4),
             ]
         if timed:
             latency = v["latency_ms"] or {"p50": None, "p90": None}
             baseline = "" if v["latency_baseline"] == v["name"] else f" (vs `{v['latency_baseline']}`)"
             row += [_number(latency["p50"], 1), _number(latency["p90"], 1), _number(v["latency_ratio"]["p50"]) + baseline]
-        row += [v.get("note") or ""] if noted else []
+        row += [v["note"]] if noted else []
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

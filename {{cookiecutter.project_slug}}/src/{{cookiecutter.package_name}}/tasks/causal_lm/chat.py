@@ -694,21 +694,19 @@ class ChatDataModule(TokenizedDataModule):
         """Load, render, tokenise and label what ``stage`` needs (cached on disk by ``datasets``)."""
         self.prepare_tokenizer()
         if stage in ("fit", "validate") and "train" not in self.datasets:
-            if self.mixes("train"):  # (mix_problems made sure a validation split is given)
-                self.datasets["train"] = self._prepare("train", None, rows=self.split_rows("train"))
-                validation = self.load("validation")
+            if "validation" in self.splits:  # (always, for a mix of train files: mix_problems)
+                train, validation = self.split_rows("train"), self.split_rows("validation")
             else:
-                train = self.load("train")
-                if "validation" in self.splits:
-                    validation = self.load("validation")
-                else:
-                    train, validation = self.hold_out_validation(train, "row", "data.splits.validation=path/to/val.jsonl, or more rows")
-                self.datasets["train"] = self._prepare("train", train)
+                train, validation = self.hold_out_validation(
+                    self.load("train"), "row", "data.splits.validation=path/to/val.jsonl, or more rows"
+                )
+                train, validation = self.tokenized("train", train), self.tokenized("validation", validation)
+            self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)
         # The test split is checked with the others (train validates before fitting, and scores the
         # untuned model's answers to it), so a bad test row stops the run before any weights load.
         if stage in ("fit", "validate", "test") and self.has_test and "test" not in self.datasets:
-            self.datasets["test"] = self._prepare("test", self.load("test"))
+            self.datasets["test"] = self._prepare("test", self.split_rows("test"))
         if stage == "test" and "test" not in self.datasets:
             raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.jsonl")
         if stage in ("fit", "validate"):
@@ -773,12 +771,10 @@ class ChatDataModule(TokenizedDataModule):
             desc=f"Rendering {split}",
         )
 
-    def _prepare(self, split: str, dataset: datasets.Dataset | None, rows: datasets.Dataset | None = None) -> datasets.Dataset:
-        """Tokenise (or take ``rows``, already tokenised: :meth:`split_rows`), drop (and count)
-        rows with no trained token, pack when ``mode=pack_rows``."""
-        tokenized = self.tokenized(split, dataset) if rows is None else rows
+    def _prepare(self, split: str, tokenized: datasets.Dataset) -> datasets.Dataset:
+        """From the split's tokenised rows (:meth:`split_rows`): drop (and count) rows with no
+        trained token, pack when ``mode=pack_rows``."""
         self.split_sizes[split] = len(tokenized)
-        dataset = tokenized  # (its length, for the messages)
         trained = tokenized["n_trained"]
         self.dropped[split] = [row for row, n in zip(tokenized["row"], trained) if n == 0]
         if self.dropped[split]:
@@ -787,7 +783,7 @@ class ChatDataModule(TokenizedDataModule):
                 "(rows %s); fix: a larger data.max_length or data.truncation=left (see inspect_data)",
                 split,
                 len(self.dropped[split]),
-                len(dataset),
+                len(tokenized),
                 self.max_length,
                 self.dropped[split][:10],
             )
@@ -816,7 +812,7 @@ class ChatDataModule(TokenizedDataModule):
             )
         kept = self.finish(split, kept.select_columns(self.kept_columns()))
         self.token_counts[split] = self.count_tokens(kept)
-        log.info("%s: %d rows -> %d %s, %d tokens", split, len(dataset), len(kept), self.BATCH_ITEM, self.token_counts[split])
+        log.info("%s: %d rows -> %d %s, %d tokens", split, len(tokenized), len(kept), self.BATCH_ITEM, self.token_counts[split])
         return kept
 
     def kept_columns(self) -> list[str]:
