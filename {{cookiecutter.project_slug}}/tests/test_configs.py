@@ -43,6 +43,8 @@ HAS_CUDA = torch.cuda.is_available()
 NEEDS_GPU = {
     ("precision", "16-mixed"): ("needs a CUDA GPU", HAS_CUDA),
     ("attention", "flash_attention_2"): ("pip install flash-attn", HAS_CUDA and importlib.util.find_spec("flash_attn") is not None),
+    ("attention", "flex_attention"): ("trains on a CUDA GPU only", HAS_CUDA),
+    ("experiment", "lm_llama31_8b_qlora_chat_64k"): ("trains on a CUDA GPU only", HAS_CUDA),  # (flex_attention)
     ("loss", "liger"): ("liger-kernel", HAS_CUDA and importlib.util.find_spec("liger_kernel") is not None),
     ("trainer", "fsdp"): ("CUDA GPU", torch.cuda.device_count() >= 2),
     ("trainer", "gpu"): ("needs a CUDA GPU", HAS_CUDA),

@@ -321,3 +321,19 @@ def test_doctor_notes_versions_that_differ_from_the_tested_set(monkeypatch, caps
     code, text = run_main(capsys)
     assert "differ from the set the tests passed with" in text and "lightning==2.7.0" in text
     assert "pip install -c src/" in text and "tested_versions.txt" in text
+
+
+def test_a_machine_with_less_ram_than_the_host_budget_gets_the_budget_to_set(monkeypatch, capsys):
+    from importlib import resources
+
+    from omegaconf import OmegaConf
+
+    card = OmegaConf.load(resources.files("{{ cookiecutter.package_name }}") / "configs" / "hardware" / "rtx4090_24gb.yaml")
+    assert card.host_budget_gib == doctor.RTX4090_HOST_BUDGET_GIB  # the note quotes the shipped figure
+    monkeypatch.setattr(doctor, "host_memory_gib", lambda: {"total": 15.5, "available": 12.0})
+    code, out = run_main(capsys)
+    assert code == 0, out
+    assert "note: host memory 15.50 GiB: activation_checkpointing=offload is planned against hardware.host_budget_gib=24.0" in out
+    assert "set hardware.host_budget_gib=8 " in out
+    monkeypatch.setattr(doctor, "host_memory_gib", lambda: {"total": 64.0, "available": 60.0})
+    assert "host_budget_gib" not in run_main(capsys)[1]

@@ -189,6 +189,11 @@ def problems(report: dict) -> list[str]:
     return found
 
 
+# configs/hardware/rtx4090_24gb.yaml's host_budget_gib, and the RAM it leaves to everything else.
+RTX4090_HOST_BUDGET_GIB = 24.0
+HOST_RESERVE_GIB = 8.0
+
+
 def notes(report: dict) -> list[str]:
     """Return lines about things that work but cost speed or memory, or were not tested (never a failure)."""
     found = []
@@ -210,6 +215,13 @@ def notes(report: dict) -> list[str]:
                 f"GPU {gpu['index']}: only {gpu['free_gib']:.2f} of {gpu['total_gib']:.2f} GiB free; another process "
                 "holds the rest (see `nvidia-smi`), and the planner's budget assumes it is free"
             )
+    total = (report.get("host_memory_gib") or {}).get("total")
+    if total is not None and total - HOST_RESERVE_GIB < RTX4090_HOST_BUDGET_GIB:
+        found.append(
+            f"host memory {total:.2f} GiB: activation_checkpointing=offload is planned against hardware.host_budget_gib="
+            f"{RTX4090_HOST_BUDGET_GIB} of pinned host memory (hardware=rtx4090_24gb); on this machine set "
+            f"hardware.host_budget_gib={max(0.0, total - HOST_RESERVE_GIB):.0f} (the RAM less {HOST_RESERVE_GIB} GiB for the OS and the process)"
+        )
     return found
 
 

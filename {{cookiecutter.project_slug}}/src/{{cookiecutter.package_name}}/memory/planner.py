@@ -16,7 +16,8 @@ the memory tracker (:mod:`.tracer`), then add what the trace cannot see:
 - **CUDA vs CPU**: the trace runs on CPU fake tensors.  Attention: CPU sdpa runs the flash-
   attention CPU kernel, which saves the same (output, log-sum-exp) as CUDA's flash/memory-
   efficient kernels, so no correction; ``flash_attention_2`` is traced as sdpa (same saved
-  tensors).  Autocast: the CPU list keeps layer_norm/softmax in bf16 where CUDA computes them in
+  tensors), and so is ``flex_attention`` (FlexAttention saves the same); with either, packed rows
+  are traced without the dense ``(B, 1, T, T)`` mask SDPA builds for them.  Autocast: the CPU list keeps layer_norm/softmax in bf16 where CUDA computes them in
   fp32; the tracer emulates CUDA's float32 list (:class:`.tracer.CudaAutocastEmulation`).
   Logits: bf16 from the lm_head under autocast on both, and fp32 in our loss on both.
 - **Pruning** (``pruning`` group): torch's masks are not traced; each masked tensor adds a mask
@@ -48,7 +49,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ..checks import validate_config
 from ..compress.pruning import PruningMemory, pruning_memory
 from ..errors import ConfigError
-from ..models.levers import enable_activation_checkpointing
+from ..models.levers import ActivationOffload, apply_memory_levers
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
 from ..tasks import build_module, task_of
@@ -57,6 +58,9 @@ from ..utils.named import is_8bit_optimizer, is_paged_optimizer
 from . import tracer
 
 GIB = 2**30
+# Attention kernels that take packed rows without a dense (B, 1, T, T) mask: flash-attn's
+# variable-length kernel and FlexAttention's block mask ((T/128)^2 tile flags, ignored here).
+MASK_FREE_ATTENTION = ("flash_attention_2", "flex_attention")
 # bitsandbytes 8-bit state: 1 byte per moment (2 moments), block-wise fp32 maxima per 256 values.
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
@@ -104,10 +108,19 @@ class MemoryPlan:
     corrections: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     processes: int = 1  # trainer.devices x trainer.num_nodes: the plan is one process's (one GPU's)
+    host_pinned: int = 0  # bytes of pinned host memory: the offloaded activations of one micro-batch (allocator blocks)
+    offloaded_bytes: int = 0  # their bytes as tensors (numel x element size)
+    host_budget: int = 0  # hardware.host_budget_gib in bytes (0: not planned)
+    offloaded_tensors: int = 0  # how many tensors one micro-batch's forward offloads
+
+    @property
+    def host_fits(self) -> bool:
+        """The offloaded activations fit ``hardware.host_budget_gib`` (True without offloading or a budget)."""
+        return not self.host_budget or self.host_pinned <= self.host_budget
 
     def as_json(self) -> dict:
         """Plain JSON: every byte field also as ``<name>_gib`` (GiB, 3 decimals)."""
-        out = asdict(self)
+        out = {**asdict(self), "host_fits": self.host_fits}
         for name in (
             "params",
             "buffers",
@@ -120,6 +133,8 @@ class MemoryPlan:
             "total",
             "budget",
             "paged_optimizer",
+            "host_pinned",
+            "host_budget",
         ):
             out[f"{name}_gib"] = round(out[name] / GIB, 3)
         return out
@@ -145,8 +160,15 @@ class MemoryPlan:
         lines += [f"  {name:<26}{size / scale:>10.2f} {unit}" for name, size in rows]
         if self.paged_optimizer:
             lines.append(f"  (paged optimizer state      {self.paged_optimizer / scale:.2f} {unit} in unified memory, not counted)")
-        verdict = "fits" if self.fits else "does NOT fit"
+        gpu_fits = self.total <= self.budget
+        verdict = "fits" if gpu_fits else "does NOT fit"
         lines.append(f"Verdict: {self.total / scale:.2f} {unit} {verdict} in {self.budget / GIB:.2f} GiB ({hardware})")
+        if self.host_pinned:
+            host = "fits" if self.host_fits else "does NOT fit"
+            budget = f"in the host budget of {self.host_budget / GIB:.2f} GiB" if self.host_budget else "(no host budget set)"
+            lines.append(
+                f"Host memory: {self.host_pinned / GIB:.2f} GiB pinned for {self.offloaded_tensors} offloaded activations, {host} {budget}"
+            )
         if self.max_micro_batch and self.max_micro_batch_accumulate == 1:
             lines.append(
                 f"Largest micro-batch: {self.max_micro_batch}, the whole global batch (memory is left over: "
@@ -157,7 +179,7 @@ class MemoryPlan:
                 f"Largest micro-batch that fits: {self.max_micro_batch} "
                 f"(batch.micro_batch_size={self.max_micro_batch}, accumulation {self.max_micro_batch_accumulate})"
             )
-        else:
+        elif self.advice:  # (the search ran and found none; without the search, no line)
             lines.append("No micro-batch fits; try: " + "; ".join(self.advice))
         lines += [f"  note: {note}" for note in self.corrections]
         return "\n".join(lines)
@@ -222,6 +244,9 @@ class _Traced:
     param_bytes: int
     quantized_numels: list[int]
     pruning: PruningMemory | None = None  # pruning != none: what its masks add
+    offloaded_tensors: int = 0  # activation offloading: tensors and bytes sent to host memory
+    offloaded_bytes: int = 0
+    pinned_bytes: int = 0
 
 
 def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Traced:
@@ -231,7 +256,7 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Trace
         built = _build(cfg, config, str(cfg.trainer.precision))
     with tracer.fake_tensors():
         tracer.materialize_fake(built[0])
-        setup = training_step(cfg, config, micro_batch, built)
+        setup = training_step(cfg, config, micro_batch, built, trace=True)
         optimizer = setup.optimizer
         tracked = [setup.loss, *(optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer])]
         peak = tracer.peak_bytes(setup.step, tracked, mixed=is_mixed(cfg.trainer.precision))
@@ -242,8 +267,18 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Trace
         param_bytes = sum(p.numel() * p.element_size() for p in parameters)
         method = cfg.pruning.method if cfg.get("pruning") else "none"
         pruning = pruning_memory(setup.loss.model, method) if method != "none" else None
+        offload = setup.offload
         return _Traced(
-            peak, sum(p.numel() for p in parameters), sum(n for n, _ in trainable), trainable, param_bytes, setup.quantized_numels, pruning
+            peak,
+            sum(p.numel() for p in parameters),
+            sum(n for n, _ in trainable),
+            trainable,
+            param_bytes,
+            setup.quantized_numels,
+            pruning,
+            offload.tensors if offload else 0,
+            offload.bytes if offload else 0,
+            offload.pinned if offload else 0,
         )
 
 
@@ -255,6 +290,7 @@ class StepSetup:
     loss: torch.nn.Module
     optimizer: torch.optim.Optimizer
     quantized_numels: list[int]
+    offload: ActivationOffload | None = None  # activation offloading's hooks (their counters)
 
     def step(self) -> None:
         self.loss().backward()
@@ -263,7 +299,7 @@ class StepSetup:
 
 
 def training_step(
-    cfg: DictConfig, config: PretrainedConfig, micro_batch: int, built: tuple | None = None, device: str = "cpu"
+    cfg: DictConfig, config: PretrainedConfig, micro_batch: int, built: tuple | None = None, device: str = "cpu", trace: bool = False
 ) -> StepSetup:
     """The model, optimizer (state allocated) and a ``step()`` closure doing one training step of
     ``micro_batch`` x ``data.max_length`` random tokens, as ``train`` would: same builder,
@@ -272,6 +308,8 @@ def training_step(
     inside :func:`.tracer.fake_tensors` (``bench/planner_accuracy.py`` runs it for real) with
     ``built``, the :func:`_build` output materialized as fake tensors.  ``device``: where real
     tensors are made and autocast runs (``"cuda"``: ``bench/gpu_check.py`` measures the plan there).
+    ``trace``: inside the fake-tensor trace (activation offloading then copies nothing, see
+    :class:`..models.levers.ActivationOffload`).
 
     Returns:
         the :class:`StepSetup`; ``quantized_numels`` are the weights a QLoRA base holds in 4 bits.
@@ -283,8 +321,7 @@ def training_step(
     with torch.device(device) if device != "cpu" else contextlib.nullcontext():
         model, module, quantized = built or _build(cfg, config, precision)
         model.train()
-        if cfg.activation_checkpointing.mode == "full":
-            enable_activation_checkpointing(model)
+        offload = apply_memory_levers(model, to_plain(cfg.activation_checkpointing), trace=trace)
         optimizer_cfg = to_plain(cfg.optimizer)
         if is_8bit_optimizer(optimizer_cfg["name"]):  # traced as fp32 AdamW, its state then counted as stored (_plan_at)
             optimizer_cfg["name"] = "adamw"
@@ -296,7 +333,7 @@ def training_step(
         with torch.autocast(device, dtype=autocast_dtype, enabled=mixed):
             return task_of(cfg).example_loss(module, model, batch)
 
-    return StepSetup(_Loss(model, loss_fn), optimizer, quantized)
+    return StepSetup(_Loss(model, loss_fn), optimizer, quantized, offload)
 
 
 class _Loss(torch.nn.Module):
@@ -317,8 +354,10 @@ def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
     model, the task module holding it (its ``model_step`` is the loss) and the numels of the
     weights a QLoRA base would hold in 4 bits."""
     module = build_module(cfg)
-    if module.attn_implementation == "flash_attention_2":
-        module.hparams.attention = {"implementation": "sdpa"}  # the same saved tensors; flash-attn does not run on the CPU
+    if module.attn_implementation in MASK_FREE_ATTENTION:
+        # The same saved tensors as CPU sdpa (output, log-sum-exp), and no dense mask; neither runs
+        # on the CPU (flex has no CPU backward): traced as SDPA with no mask (tracer.mask_free_sdpa).
+        module.hparams.attention = {"implementation": tracer.mask_free_sdpa()}
     model, quantized = task_of(cfg).planned_model(module, cfg, config, precision)
     if precision.endswith("-true"):
         model.to(compute_dtype(precision))  # Lightning's *-true precision converts every floating tensor
@@ -465,6 +504,13 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         peak = _with_pruning(cfg, peak, traced, notes)
     allocated = sum(peak[k] for k in ("params", "buffers", "grads", "optimizer", "activations", "temporaries"))
     overhead = int(cfg.hardware.context_gib * GIB)
+    host_budget = int((cfg.hardware.get("host_budget_gib") or 0) * GIB)
+    if traced.offloaded_bytes:
+        notes.append(
+            f"activation offloading: {traced.offloaded_tensors} saved tensors ({traced.offloaded_bytes / GIB:.2f} GiB; "
+            f"{traced.pinned_bytes / GIB:.2f} GiB pinned, each block a power of two) held in host memory from forward "
+            "to backward, not on the GPU"
+        )
     counts = {  # the full sizes, by arithmetic (the table is what is alive at the peak)
         "parameters": traced.n_params,
         "trainable": traced.n_trainable,
@@ -489,10 +535,14 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         overhead=overhead,
         total=allocated + overhead,
         budget=budget,
-        fits=allocated + overhead <= budget,
+        fits=allocated + overhead <= budget and (not host_budget or traced.pinned_bytes <= host_budget),
         paged_optimizer=paged,
         counts=counts,
         corrections=notes,
+        host_pinned=traced.pinned_bytes,
+        host_budget=host_budget,
+        offloaded_tensors=traced.offloaded_tensors,
+        offloaded_bytes=traced.offloaded_bytes,
     )
 
 
@@ -519,6 +569,12 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
     """When not even micro-batch 1 fits: the levers not pulled yet, each planned at micro-batch 1
     and kept only if it lowers the total (with the saving), largest saving first; then the
     levers the planner cannot try by itself (a PEFT method needs its own config group)."""
+    if not one.host_fits:  # the host binds: no GPU lever helps that
+        return [
+            f"the offloaded activations need {one.host_pinned / GIB:.2f} GiB of pinned host memory, over "
+            f"hardware.host_budget_gib={cfg.hardware.host_budget_gib}: a shorter data.max_length (now {cfg.data.max_length}), "
+            "or a larger hardware.host_budget_gib if this machine has the RAM free (doctor reports it)"
+        ]
     weights = one.params + one.grads + one.optimizer
     candidates, told = task_of(cfg).memory_advice(cfg, weights_dominate=weights > one.activations + one.temporaries)
     candidates = dict(candidates)
@@ -603,8 +659,10 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> str:
     write_plan(plan, run_dir, cfg.hardware.name)
     if not plan.fits:
         fix = f"batch.micro_batch_size={plan.max_micro_batch}" if plan.max_micro_batch else "; ".join(plan.advice)
+        where = f"{cfg.hardware.budget_gib} GiB ({cfg.hardware.name})"
+        if not plan.host_fits:
+            where += f" and {cfg.hardware.host_budget_gib} GiB of pinned host memory"
         raise ConfigError(
-            f"this run will not fit in {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}):\n"
-            f"{plan.table(cfg.hardware.name)}\nfix: {fix}; or plan_before_fit=false to run anyway"
+            f"this run will not fit in {where}:\n{plan.table(cfg.hardware.name)}\nfix: {fix}; or plan_before_fit=false to run anyway"
         )
     return f"planned peak {plan.total / 2**30:.2f} GiB of {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}; plan.txt)"

@@ -61,6 +61,29 @@ class CudaAutocastEmulation(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+MASK_FREE_SDPA = "planner_mask_free_sdpa"
+
+
+def mask_free_sdpa() -> str:
+    """Register (once; idempotent) and return the name of an attention implementation for the
+    trace of kernels that need no dense mask (``flash_attention_2``'s varlen kernel,
+    ``flex_attention``'s block mask): transformers' own SDPA function called with no mask (its
+    ``is_causal`` path: the CPU flash kernel, saving output and log-sum-exp as those kernels do).
+
+    Why: on fake tensors transformers cannot prove that a causal mask may be skipped (its offsets
+    are fake tensors), so plain ``sdpa`` always materialises a ``(B, 1, T, T)`` boolean mask in
+    the trace; an implementation registered without a mask function gets none
+    (``transformers.AttentionInterface``, the public way to add one)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register(MASK_FREE_SDPA, attention)
+    return MASK_FREE_SDPA
+
+
 @contextmanager
 def fake_tensors() -> Iterator[None]:
     """Every tensor created inside is a fake CPU tensor (no storage, no real memory)."""

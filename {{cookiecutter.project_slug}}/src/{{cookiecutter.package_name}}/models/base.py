@@ -159,8 +159,12 @@ class HFModule(L.LightningModule):
             prepare_qat(model, qat)
 
     def apply_levers(self, compile_target: torch.nn.Module | None = None) -> None:
-        """Activation checkpointing and compile, from the config groups (see :mod:`.levers`)."""
-        apply_levers(self.model, self.hparams.get("activation_checkpointing"), self.hparams.get("compile"), compile_target)
+        """Activation checkpointing (with offloading and the tiled MLP) and compile, from the config
+        groups (see :mod:`.levers`); ``self.activation_offload`` holds the offloading hooks' counters
+        (None when offloading is off)."""
+        self.activation_offload = apply_levers(
+            self.model, self.hparams.get("activation_checkpointing"), self.hparams.get("compile"), compile_target
+        )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # No LR scheduler here: the schedule callback sets the LR from the optimizer step count,

@@ -66,7 +66,13 @@ class CausalLM(Task):
 
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
         batch = super().example_batch(cfg, vocab_size, micro_batch)
-        if cfg.data.mode == "pack_rows":
+        attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
+        if cfg.data.mode == "pack_rows" and attention in ("flash_attention_2", "flex_attention"):
+            # flash-attn (varlen) and flex (block mask) attend within packed rows with no dense mask:
+            # traced as SDPA with no attention mask at all (transformers then takes SDPA's is_causal
+            # path and builds none; a mask of ones would be materialised on fake tensors).
+            batch = {"input_ids": batch["input_ids"], "attention_mask": None}
+        elif cfg.data.mode == "pack_rows":
             # Packed chat rows: per-row position ids, no attention mask, so the trace holds the dense
             # block-diagonal (B, 1, T, T) mask that transformers builds for SDPA/eager (two rows a block).
             positions = torch.arange(cfg.data.max_length) % -(-cfg.data.max_length // 2)
