@@ -12,7 +12,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from {{ cookiecutter.package_name }}.checks import validate_config
 from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, plan_memory, training_step
-from {{ cookiecutter.package_name }}.models.levers import ActivationOffload, enable_activation_checkpointing, enable_tiled_mlp
+from {{ cookiecutter.package_name }}.models.levers import (
+    ActivationOffload,
+    enable_activation_checkpointing,
+    enable_activation_offloading,
+    enable_tiled_mlp,
+)
 from {{ cookiecutter.package_name }}.train import train
 
 from .test_planner import TINY_LM, plan_cfg
@@ -119,6 +124,23 @@ def _tiny_llama(layers: int = 2) -> AutoModelForCausalLM:
         max_position_embeddings=128,
     )
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+
+
+def test_offloading_never_moves_a_parameter_after_the_model_moves():
+    """``.to(device)`` or quantization give parameters new storages after the hooks are installed:
+    the saved final-norm weight must still stay (the hooks re-read the storages each forward)."""
+    model = _tiny_llama()
+    enable_activation_checkpointing(model)
+    offload = enable_activation_offloading(model, min_bytes=0)
+    model.to(torch.float64)  # every parameter gets a new storage
+    moved = []
+    pack = offload.pack
+    offload.pack = lambda tensor: (moved.append(tensor) if offload.offloads(tensor) else None) or pack(tensor)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    parameters = {id(p.untyped_storage()) for p in model.parameters()}
+    assert len(moved) >= 2 and offload.restored == offload.tensors == len(moved)
+    assert not [tuple(t.shape) for t in moved if id(t.untyped_storage()) in parameters]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -114,13 +114,18 @@ class ActivationOffload:
     """
 
     def __init__(self, parameters: list[torch.Tensor], min_bytes: int, trace: bool = False) -> None:
-        # Storages of the parameters (the same Python object for every view of one storage),
-        # held for the module's life so their ids stay theirs.
-        self._parameter_storages = [p.untyped_storage() for p in parameters]
-        self._storage_ids = {id(storage) for storage in self._parameter_storages}
         self.min_bytes, self.trace = min_bytes, trace
         self._stream = None
+        self.keep(parameters)
         self.reset()
+
+    def keep(self, parameters: list[torch.Tensor]) -> None:
+        """Never offload these tensors or views of them.  Called again before each forward: moving
+        a model to the GPU (or quantizing it) gives its parameters new storages."""
+        # Storages are matched by identity (one Python object per storage, shared by its views),
+        # held here so that their ids stay theirs.
+        self._parameter_storages = [p.untyped_storage() for p in parameters]
+        self._storage_ids = {id(storage) for storage in self._parameter_storages}
 
     def reset(self) -> None:
         self.tensors = self.bytes = self.pinned = self.restored = 0
@@ -221,6 +226,7 @@ def enable_activation_offloading(model: nn.Module, min_bytes: int, trace: bool =
 
     def open_hooks(module, args):
         if module.training and torch.is_grad_enabled():
+            offload.keep(list(model.parameters()))  # (their storages now: after .to(device), quantization)
             hooks = torch.autograd.graph.saved_tensors_hooks(offload.pack, offload.unpack)
             hooks.__enter__()
             opened.append(hooks)
