@@ -73,7 +73,8 @@ def mask_free_sdpa() -> str:
     Why: on fake tensors transformers cannot prove that a causal mask may be skipped (its offsets
     are fake tensors), so plain ``sdpa`` always materialises a ``(B, 1, T, T)`` boolean mask in
     the trace; an implementation registered without a mask function gets none
-    (``transformers.AttentionInterface``, the public way to add one)."""
+    (``transformers.AttentionInterface``, the public way to add one: transformers' "Attention
+    Interface" docs wrap ``sdpa_attention_forward`` the same way)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
