@@ -182,6 +182,13 @@ def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypa
         (("loss=liger", "trainer=cpu"), "loss=liger needs a CUDA GPU and the liger-kernel package"),
         (("loss.implementation=fused",), "loss.implementation='fused'"),
         (("hardware.bf16=false", "precision=bf16-mixed"), "which has no bf16"),
+        (("activation_checkpointing=none", "activation_checkpointing.offload=true"), "fix: activation_checkpointing=offload"),
+        (("activation_checkpointing=offload", "compile=default"), "activation_checkpointing.offload=true with compile=default"),
+        (("activation_checkpointing.offload=yes",), "activation_checkpointing.offload='yes' must be true or false"),
+        (("activation_checkpointing.offload_min_bytes=-1",), "offload_min_bytes=-1"),
+        (("activation_checkpointing.mlp_tiles=0",), "mlp_tiles=0 must be a whole number >= 1"),
+        (("activation_checkpointing.mlp_tiles=1000",), "mlp_tiles=1000 is more than data.max_length"),
+        (("attention=flex_attention", "trainer=cpu"), "attention=flex_attention trains on a CUDA GPU only"),
     ],
 )
 def test_lever_conflicts_are_refused_before_anything_loads(make_lm_cfg, overrides, message):

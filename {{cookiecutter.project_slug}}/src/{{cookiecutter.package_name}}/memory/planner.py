@@ -53,14 +53,11 @@ from ..models.levers import ActivationOffload, apply_memory_levers
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
 from ..tasks import build_module, task_of
-from ..utils.config import precision_is_auto, to_plain, uses_cuda, world_size
+from ..utils.config import MASK_FREE_ATTENTION, precision_is_auto, to_plain, uses_cuda, world_size
 from ..utils.named import is_8bit_optimizer, is_paged_optimizer
 from . import tracer
 
 GIB = 2**30
-# Attention kernels that take packed rows without a dense (B, 1, T, T) mask: flash-attn's
-# variable-length kernel and FlexAttention's block mask ((T/128)^2 tile flags, ignored here).
-MASK_FREE_ATTENTION = ("flash_attention_2", "flex_attention")
 # bitsandbytes 8-bit state: 1 byte per moment (2 moments), block-wise fp32 maxima per 256 values.
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256

@@ -39,6 +39,9 @@ TRUNCATION = ("right", "left")
 PEFT_METHODS = ("none", "lora", "qlora")
 # The memory levers (configs/attention, activation_checkpointing, compile).
 ATTENTION = ("sdpa", "flash_attention_2", "flex_attention", "eager")
+# Those that attend within packed rows with no dense (B, 1, T, T) mask: flash-attn's varlen kernel,
+# FlexAttention's block mask (the planner traces them mask-free).
+MASK_FREE_ATTENTION = ("flash_attention_2", "flex_attention")
 CHECKPOINTING = ("none", "full")
 COMPILE_MODES = ("off", "default", "max-autotune")
 LOSSES = ("plain", "chunked", "liger")

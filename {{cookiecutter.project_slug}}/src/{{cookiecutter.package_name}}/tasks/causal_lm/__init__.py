@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from ...compress.quantization import TORCHAO_VARIANTS
-from ...utils.config import CHAT_MODES, SAMPLE_BY, TEXT_MODES, TRAIN_ON, TRUNCATION
+from ...utils.config import CHAT_MODES, MASK_FREE_ATTENTION, SAMPLE_BY, TEXT_MODES, TRAIN_ON, TRUNCATION
 from ..base import Task, to_device
 
 # Positions per chunk the planner suggests for loss=chunked (the loss group's default).
@@ -67,7 +67,7 @@ class CausalLM(Task):
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
         batch = super().example_batch(cfg, vocab_size, micro_batch)
         attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
-        if cfg.data.mode == "pack_rows" and attention in ("flash_attention_2", "flex_attention"):
+        if cfg.data.mode == "pack_rows" and attention in MASK_FREE_ATTENTION:
             # flash-attn (varlen) and flex (block mask) attend within packed rows with no dense mask:
             # traced as SDPA with no attention mask at all (transformers then takes SDPA's is_causal
             # path and builds none; a mask of ones would be materialised on fake tensors).
