@@ -97,6 +97,7 @@ ONLY_FOR = {
         "tests/test_levers.py",
         "tests/slow/test_compile.py",
         "bench/text_pipeline.py",
+        "bench/step_time.py",
         f"{SRC}/assets/chat_templates",
         f"{SRC}/inspect_data.py",
         f"{CONFIGS}/inspect_data.yaml",

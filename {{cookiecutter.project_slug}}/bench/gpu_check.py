@@ -35,6 +35,10 @@ Cases (``--cases``; see ``docs/performance.md``):
   gradients are bit-identical (the copies are exact).
 - ``flex_packed``: packed rows under ``flex_attention`` against SDPA with its dense mask: the
   largest relative gradient difference (bf16) and tokens/s.
+- ``step_time``: the step-time roofline (``memory/steptime.py``) calibrated on this GPU: its peaks
+  measured (``measure_peaks("cuda")``, what ``doctor --measure`` prints), then predicted vs
+  measured ms per step (the median of 5 after 2 warm-up steps) for the ``planner`` recipes, with
+  the measured peaks and with the ``hardware=rtx4090_24gb`` figures.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 CUDA_ONLY_LINE = "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); run it on a machine with one"
-DEFAULT_CASES = ["planner", "throughput", "host_syncs", "sparse_2_4", "int4_nf4", "flash_varlen", "offload", "flex_packed"]
+DEFAULT_CASES = ["planner", "throughput", "host_syncs", "sparse_2_4", "int4_nf4", "flash_varlen", "offload", "flex_packed", "step_time"]
 ALL_CASES = [*DEFAULT_CASES, "planner_8b"]
 PLANNER_RECIPES = {
 {%- if cookiecutter.tasks == "classification" %}
@@ -216,6 +220,36 @@ def case_planner(name: str) -> list[dict]:
         note = f"micro-batch {micro_batch} x {cfg.data.max_length}, error {error_pct(plan.peak_allocated, measured):+.1f} %"
         rows.append(row(name, recipe, plan.peak_allocated / GIB, "GiB predicted", measured / GIB, note=note))
         del setup
+    return rows
+
+
+def case_step_time(name: str) -> list[dict]:
+    """Predicted (roofline, with this GPU's measured peaks and with the 4090's) vs measured ms per optimizer step."""
+    import torch
+    from omegaconf import open_dict
+
+    from {{ cookiecutter.package_name }}.memory.planner import architecture, step_cost, training_step
+    from {{ cookiecutter.package_name }}.memory.steptime import Peaks, measure_peaks, predict
+
+    measured_peaks = measure_peaks("cuda")
+    rows = [row(name, f"peaks: {key}", value) for key, value in measured_peaks.items()]
+    for recipe in PLANNER_RECIPES["planner"]:
+        cfg = compose([f"experiment={recipe}", "logger=none", "batch.global_batch_size=${batch.micro_batch_size}"])
+        config = architecture(cfg)
+        micro_batch = cfg.batch.micro_batch_size
+        cost, _ = step_cost(cfg, config, micro_batch)
+        card = predict(cost, Peaks.of(cfg.hardware), 1, micro_batch * cfg.data.max_length).total_ms
+        with open_dict(cfg):
+            cfg.hardware.update(measured_peaks)
+        here = predict(cost, Peaks.of(cfg.hardware), 1, micro_batch * cfg.data.max_length).total_ms
+        setup = training_step(cfg, config, micro_batch, device="cuda")
+        measured = cuda_time(setup.step, warmup=2, repeats=5)
+        note = (
+            f"4090 figures: {card:.1f} ms ({error_pct(card, measured):+.1f} %); this GPU's peaks: error {error_pct(here, measured):+.1f} %"
+        )
+        rows.append(row(name, recipe, here, "ms predicted", measured, note=note))
+        del setup
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -550,6 +584,7 @@ CASE_FUNCTIONS: dict[str, Callable[[str], list[dict]]] = {
     "int4_nf4": case_int4_nf4,
     "flash_varlen": case_flash_varlen,
     "offload": case_offload,
+    "step_time": case_step_time,
     "flex_packed": case_flex_packed,
 }
 

@@ -87,6 +87,22 @@ def test_runs_on_this_machine(tmp_path):
         assert "python -m {{ cookiecutter.package_name }}.plan" in result.stdout
 
 
+def test_measure_prints_the_peaks_as_overrides_the_step_time_model_takes(capsys, tmp_path):
+    from {{ cookiecutter.package_name }}.memory.steptime import Peaks
+
+    from .test_planner import plan_cfg
+
+    code, out = run_main(capsys, ["--measure", "--json", str(tmp_path / "doctor.json")])
+    assert code == 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides = re.search(rf"Measured peaks \({device}; [^)]*\): (.*)$", out).group(1).split()
+    keys = ["hardware.peak_tflops_fp32", "hardware.peak_tflops", "hardware.memory_gbps", "hardware.op_overhead_us"]
+    assert [o.split("=")[0] for o in overrides] == keys + (["hardware.kernels_overlap"] if device == "cpu" else [])
+    peaks = Peaks.of(plan_cfg("hardware=cpu", *overrides).hardware)
+    assert peaks.tflops > 0 and peaks.memory_gbps > 0 and peaks.op_overhead_us > 0
+    assert json.loads((tmp_path / "doctor.json").read_text())["measured_peaks"]["device"] == device
+
+
 def test_missing_required_package_fails_with_the_fix(monkeypatch, capsys):
     found = doctor.module_found
     monkeypatch.setattr(doctor, "module_found", lambda module: module != "transformers" and found(module))

@@ -3,6 +3,7 @@
     python -m <package>.doctor
     python -m <package>.doctor --json doctor.json   # also write the report as JSON
     python -m <package>.doctor --write-tested-versions src/<package>/tested_versions.txt   # after a passing test run
+    python -m <package>.doctor --measure   # also measure this machine's peaks for the step-time model (~10 s)
 
 Prints the Python and torch versions, torch's CUDA and cuDNN builds, the NVIDIA driver (from
 NVML), each visible GPU (compute capability, total and free memory, bf16 and TF32), the CPUs,
@@ -438,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="write the installed versions of the project's dependencies (with the dev extra) as a constraints file, and exit",
     )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also measure matmul TFLOP/s, memory bandwidth and per-op overhead (the first CUDA GPU, else the CPU) "
+        "and print them as hardware.* overrides for plan.mode=fastest|time",
+    )
     args = parser.parse_args(argv)
     if args.write_tested_versions is not None:
         from .utils import versions
@@ -450,6 +457,17 @@ def main(argv: list[str] | None = None) -> int:
     report = collect()
     found, advice = problems(report), notes(report)
     render(report, found, advice)
+    if args.measure and report["torch"] is not None:
+        from .memory.steptime import measure_peaks
+
+        device = "cuda" if report["gpus"] else "cpu"
+        report["measured_peaks"] = {"device": device, **measure_peaks(device)}
+        overrides = " ".join(f"hardware.{key}={value}" for key, value in report["measured_peaks"].items() if key != "device")
+        kind = "" if device == "cuda" else " hardware.kernels_overlap=false"
+        print(f"\nMeasured peaks ({device}; the step-time model's, memory/steptime.py):\n  {overrides}{kind}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**report, "problems": found, "notes": advice}, indent=2) + "\n")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**report, "problems": found, "notes": advice}, indent=2) + "\n")

@@ -1,12 +1,14 @@
-"""Predict a run's peak GPU memory without a GPU: the same overrides as ``train``.
+"""Predict a run's peak GPU memory and step time without a GPU: the same overrides as ``train``.
 
     python -m <package>.plan experiment=lm_llama31_8b_qlora
     python -m <package>.plan experiment=lm_llama32_1b_full batch.micro_batch_size=2 hydra.run.dir=RUN
+    python -m <package>.plan experiment=lm_llama31_8b_qlora_chat plan.mode=longest   # or fastest, time
 
-Prints a table (parameters, gradients, optimizer state, activations, temporaries, total, in GiB)
-against ``hardware.budget_gib``, the verdict and the largest micro-batch that fits, and writes
-``plan.json`` and ``plan.txt`` into the run directory.  Reads no weights and no data; see
-:mod:`.memory.planner` for the method and its corrections.
+``plan.mode=fit`` (the default) prints a table (parameters, gradients, optimizer state,
+activations, temporaries, total, in GiB) against ``hardware.budget_gib``, the verdict and the
+largest micro-batch that fits; ``longest``, ``fastest`` and ``time`` answer the questions of
+:mod:`.memory.modes`.  Writes ``plan.json`` and ``plan.txt`` into the run directory.  Reads no
+weights and no data; see :mod:`.memory.planner` for the method and its corrections.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from .checks import validate_config
-from .memory.planner import for_the_card, plan_memory, write_plan
+from .errors import ConfigError
+from .memory import modes
+from .memory.planner import architecture, for_the_card, plan_memory, write_plan
 from .utils.config import config_warnings
 from .utils.outputs import claim_outputs
 from .utils.run import exit_on_bad_input, hydra_main
@@ -32,12 +36,33 @@ def main(cfg: DictConfig) -> None:
         validate_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
         for warning in config_warnings(cfg):
             rank_zero_warn(warning)
+        mode = cfg.plan.mode
+        if mode not in modes.MODES:
+            raise ConfigError(f"plan.mode={mode!r} is not one of {', '.join(modes.MODES)}")
+        if mode in ("fastest", "time"):
+            modes.Peaks.of(cfg.hardware)  # (the step-time model's peaks, before any trace)
         claim_outputs(cfg, {}, {}, run_files=("plan.json", "plan.txt"))  # (never over another run's plan)
         start = time.perf_counter()
-        plan = plan_memory(cfg)
-    run_dir = Path(cfg.paths.output_dir)
-    write_plan(plan, run_dir, cfg.hardware.name)
-    print(plan.table(cfg.hardware.name))
+        config = architecture(cfg)
+        run_dir = Path(cfg.paths.output_dir)
+        hardware = cfg.hardware.name
+        if mode == "fit":
+            plan = plan_memory(cfg, config=config)
+            text, extra = plan.table(hardware), {}
+        elif mode == "longest":
+            found = modes.longest_context(cfg, config)
+            plan, text = found.plan, found.text(hardware)
+            extra = {"longest_max_length": found.length, "length_step": found.step, "above": found.above, "traces": found.traces}
+        elif mode == "fastest":
+            ranked, traced, closest = modes.fastest_levers(cfg, config)
+            plan, text = None, modes.fastest_text(cfg, ranked, traced, closest)
+            extra = {"fastest": [modes.candidate_json(c) for c in ranked], "closest": closest, "traces": traced}
+        else:
+            end = modes.time_to_end(cfg, config)
+            plan, text = end.plan, end.text(hardware)
+            extra = {"steps": end.steps, "hours": round(end.hours, 3), "step_time": modes.time_json(end.time)}
+    write_plan(plan, run_dir, hardware, text, {"mode": mode, **extra})
+    print(text)
     print(f"({time.perf_counter() - start:.1f} s; written to {run_dir / 'plan.json'})")
 
 

@@ -39,11 +39,14 @@ from .callbacks.build import instantiate_callbacks
 from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, StopOnSignal, signals_stop_the_run
 from .callbacks.pruning import Pruning
 from .callbacks.run_identity import RunIdentity
+from .callbacks.step_time import StepTimeCheck
 from .callbacks.terminal import RunHeader, print_results
 from .checks import validate_config
 from .errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
+from .memory.modes import predicted_step_ms
 from .memory.oom import write_oom_report
 from .memory.planner import check_memory_plan
+from .memory.steptime import has_peaks
 from .models.inputs import ConnectData
 from .tasks import build_module, task_of
 from .utils.checkpoints import last_checkpoint, save_final_checkpoint, trained_checkpoint
@@ -95,11 +98,12 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
         rank_zero_warn(warning)
     run_dir = Path(cfg.paths.output_dir)
     main_process = rank_zero_only.rank == 0  # the other ranks of a DDP/FSDP run write nothing of their own
-    plan = "planned on rank 0"
+    plan, predicted_ms = "planned on rank 0", None
     if main_process:
         save_run_config(cfg, run_dir)
         print_config_tree(cfg, save_to=run_dir / "config_tree.log", show=bool(cfg.get("print_config")))
-        plan = check_memory_plan(cfg, run_dir)
+        plan, memory_plan = check_memory_plan(cfg, run_dir, count=has_peaks(cfg.hardware))
+        predicted_ms = predicted_step_ms(cfg, memory_plan)
     if cfg.hardware.tf32:
         torch.set_float32_matmul_precision("high")  # fp32 matmuls (32-true, the fp32 parts of *-mixed) on TF32 tensor cores
     if cfg.seed is not None:
@@ -111,7 +115,8 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     loggers = instantiate_loggers(cfg, resumes_wandb_run=resumes_wandb_run)
     header = RunHeader(run_dir, model_line(cfg), batch_line(cfg), plan, auto_precision=precision_is_auto(cfg))
     identity = RunIdentity(cfg, resumed, where)  # (after ConnectData: it compares the data's labels)
-    trainer = instantiate_trainer(cfg, [ConnectData(), identity, *instantiate_callbacks(cfg), header], loggers)
+    timing = [StepTimeCheck(predicted_ms)] if predicted_ms else []  # (the roofline beside the measured step)
+    trainer = instantiate_trainer(cfg, [ConnectData(), identity, *instantiate_callbacks(cfg), header, *timing], loggers)
     for logger in loggers:
         logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: utils/secrets.py)
 

@@ -54,6 +54,17 @@ def test_identity_cost_bench_prints_first_and_cached_hash_times(tmp_path):
     lines = run_bench("identity_cost.py", "--files", str(tmp_path / "model"), str(tmp_path / "train.csv"))
     assert re.fullmatch(r"first_s=\d+\.\d{3} cached_s=\d+\.\d{4} launch_check_s=\d+\.\d{4} gb_per_s=\d+\.\d{2}", lines[-1]), lines[-1]
     assert lines[0].split()[0] == "path" and len(lines) == 4, lines
+{%- if cookiecutter.tasks != "classification" %}
+
+
+def test_step_time_bench_prints_its_error(tmp_path):
+    lines = run_bench(
+        "step_time.py", "--cases", "tiny_llama_2l", "--steps", "1", "--overrides", "data.max_length=32", f"paths.cache_dir={tmp_path}"
+    )
+    assert re.fullmatch(r"max_abs_error_pct=\d+\.\d", lines[-1]), lines[-1]
+    assert lines[0].startswith("peaks of this CPU") and "hardware.memory_gbps=" in lines[0]
+    assert re.match(r"tiny_llama_2l +predicted +\d+\.\d ms +measured +\d+\.\d ms +error", lines[1]), lines[1]
+{%- endif %}
 
 
 def test_planner_accuracy_bench_prints_its_error(tmp_path):

@@ -56,6 +56,7 @@ from ..tasks import build_module, task_of
 from ..utils.config import MASK_FREE_ATTENTION, precision_is_auto, to_plain, uses_cuda, world_size
 from ..utils.named import is_8bit_optimizer, is_paged_optimizer
 from . import tracer
+from .steptime import StepCost
 
 GIB = 2**30
 # bitsandbytes 8-bit state: 1 byte per moment (2 moments), block-wise fp32 maxima per 256 values.
@@ -109,6 +110,11 @@ class MemoryPlan:
     offloaded_bytes: int = 0  # their bytes as tensors (numel x element size)
     host_budget: int = 0  # hardware.host_budget_gib in bytes (0: not planned)
     offloaded_tensors: int = 0  # how many tensors one micro-batch's forward offloads
+    # For plan.mode (memory/modes.py), not in plan.json: the step's kernels (count=True), the
+    # trainable tensors' (numel, bytes per value), each offloaded tensor's bytes.
+    cost: StepCost | None = field(default=None, repr=False)
+    trainable: list = field(default_factory=list, repr=False)
+    offloaded_sizes: list = field(default_factory=list, repr=False)
 
     @property
     def host_fits(self) -> bool:
@@ -117,7 +123,8 @@ class MemoryPlan:
 
     def as_json(self) -> dict:
         """Plain JSON: every byte field also as ``<name>_gib`` (GiB, 3 decimals)."""
-        out = {**asdict(self), "host_fits": self.host_fits}
+        out = {key: value for key, value in asdict(self).items() if key not in ("cost", "trainable", "offloaded_sizes")}
+        out["host_fits"] = self.host_fits
         for name in (
             "params",
             "buffers",
@@ -244,11 +251,14 @@ class _Traced:
     offloaded_tensors: int = 0  # activation offloading: tensors and bytes sent to host memory
     offloaded_bytes: int = 0
     pinned_bytes: int = 0
+    cost: StepCost | None = None  # trace(count=True): the step's kernels
+    offloaded_sizes: list = field(default_factory=list)
 
 
-def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Traced:
+def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, count: bool = False) -> _Traced:
     """Trace one training step of ``micro_batch`` sequences of ``data.max_length`` tokens on fake
-    tensors; the autocast ops follow CUDA's rules (see the module docstring)."""
+    tensors; the autocast ops follow CUDA's rules (see the module docstring).  ``count``: also count
+    its kernels (``_Traced.cost``, for :mod:`.steptime`)."""
     with torch.device("meta"):
         built = _build(cfg, config, str(cfg.trainer.precision))
     with tracer.fake_tensors():
@@ -256,7 +266,9 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Trace
         setup = training_step(cfg, config, micro_batch, built, trace=True)
         optimizer = setup.optimizer
         tracked = [setup.loss, *(optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer])]
-        peak = tracer.peak_bytes(setup.step, tracked, mixed=is_mixed(cfg.trainer.precision))
+        counter = tracer.OpCounter() if count else None
+        with counter or contextlib.nullcontext():
+            peak = tracer.peak_bytes(lambda: setup.step(counter), tracked, mixed=is_mixed(cfg.trainer.precision))
         if isinstance(optimizer, StepInBackward):
             optimizer.remove_hooks()
         parameters = list(setup.loss.model.parameters())  # unique: tied weights once
@@ -276,7 +288,47 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> _Trace
             offload.tensors if offload else 0,
             offload.bytes if offload else 0,
             offload.pinned if offload else 0,
+            _with_dequantization(
+                StepCost(micro_batch, counter.ops["micro"], counter.ops["optimizer"], offload.bytes if offload else 0),
+                setup.quantized_numels,
+                cfg,
+            )
+            if counter
+            else None,
+            offload.sizes if offload else [],
         )
+
+
+def step_cost(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> tuple[StepCost, list[tuple[int, int]]]:
+    """The kernels of one training step of ``cfg`` at ``micro_batch`` (a fake-tensor run without
+    the memory tracker: a fraction of a plan's time), for :func:`.steptime.predict`, and the
+    trainable tensors' ``(numel, bytes per value)``."""
+    cfg = for_the_card(cfg)
+    with torch.device("meta"):
+        built = _build(cfg, config, str(cfg.trainer.precision))
+    with tracer.fake_tensors():
+        tracer.materialize_fake(built[0])
+        setup = training_step(cfg, config, micro_batch, built, trace=True)
+        with tracer.OpCounter() as counter:
+            if is_mixed(cfg.trainer.precision):
+                with tracer.CudaAutocastEmulation():
+                    setup.step(counter)
+            else:
+                setup.step(counter)
+        if isinstance(setup.optimizer, StepInBackward):
+            setup.optimizer.remove_hooks()
+        trainable = [(p.numel(), p.element_size()) for p in setup.loss.model.parameters() if p.requires_grad]
+    cost = StepCost(micro_batch, counter.ops["micro"], counter.ops["optimizer"], setup.offload.bytes if setup.offload else 0)
+    return _with_dequantization(cost, setup.quantized_numels, cfg), trainable
+
+
+def _with_dequantization(cost: StepCost, quantized_numels: list[int], cfg: DictConfig) -> StepCost:
+    """A QLoRA base is traced in bf16; on the GPU each use of a 4-bit weight first dequantizes it:
+    one kernel reading 0.5 byte and writing 2 bytes per weight, for the forward, the backward
+    (gradient of the input) and, under activation checkpointing, the recomputed forward."""
+    uses = 3 if cfg.activation_checkpointing.mode != "none" else 2
+    extra = [(0, numel // 2 + 2 * numel, False, True) for numel in quantized_numels for _ in range(uses)]
+    return StepCost(cost.micro_batch, cost.micro + extra, cost.optimizer, cost.host_bytes)
 
 
 @dataclass
@@ -289,8 +341,11 @@ class StepSetup:
     quantized_numels: list[int]
     offload: ActivationOffload | None = None  # activation offloading's hooks (their counters)
 
-    def step(self) -> None:
+    def step(self, counter: tracer.OpCounter | None = None) -> None:
+        """``counter``: told when the micro-step (forward, backward) ends and the optimizer step starts."""
         self.loss().backward()
+        if counter is not None:
+            counter.phase = "optimizer"
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -361,6 +416,17 @@ def _build(cfg: DictConfig, config: PretrainedConfig, precision: str):
     return model, module, quantized
 
 
+def has_mlp_layers(cfg: DictConfig, config: PretrainedConfig) -> bool:
+    """Whether every transformer layer (``GradientCheckpointingLayer``) of ``cfg``'s model has an
+    ``mlp`` (what ``activation_checkpointing.mlp_tiles`` slices), from a build on the ``meta`` device."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    with torch.device("meta"):
+        model = _build(cfg, config, str(cfg.trainer.precision))[0]
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return bool(layers) and all(hasattr(layer, "mlp") for layer in layers)
+
+
 def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """One step on zero gradients, so the traced step is the steady state (state already there)."""
     inner = optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer]
@@ -426,7 +492,9 @@ def for_the_card(cfg: DictConfig) -> DictConfig:
     return planned
 
 
-def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = True, config: PretrainedConfig | None = None) -> MemoryPlan:
+def plan_memory(
+    cfg: DictConfig, micro_batch: int | None = None, search: bool = True, config: PretrainedConfig | None = None, count: bool = False
+) -> MemoryPlan:
     """The :class:`MemoryPlan` of one process of ``cfg`` (a composed ``train`` config) at
     ``micro_batch`` (default: the process's micro-batch, :func:`process_batch`), with the largest
     micro-batch that fits when ``search`` (a divisor of the process's share of the global batch).
@@ -434,7 +502,8 @@ def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = 
     The search traces micro-batches 1 and 2, extrapolates linearly (activations grow with the
     micro-batch, the rest does not), takes the largest divisor of the global batch under the
     estimate (so the global batch is kept), and confirms it with a trace of its own, stepping
-    down through the divisors until one fits.
+    down through the divisors until one fits.  ``count``: also count the step's kernels
+    (``MemoryPlan.cost``, for :mod:`.steptime`).
 
     Raises:
         ConfigError: the architecture cannot be read (see :func:`architecture`; or pass ``config``),
@@ -445,7 +514,7 @@ def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = 
     device_batch, global_batch, _ = process_batch(cfg)
     micro_batch = micro_batch or device_batch
     budget = int(cfg.hardware.budget_gib * GIB)
-    plan = _plan_at(cfg, config, micro_batch, budget)
+    plan = _plan_at(cfg, config, micro_batch, budget, count)
     if not search:
         return plan
     divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
@@ -466,8 +535,8 @@ def plan_memory(cfg: DictConfig, micro_batch: int | None = None, search: bool = 
     return plan
 
 
-def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget: int) -> MemoryPlan:
-    traced = trace(cfg, config, micro_batch)
+def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget: int, count: bool = False) -> MemoryPlan:
+    traced = trace(cfg, config, micro_batch, count)
     _, share, processes = process_batch(cfg)
     peak = dict(traced.peak)
     notes = []
@@ -540,6 +609,9 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         host_budget=host_budget,
         offloaded_tensors=traced.offloaded_tensors,
         offloaded_bytes=traced.offloaded_bytes,
+        cost=traced.cost,
+        trainable=traced.trainable,
+        offloaded_sizes=traced.offloaded_sizes,
     )
 
 
@@ -610,14 +682,16 @@ def _advice(cfg: DictConfig, config: PretrainedConfig, budget: int, one: MemoryP
     return advice
 
 
-def write_plan(plan: MemoryPlan, run_dir: Path, hardware: str) -> None:
-    """``plan.json`` and ``plan.txt`` in ``run_dir``."""
+def write_plan(plan: MemoryPlan | None, run_dir: Path, hardware: str, text: str | None = None, extra: dict | None = None) -> None:
+    """``plan.json`` (the plan's fields and ``extra``) and ``plan.txt`` (``text``, default the
+    plan's table) in ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "plan.json").write_text(json.dumps({**plan.as_json(), "hardware": hardware}, indent=2) + "\n")
-    (run_dir / "plan.txt").write_text(plan.table(hardware) + "\n")
+    fields = plan.as_json() if plan is not None else {}
+    (run_dir / "plan.json").write_text(json.dumps({**fields, **(extra or {}), "hardware": hardware}, indent=2) + "\n")
+    (run_dir / "plan.txt").write_text((text if text is not None else plan.table(hardware)) + "\n")
 
 
-def check_memory_plan(cfg: DictConfig, run_dir: Path) -> str:
+def check_memory_plan(cfg: DictConfig, run_dir: Path, count: bool = False) -> tuple[str, MemoryPlan | None]:
     """Before a GPU run (``plan_before_fit: true``), plan it and refuse one that will not fit.
 
     Writes ``plan.json``/``plan.txt`` into ``run_dir`` either way.  Skipped on the CPU (the
@@ -627,16 +701,17 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> str:
 
     Returns:
         One line for the run's header: the planned peak in GiB and the budget, or why there is
-        no plan (``not planned (CPU)``...).
+        no plan (``not planned (CPU)``...); and the plan (``None`` when there is none), with the
+        step's kernels when ``count`` (for :func:`.modes.predicted_step_ms`).
 
     Raises:
         ConfigError: the plan's total is above ``hardware.budget_gib``; the message holds the
             table and the levers to pull.
     """
     if not cfg.get("plan_before_fit"):
-        return "not planned (plan_before_fit=false)"
+        return "not planned (plan_before_fit=false)", None
     if not uses_cuda(cfg):
-        return "not planned (CPU)"
+        return "not planned (CPU)", None
     from ..utils.distributed import is_fsdp
 
     if is_fsdp(cfg.trainer):
@@ -644,13 +719,13 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> str:
             "memory plan skipped: trainer=fsdp shards parameters, gradients and optimizer state over the GPUs, "
             "and the planner models one GPU holding all of them (plan the run without FSDP for an upper bound)"
         )
-        return "not planned (FSDP)"
+        return "not planned (FSDP)", None
     try:
         config = architecture(cfg)
     except ConfigError as error:  # e.g. a scratch model whose tokenizer is not fetched yet
         rank_zero_warn(f"memory plan skipped, the architecture is unknown before the first fetch: {error}")
-        return "not planned (architecture unknown before the first fetch)"
-    plan = plan_memory(cfg, config=config, search=False)  # one trace when it fits (the usual case)
+        return "not planned (architecture unknown before the first fetch)", None
+    plan = plan_memory(cfg, config=config, search=False, count=count)  # one trace when it fits (the usual case)
     if not plan.fits:
         plan = plan_memory(cfg, config=config)  # the search, for the advice
     write_plan(plan, run_dir, cfg.hardware.name)
@@ -662,4 +737,4 @@ def check_memory_plan(cfg: DictConfig, run_dir: Path) -> str:
         raise ConfigError(
             f"this run will not fit in {where}:\n{plan.table(cfg.hardware.name)}\nfix: {fix}; or plan_before_fit=false to run anyway"
         )
-    return f"planned peak {plan.total / 2**30:.2f} GiB of {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}; plan.txt)"
+    return f"planned peak {plan.total / 2**30:.2f} GiB of {cfg.hardware.budget_gib} GiB ({cfg.hardware.name}; plan.txt)", plan

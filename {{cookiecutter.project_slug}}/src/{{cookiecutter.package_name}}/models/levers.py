@@ -129,6 +129,7 @@ class ActivationOffload:
 
     def reset(self) -> None:
         self.tensors = self.bytes = self.pinned = self.restored = 0
+        self.sizes: list[int] = []  # bytes of each offloaded tensor (the planner grows them with the length)
 
     def offloads(self, tensor: torch.Tensor) -> bool:
         return (
@@ -143,6 +144,7 @@ class ActivationOffload:
         size = tensor.numel() * tensor.element_size()
         self.tensors += 1
         self.bytes += size
+        self.sizes.append(size)
         self.pinned += 1 << (size - 1).bit_length()
         if self.trace:
             return _Offloaded(None, tensor.shape, tensor.stride(), tensor.dtype, tensor.device, None)

@@ -105,7 +105,24 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "pruning": frozenset({"method", "begin_step", "end_step", "final_sparsity", "frequency"}),
     "qat": frozenset({"scheme", "group_size"}),
     "resume": frozenset({"allow_changed"}),
-    "hardware": frozenset({"name", "budget_gib", "peak_tflops", "bf16", "tf32", "context_gib", "host_budget_gib"}),
+    "hardware": frozenset(
+        {
+            "name",
+            "budget_gib",
+            "peak_tflops",
+            "peak_tflops_fp32",
+            "memory_gbps",
+            "op_overhead_us",
+            "step_overhead_ms",
+            "kernels_overlap",
+            "pcie_gbps",
+            "bf16",
+            "tf32",
+            "context_gib",
+            "host_budget_gib",
+        }
+    ),
+    "plan": frozenset({"mode", "max_length", "length_step", "top", "train_examples"}),
     "batch": frozenset({"global_batch_size", "micro_batch_size", "device_batch_size", "accumulate_grad_batches"}),
     "attention": frozenset({"implementation"}),
     "activation_checkpointing": frozenset({"mode", "offload", "offload_min_bytes", "mlp_tiles"}),
@@ -117,6 +134,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
 }
 # Top-level keys that only one entry config reads (by task_name; train and eval read none extra).
 ENTRY_KEYS: dict[str, frozenset[str]] = {
+    "plan": frozenset({"plan"}),
     "eval": frozenset({"model_dir", "overwrite"}),
     "inspect_data": frozenset({"split", "rows", "first_row", "color"}),
     "predict": frozenset({"input", "output", "overwrite"}),
