@@ -9,11 +9,15 @@ import math
 
 import pytest
 import torch
+{%- if cookiecutter.tasks != "classification" %}
 from omegaconf import open_dict
+{%- endif %}
 
 from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.memory import modes, tracer
+{%- if cookiecutter.tasks != "classification" %}
 from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, plan_memory, step_cost
+{%- endif %}
 from {{ cookiecutter.package_name }}.memory.steptime import Peaks, StepCost, predict
 {%- if cookiecutter.tasks != "classification" %}
 
