@@ -20,7 +20,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
 from .checks import validate_config
-from .errors import ConfigError
 from .memory import modes
 from .memory.planner import architecture, for_the_card, plan_memory, write_plan
 from .utils.config import config_warnings
@@ -36,11 +35,7 @@ def main(cfg: DictConfig) -> None:
         validate_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
         for warning in config_warnings(cfg):
             rank_zero_warn(warning)
-        mode = cfg.plan.mode
-        if mode not in modes.MODES:
-            raise ConfigError(f"plan.mode={mode!r} is not one of {', '.join(modes.MODES)}")
-        if mode in ("fastest", "time"):
-            modes.Peaks.of(cfg.hardware)  # (the step-time model's peaks, before any trace)
+        mode = modes.check_mode(cfg)  # (before any trace)
         claim_outputs(cfg, {}, {}, run_files=("plan.json", "plan.txt"))  # (never over another run's plan)
         start = time.perf_counter()
         config = architecture(cfg)

@@ -29,6 +29,20 @@ from .steptime import Peaks, StepCost, StepTime, has_peaks, predict
 MODES = ("fit", "longest", "fastest", "time")
 
 
+def check_mode(cfg: DictConfig) -> str:
+    """``plan.mode``, checked before any trace (with the step-time model's peaks where it needs them).
+
+    Raises:
+        ConfigError: an unknown mode, or ``fastest``/``time`` on a ``hardware`` without peaks.
+    """
+    mode = cfg.plan.mode
+    if mode not in MODES:
+        raise ConfigError(f"plan.mode={mode!r} is not one of {', '.join(MODES)}")
+    if mode in ("fastest", "time"):
+        Peaks.of(cfg.hardware)
+    return mode
+
+
 def with_changes(cfg: DictConfig, changes: dict) -> DictConfig:
     """A copy of ``cfg`` with ``changes`` (dotted key -> value) applied."""
     changed = copy.deepcopy(cfg)
@@ -232,6 +246,15 @@ def _variants(cfg: DictConfig) -> list[tuple[list[str], dict]]:
     return out
 
 
+def _accepts(cfg: DictConfig) -> bool:
+    """Whether the config's checks accept ``cfg`` (for the planned card, not this machine)."""
+    try:
+        validate_config(cfg, runs_here=False)
+    except ConfigError:
+        return False
+    return True
+
+
 def _optimizer_variant(cost: StepCost, trainable: list[tuple[int, int]]) -> StepCost:
     """The step with a bitsandbytes 8-bit AdamW: its update is one kernel per tensor that reads the
     parameter, gradient and two 8-bit moments and writes the parameter and moments (bytes per value
@@ -275,18 +298,14 @@ def fastest_levers(cfg: DictConfig, config: PretrainedConfig) -> tuple[list[Cand
         if not is_8bit_optimizer(cfg.optimizer.name) and not cfg.optimizer.step_in_backward:
             eight = planner.optimizer_state_bytes(one.trainable, "adamw_8bit") - one.counts["optimizer_bytes"]
             optimizers.append(("adamw_8bit", eight))
-        for micro_batch, (optimizer, saved), compiled in itertools.product(divisors, optimizers, (False, True)):
+        compiles = [(cfg.compile.mode != "off", [])]  # the config's own choice
+        if cfg.compile.mode == "off" and _accepts(with_changes(trial, {"compile.mode": "default"})):
+            compiles.append((True, ["compile=default"]))
+        for micro_batch, (optimizer, saved), (compiled, compile_override) in itertools.product(divisors, optimizers, compiles):
             overrides = [*names, f"batch.micro_batch_size={micro_batch}"]
             if optimizer != cfg.optimizer.name:
                 overrides.append(f"optimizer={optimizer}")
-            if compiled:
-                if (
-                    cfg.compile.mode != "off"
-                    or cfg.activation_checkpointing.get("offload")
-                    or changes.get("activation_checkpointing.offload")
-                ):
-                    continue
-                overrides.append("compile=default")
+            overrides += compile_override
             cost = one.cost.scaled(micro_batch)
             if is_8bit_optimizer(optimizer):
                 cost = _optimizer_variant(cost, one.trainable)
@@ -321,7 +340,7 @@ def fastest_levers(cfg: DictConfig, config: PretrainedConfig) -> tuple[list[Cand
         traced += 1
         eight = "optimizer=adamw_8bit" in candidate.overrides or is_8bit_optimizer(cfg.optimizer.name)
         cost = _optimizer_variant(plan.cost, plan.trainable) if eight else plan.cost
-        compiled = "compile=default" in candidate.overrides
+        compiled = "compile=default" in candidate.overrides or cfg.compile.mode != "off"
         total = plan.total + saved
         if total > plan.budget or not plan.host_fits:
             continue  # the scaled estimate was low: the trace says it does not fit
@@ -439,7 +458,7 @@ def predicted_step_ms(cfg: DictConfig, plan: MemoryPlan | None) -> float | None:
     counted them, else from a count of its own (a CPU run); ``None`` when the hardware has no
     peaks (``hardware=cpu`` unless given), when it is not what the run runs on (a GPU's
     ``hardware`` for a run on the CPU: the tests, a laptop), or when the architecture cannot be
-    read yet."""
+    read yet, and on a GPU run without the pre-fit plan (``plan_before_fit=false``, FSDP)."""
     describes_a_cpu = not cfg.hardware.get("kernels_overlap", True)
     if not has_peaks(cfg.hardware) or uses_cuda(cfg) == describes_a_cpu:
         return None
@@ -447,6 +466,8 @@ def predicted_step_ms(cfg: DictConfig, plan: MemoryPlan | None) -> float | None:
     micro_batch, share, _ = process_batch(cfg)
     if plan is not None and plan.cost is not None:
         cost, trainable = plan.cost, plan.trainable
+    elif uses_cuda(cfg):  # no pre-fit plan (plan_before_fit=false, FSDP): no extra trace before a GPU run
+        return None
     else:
         try:
             config = planner.architecture(cfg)
