@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 
 from ..checks import validate_config
 from ..errors import ConfigError
+from ..models.levers import pinned_block
 from ..tasks import task_of
 from ..utils.config import uses_cuda
 from ..utils.named import is_8bit_optimizer
@@ -57,7 +58,7 @@ def _fits_host(sizes: list[int], length: int, traced_length: int, budget: int) -
     (the pinned blocks, :class:`..models.levers.ActivationOffload`), fit ``budget`` bytes."""
     if not budget:
         return True
-    pinned = sum(1 << (math.ceil(size * length / traced_length) - 1).bit_length() for size in sizes)
+    pinned = sum(pinned_block(math.ceil(size * length / traced_length)) for size in sizes)
     return pinned <= budget
 
 

@@ -38,6 +38,7 @@ import contextlib
 import copy
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -259,18 +260,12 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, count: bo
     """Trace one training step of ``micro_batch`` sequences of ``data.max_length`` tokens on fake
     tensors; the autocast ops follow CUDA's rules (see the module docstring).  ``count``: also count
     its kernels (``_Traced.cost``, for :mod:`.steptime`)."""
-    with torch.device("meta"):
-        built = _build(cfg, config, str(cfg.trainer.precision))
-    with tracer.fake_tensors():
-        tracer.materialize_fake(built[0])
-        setup = training_step(cfg, config, micro_batch, built, trace=True)
+    with _fake_step(cfg, config, micro_batch) as setup:
         optimizer = setup.optimizer
         tracked = [setup.loss, *(optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer])]
         counter = tracer.OpCounter() if count else None
         with counter or contextlib.nullcontext():
             peak = tracer.peak_bytes(lambda: setup.step(counter), tracked, mixed=is_mixed(cfg.trainer.precision))
-        if isinstance(optimizer, StepInBackward):
-            optimizer.remove_hooks()
         parameters = list(setup.loss.model.parameters())  # unique: tied weights once
         trainable = [(p.numel(), p.element_size()) for p in parameters if p.requires_grad]
         param_bytes = sum(p.numel() * p.element_size() for p in parameters)
@@ -288,13 +283,7 @@ def trace(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, count: bo
             offload.tensors if offload else 0,
             offload.bytes if offload else 0,
             offload.pinned if offload else 0,
-            _with_dequantization(
-                StepCost(micro_batch, counter.ops["micro"], counter.ops["optimizer"], offload.bytes if offload else 0),
-                setup.quantized_numels,
-                cfg,
-            )
-            if counter
-            else None,
+            _counted(counter, setup, cfg, micro_batch) if counter else None,
             offload.sizes if offload else [],
         )
 
@@ -304,22 +293,40 @@ def step_cost(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> tu
     the memory tracker: a fraction of a plan's time), for :func:`.steptime.predict`, and the
     trainable tensors' ``(numel, bytes per value)``."""
     cfg = for_the_card(cfg)
-    with torch.device("meta"):
-        built = _build(cfg, config, str(cfg.trainer.precision))
-    with tracer.fake_tensors():
-        tracer.materialize_fake(built[0])
-        setup = training_step(cfg, config, micro_batch, built, trace=True)
+    with _fake_step(cfg, config, micro_batch) as setup:
         with tracer.OpCounter() as counter:
             if is_mixed(cfg.trainer.precision):
                 with tracer.CudaAutocastEmulation():
                     setup.step(counter)
             else:
                 setup.step(counter)
-        if isinstance(setup.optimizer, StepInBackward):
-            setup.optimizer.remove_hooks()
         trainable = [(p.numel(), p.element_size()) for p in setup.loss.model.parameters() if p.requires_grad]
-    cost = StepCost(micro_batch, counter.ops["micro"], counter.ops["optimizer"], setup.offload.bytes if setup.offload else 0)
-    return _with_dequantization(cost, setup.quantized_numels, cfg), trainable
+    return _counted(counter, setup, cfg, micro_batch), trainable
+
+
+@contextlib.contextmanager
+def _fake_step(cfg: DictConfig, config: PretrainedConfig, micro_batch: int) -> Iterator[StepSetup]:
+    """:func:`training_step` of ``cfg`` at ``micro_batch`` on fake tensors (built on ``meta`` and
+    materialized fake), for use inside the context; a step-in-backward optimizer's hooks are
+    removed at its end."""
+    with torch.device("meta"):
+        built = _build(cfg, config, str(cfg.trainer.precision))
+    with tracer.fake_tensors():
+        tracer.materialize_fake(built[0])
+        setup = training_step(cfg, config, micro_batch, built, trace=True)
+        try:
+            yield setup
+        finally:
+            if isinstance(setup.optimizer, StepInBackward):
+                setup.optimizer.remove_hooks()
+
+
+def _counted(counter: tracer.OpCounter, setup: StepSetup, cfg: DictConfig, micro_batch: int) -> StepCost:
+    """The :class:`.steptime.StepCost` of a counted step: its kernels, the offloaded bytes, and a
+    QLoRA base's dequantizations."""
+    host = setup.offload.bytes if setup.offload else 0
+    cost = StepCost(micro_batch, counter.ops["micro"], counter.ops["optimizer"], host)
+    return _with_dequantization(cost, setup.quantized_numels, cfg)
 
 
 def _with_dequantization(cost: StepCost, quantized_numels: list[int], cfg: DictConfig) -> StepCost:

@@ -145,7 +145,7 @@ class ActivationOffload:
         self.tensors += 1
         self.bytes += size
         self.sizes.append(size)
-        self.pinned += 1 << (size - 1).bit_length()
+        self.pinned += pinned_block(size)
         if self.trace:
             return _Offloaded(None, tensor.shape, tensor.stride(), tensor.dtype, tensor.device, None)
         if tensor.device.type != "cuda":
@@ -171,6 +171,12 @@ class ActivationOffload:
             return packed.host
         torch.cuda.current_stream(packed.device).wait_event(packed.done)
         return packed.host.to(packed.device, non_blocking=True)
+
+
+def pinned_block(size: int) -> int:
+    """Bytes of the pinned host block PyTorch's caching host allocator gives a ``size``-byte
+    tensor: the next power of two."""
+    return 1 << (size - 1).bit_length()
 
 
 @dataclass(frozen=True)
