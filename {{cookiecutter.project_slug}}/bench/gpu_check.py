@@ -39,6 +39,11 @@ Cases (``--cases``; see ``docs/performance.md``):
   measured (``measure_peaks("cuda")``, what ``doctor --measure`` prints), then predicted vs
   measured ms per step (the median of 5 after 2 warm-up steps) for the ``planner`` recipes, with
   the measured peaks and with the ``hardware=rtx4090_24gb`` figures.
+- ``checkpoint_write``: a full fine-tune's checkpoint (weights + AdamW state) of the last
+  ``planner`` recipe, saved by the shipped checkpoint IO: ms of a synchronous save, ms the
+  training thread waits for a background one (the stage to pinned host memory), ms per step
+  with a background write in flight against without, and the staged bytes against the
+  planner's ``host_staging``.
 """
 
 from __future__ import annotations
@@ -56,7 +61,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 CUDA_ONLY_LINE = "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); run it on a machine with one"
-DEFAULT_CASES = ["planner", "throughput", "host_syncs", "sparse_2_4", "int4_nf4", "flash_varlen", "offload", "flex_packed", "step_time"]
+DEFAULT_CASES = [
+    "planner",
+    "throughput",
+    "host_syncs",
+    "sparse_2_4",
+    "int4_nf4",
+    "flash_varlen",
+    "offload",
+    "flex_packed",
+    "step_time",
+    "checkpoint_write",
+]
 ALL_CASES = [*DEFAULT_CASES, "planner_8b"]
 PLANNER_RECIPES = {
 {%- if cookiecutter.tasks == "classification" %}
@@ -251,6 +267,67 @@ def case_step_time(name: str) -> list[dict]:
         del setup
         torch.cuda.empty_cache()
     return rows
+
+
+def case_checkpoint_write(name: str) -> list[dict]:
+    """A background checkpoint write's cost per training step on this GPU, against a synchronous save."""
+    import tempfile
+    import time
+
+    import torch
+
+    from {{ cookiecutter.package_name }}.memory.planner import architecture, plan_memory, training_step
+    from {{ cookiecutter.package_name }}.models.levers import pinned_block
+    from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+
+    recipe = PLANNER_RECIPES["planner"][-1]
+    cfg = compose([f"experiment={recipe}", "logger=none", "batch.global_batch_size=${batch.micro_batch_size}"])
+    setup = training_step(cfg, architecture(cfg), cfg.batch.micro_batch_size, device="cuda")
+    model = setup.loss
+    for _ in range(2):
+        setup.step()
+    torch.cuda.synchronize()
+
+    def checkpoint() -> dict:
+        return {"global_step": 1, "state_dict": model.state_dict(), "optimizer_states": [setup.optimizer.state_dict()]}
+
+    def steps(count: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(count):
+            setup.step()
+        torch.cuda.synchronize()
+        return 1000 * (time.perf_counter() - start) / count
+
+    plain_ms = steps(5)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "last.ckpt"
+        sync = AtomicCheckpointIO(background=False)
+        start = time.perf_counter()
+        sync.save_checkpoint(checkpoint(), path)
+        sync_ms = 1000 * (time.perf_counter() - start)
+        io = AtomicCheckpointIO(background=True)
+        io.save_checkpoint(checkpoint(), path)  # the first stage allocates the pinned buffers
+        io.flush()
+        start = time.perf_counter()
+        io.save_checkpoint(checkpoint(), path)
+        stage_ms = 1000 * (time.perf_counter() - start)
+        start, count = time.perf_counter(), 0
+        while count < 50 and (count < 5 or io.writer.pending):  # steps while the write runs
+            setup.step()
+            count += 1
+        torch.cuda.synchronize()
+        during_ms = 1000 * (time.perf_counter() - start) / count
+        io.flush()
+        staged = sum(pinned_block(size) for size in io.stager.held_sizes())
+    planned = plan_memory(compose([f"experiment={recipe}", "hardware=rtx4090_24gb"]), search=False).host_staging
+    mb = 2**20
+    return [
+        row(name, f"{recipe}: synchronous save", sync_ms, "ms"),
+        row(name, f"{recipe}: background save, training thread waits", stage_ms, "ms", sync_ms),
+        row(name, f"{recipe}: step during a background write", during_ms, "ms", plain_ms, note=f"{count} steps overlapped the write"),
+        row(name, f"{recipe}: staged pinned host memory", staged / mb, "MiB", planned / mb, note="reference: plan.json host_staging"),
+    ]
 
 
 def _train_tokens_per_s(cfg, steps: int) -> float:
@@ -585,6 +662,7 @@ CASE_FUNCTIONS: dict[str, Callable[[str], list[dict]]] = {
     "flash_varlen": case_flash_varlen,
     "offload": case_offload,
     "step_time": case_step_time,
+    "checkpoint_write": case_checkpoint_write,
     "flex_packed": case_flex_packed,
 }
 

@@ -66,10 +66,12 @@ class SignalWhileTesting(L.Callback):
 
 class KillDuringSave(AtomicCheckpointIO):
     """Checkpoint IO that SIGKILLs the process half-way through writing its ``save``-th checkpoint
-    (1-based), after the first half of the bytes is on disk."""
+    (1-based), after the first half of the bytes is on disk.  ``background`` as the shipped IO:
+    the kill then comes from the writer thread, in the middle of a background write (it says
+    which thread on stderr first)."""
 
-    def __init__(self, save: int) -> None:
-        super().__init__()
+    def __init__(self, save: int, background: bool = True) -> None:
+        super().__init__(background=background)
         self.save, self.saves = save, 0
 
     def write(self, checkpoint, file) -> None:
@@ -77,27 +79,31 @@ class KillDuringSave(AtomicCheckpointIO):
         if self.saves < self.save:
             return super().write(checkpoint, file)
         import io
+        import sys
+        import threading
 
         buffer = io.BytesIO()
         torch.save(checkpoint, buffer)
         data = buffer.getvalue()
         file.write(data[: len(data) // 2])
         file.flush()
+        print(f"faults.KillDuringSave: SIGKILL in thread {threading.current_thread().name}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillAfterSave(AtomicCheckpointIO):
     """Checkpoint IO that SIGKILLs the process right after its ``save``-th checkpoint is complete
-    and in place: before Lightning would have logged that step."""
+    and in place (its background write waited for): before Lightning would have logged that step."""
 
-    def __init__(self, save: int) -> None:
-        super().__init__()
+    def __init__(self, save: int, background: bool = True) -> None:
+        super().__init__(background=background)
         self.save, self.saves = save, 0
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         super().save_checkpoint(checkpoint, path, storage_options)
         self.saves += 1
         if self.saves == self.save:
+            self.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
 

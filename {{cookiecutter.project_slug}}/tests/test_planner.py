@@ -68,6 +68,26 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact():
     assert plan.peak_allocated >= real_params + real_state + real_grads  # the optimizer step holds all three
 
 
+def test_checkpoint_staging_is_the_pinned_blocks_of_a_real_checkpoint():
+    """plan.json's host_staging against what the background writer stages for a real model's
+    checkpoint after a real AdamW step (each tensor in a power-of-two pinned block)."""
+    from {{ cookiecutter.package_name }}.models.levers import pinned_block
+    from {{ cookiecutter.package_name }}.utils.checkpoint_writer import Stager, tensor_bytes, unique_tensors
+
+    cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
+    model = _real_model(cfg)
+    ids = torch.randint(0, 100, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    optimizer.step()
+    staged = Stager(pin_memory=False).stage({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]})
+    real = sum(pinned_block(tensor_bytes(t)) for t in unique_tensors(staged).values())
+    plan = plan_memory(cfg, search=False)
+    assert plan.host_staging == real
+    assert "staging each checkpoint" in plan.table("cpu") and plan.as_json()["host_staging_gib"] >= 0
+    assert plan_memory(plan_cfg(*TINY_LM, "trainer.plugins.0.background=false"), search=False).host_staging == 0
+
+
 @pytest.mark.parametrize(
     "precision, peft, weights, compute",
     [

@@ -49,7 +49,7 @@ from .memory.planner import check_memory_plan
 from .memory.steptime import has_peaks
 from .models.inputs import ConnectData
 from .tasks import build_module, task_of
-from .utils.checkpoints import last_checkpoint, save_final_checkpoint, trained_checkpoint
+from .utils.checkpoints import flush_checkpoints, last_checkpoint, save_final_checkpoint, trained_checkpoint
 from .utils.config import config_warnings, precision_is_auto, to_plain, world_size
 from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .utils.hub import hub_problems
@@ -149,6 +149,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 # as if it were the result.  Its figures replace only the val/* ones read above.
                 trainer.validate(module, datamodule=datamodule, verbose=False)
                 metrics.update(scalar_metrics(trainer.callback_metrics))
+            flush_checkpoints(trainer)  # the fit's background writes are on disk before they are read
             final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
             best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
             pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
@@ -174,6 +175,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     except DiskFull as error:
         raise RunStopped(disk_full_message(cfg, error), EXIT_DISK_FULL) from error
     finally:
+        flush_checkpoints(trainer, raise_error=False)  # (before the run folder's lock is released)
         close_loggers(loggers, failed=failed)
         finish_ranks(trainer)  # DDP: rank 0 ends after the ranks it started (its own exit code, also in a sweep)
 

@@ -204,6 +204,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_last_ckpt(lm_base, l
     run_dir = tmp_path / "killed"
     killed = run_train(run_dir, lm_base + fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "SIGKILL in thread checkpoint-writer" in killed.stderr  # in the middle of a background write
     last = run_dir / "checkpoints" / "last.ckpt"
     assert checkpoint_step(last) == EVERY  # the first save, whole
     assert list((run_dir / "checkpoints").glob(".*.partial")), "the torn write should be a temporary file"

@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..errors import EXIT_NON_FINITE_LOSS, ConfigError, RunStopped
+from ..utils.checkpoints import flush_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class _StepBoundary(L.Callback):
     def save_last(self, trainer: L.Trainer) -> Path:
         path = self.checkpoint_dir / "last.ckpt"
         trainer.save_checkpoint(path)
+        flush_checkpoints(trainer)  # the file is complete before the run names it and stops
         return path
 
     def log_step_and_save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path:

@@ -50,7 +50,7 @@ from transformers import AutoConfig, PretrainedConfig
 from ..checks import validate_config
 from ..compress.pruning import PruningMemory, pruning_memory
 from ..errors import ConfigError
-from ..models.levers import ActivationOffload, apply_memory_levers
+from ..models.levers import ActivationOffload, apply_memory_levers, pinned_block
 from ..models.precision import compute_dtype, is_mixed
 from ..optim import StepInBackward, build_optimizer
 from ..tasks import build_module, task_of
@@ -111,6 +111,7 @@ class MemoryPlan:
     offloaded_bytes: int = 0  # their bytes as tensors (numel x element size)
     host_budget: int = 0  # hardware.host_budget_gib in bytes (0: not planned)
     offloaded_tensors: int = 0  # how many tensors one micro-batch's forward offloads
+    host_staging: int = 0  # bytes of host memory staging a checkpoint for its background write (pinned blocks; 0: synchronous)
     # For plan.mode (memory/modes.py), not in plan.json: the step's kernels (count=True), the
     # trainable tensors' (numel, bytes per value), each offloaded tensor's bytes.
     cost: StepCost | None = field(default=None, repr=False)
@@ -140,6 +141,7 @@ class MemoryPlan:
             "paged_optimizer",
             "host_pinned",
             "host_budget",
+            "host_staging",
         ):
             out[f"{name}_gib"] = round(out[name] / GIB, 3)
         return out
@@ -174,6 +176,14 @@ class MemoryPlan:
             lines.append(
                 f"Host memory: {self.host_pinned / GIB:.2f} GiB pinned for {self.offloaded_tensors} offloaded activations, {host} {budget}"
             )
+        if self.host_staging:
+            room = (
+                ""
+                if not self.host_budget or self.host_pinned + self.host_staging <= self.host_budget
+                else f"; with the offloaded activations over the host budget of {self.host_budget / GIB:.2f} GiB: "
+                "a save that finds too little host memory free is written synchronously"
+            )
+            lines.append(f"Host memory: {self.host_staging / GIB:.2f} GiB staging each checkpoint for its background write{room}")
         if self.max_micro_batch and self.max_micro_batch_accumulate == 1:
             lines.append(
                 f"Largest micro-batch: {self.max_micro_batch}, the whole global batch (memory is left over: "
@@ -584,6 +594,12 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
             f"{traced.pinned_bytes / GIB:.2f} GiB pinned, each block a power of two) held in host memory from forward "
             "to backward, not on the GPU"
         )
+    staging = checkpoint_staging_bytes(cfg, traced.trainable, param_bytes, state + ema)
+    if staging:
+        notes.append(
+            f"background checkpoint writes stage each checkpoint in host memory: {staging / GIB:.2f} GiB in pinned blocks "
+            "(the trained weights, optimizer state and EMA), reused by every save"
+        )
     counts = {  # the full sizes, by arithmetic (the table is what is alive at the peak)
         "parameters": traced.n_params,
         "trainable": traced.n_trainable,
@@ -616,10 +632,40 @@ def _plan_at(cfg: DictConfig, config: PretrainedConfig, micro_batch: int, budget
         host_budget=host_budget,
         offloaded_tensors=traced.offloaded_tensors,
         offloaded_bytes=traced.offloaded_bytes,
+        host_staging=staging,
         cost=traced.cost,
         trainable=traced.trainable,
         offloaded_sizes=traced.offloaded_sizes,
     )
+
+
+def background_checkpoints(cfg: DictConfig) -> bool:
+    """Whether ``trainer.plugins`` has the checkpoint IO with ``background: true``."""
+    plugins = (cfg.get("trainer") or {}).get("plugins") or []
+    return any(
+        isinstance(p, DictConfig) and str(p.get("_target_", "")).endswith("AtomicCheckpointIO") and p.get("background") for p in plugins
+    )
+
+
+def checkpoint_staging_bytes(cfg: DictConfig, trainable: list[tuple[int, int]], param_bytes: int, state_bytes: int) -> int:
+    """Bytes of host memory a background checkpoint write stages (:mod:`..utils.checkpoint_writer`;
+    0 when writes are synchronous): the checkpoint's tensors, each in a pinned block (PyTorch's
+    caching host allocator rounds a block up to a power of two: :func:`..models.levers.pinned_block`).
+
+    The checkpoint holds the trained tensors (``trainable``: (numel, bytes per value)) and, without
+    PEFT, the frozen ones too (``param_bytes`` less the trained, one block), plus ``state_bytes``
+    (optimizer state and EMA): each whole fp32 copy of the trained tensors in it (AdamW's two
+    moments, the EMA) one block per tensor, the rest (step counters, 8-bit state) unrounded.
+    """
+    if not background_checkpoints(cfg) or not trainable:
+        return 0
+    weights = sum(pinned_block(numel * size) for numel, size in trainable)
+    peft = (cfg.get("peft") or {}).get("method", "none")
+    frozen = param_bytes - sum(numel * size for numel, size in trainable) if peft == "none" else 0
+    copies = state_bytes // (4 * sum(numel for numel, _ in trainable))  # fp32 values per trained value
+    rest = state_bytes - copies * 4 * sum(numel for numel, _ in trainable)
+    state = copies * sum(pinned_block(numel * 4) for numel, _ in trainable) + rest
+    return weights + (pinned_block(frozen) if frozen > 0 else 0) + state
 
 
 def _with_pruning(cfg: DictConfig, peak: dict[str, int], traced: _Traced, notes: list[str]) -> dict[str, int]:

@@ -5,6 +5,9 @@ target path: a kill during that write leaves a truncated ``last.ckpt``, and the 
 resume.  :class:`AtomicCheckpointIO` writes to a hidden temporary file next to the target
 (``.last.ckpt.partial``), flushes it to disk and renames it into place (``os.replace``: atomic on POSIX and Windows file
 systems), so ``last.ckpt`` is always either the previous complete checkpoint or the new one.
+With ``background=True`` (the shipped config) the write runs on a background thread
+(:mod:`.checkpoint_writer`), and a ``last.ckpt`` of the same state as the best checkpoint just
+written is a hard link to it, not a second write.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, DiskFull
 from . import stored
+from .checkpoint_writer import HOST_RESERVE, BackgroundWriter, Stager, fingerprint, host_available, link_into_place
 from .identity import command_line_value, is_local_path
 from .run import atomic_write_path
 
@@ -57,31 +61,114 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     through :func:`.run.atomic_write_path`.  Set through ``trainer.plugins``; remote paths
     (``s3://``...) fall back to Lightning's save.  A save that finds the disk full raises
     :class:`DiskFull` (its size and the free bytes; the previous file is intact).
+
+    Args:
+        background: write on a background thread (:mod:`.checkpoint_writer`): the save stages
+            the checkpoint to host memory and returns; the file is written while training goes
+            on.  A save of the same training state as the previous one to another file of the same
+            folder (``last.ckpt`` right after ``best-*.ckpt``, at one validation) hard-links that
+            file into place instead of writing its bytes again.  A checkpoint that does not fit in
+            the available host memory (less a 2 GiB reserve) is written synchronously, with a
+            warning.  An error of a background write (:class:`DiskFull`) is raised at the next
+            save, :meth:`flush` or the end of the fit (``teardown``).
+        pin_memory: pinned staging buffers (``None``: when CUDA is available).
     """
+
+    def __init__(self, background: bool = False, pin_memory: bool | None = None) -> None:
+        super().__init__()
+        self.background = background
+        self.stager = Stager(pin_memory)
+        self.writer = BackgroundWriter()
+        self._previous: tuple[Path, object] | None = None  # (file, fingerprint) of the last save queued
+        self._warned = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
         if not isinstance(get_filesystem(path), type(get_filesystem("."))):
+            self.flush()
             super().save_checkpoint(checkpoint, path)
             return
+        path = Path(path)
+        if not self.background:
+            self._write_file(checkpoint, path)
+            return
+        self.writer.raise_failure()
+        state = fingerprint(checkpoint)
+        previous, self._previous = self._previous, (path, state)
+        if previous is not None and previous[1] == state and previous[0] != path and previous[0].parent == path.parent:
+            source = previous[0]
+            self.writer.submit(lambda: link_into_place(source, path))
+            return
+        self.flush()  # one checkpoint staged at a time; its buffers are free again
+        needed, available = self.stager.bytes_to_allocate(checkpoint), host_available()
+        if available is not None and needed > available - HOST_RESERVE:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "checkpoint %s: staging it for the background write needs %.2f GiB of host memory and %.2f GiB is available "
+                    "(less a %.0f GiB reserve): written synchronously instead",
+                    path,
+                    needed / 2**30,
+                    available / 2**30,
+                    HOST_RESERVE / 2**30,
+                )
+            self._previous = None
+            self._write_file(checkpoint, path)
+            return
+        staged = self.stager.stage(checkpoint)
+
+        def write() -> None:
+            try:
+                self._write_file(staged, path)
+            finally:
+                self.stager.release(staged)
+
+        self.writer.submit(write)
+
+    def _write_file(self, checkpoint: dict[str, Any], path: Path) -> None:
         try:
-            with atomic_write_path(Path(path)) as partial, partial.open("wb") as file:
+            with atomic_write_path(path) as partial, partial.open("wb") as file:
                 self.write(checkpoint, file)
         except OSError as error:
             if error.errno not in NO_SPACE:
                 raise
-            raise DiskFull(Path(path), checkpoint_bytes(checkpoint), shutil.disk_usage(Path(path).parent).free) from error
+            raise DiskFull(path, checkpoint_bytes(checkpoint), shutil.disk_usage(path.parent).free) from error
+
+    def flush(self) -> None:
+        """Wait for every queued write; raises the error of one that failed (:class:`DiskFull`...)."""
+        self.writer.flush()
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """Lightning's remove (an older best checkpoint), after the queued writes (one may be of that file)."""
+        self.flush()
+        super().remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        """The end of a fit (or of a validate/test), also after an error: the queued writes
+        complete first.  A write's error is not raised here (it would replace the error that
+        ended the fit): the next :meth:`flush` raises it."""
+        self.writer.wait()
 
     def load_checkpoint(self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's load, always with ``weights_only=True`` (a resume unpickles no code, whatever
         Lightning or the caller asks; train has checked the file first: :func:`trained_checkpoint`)."""
+        self.flush()
         placement = {} if map_location is None else {"map_location": map_location}  # (else Lightning's default)
         return super().load_checkpoint(path, weights_only=True, **placement)
 
     def write(self, checkpoint: dict[str, Any], file: Any) -> None:
         """Serialise ``checkpoint`` into the open temporary ``file`` (a seam for fault-injection tests)."""
         torch.save(checkpoint, file)
+
+
+def flush_checkpoints(trainer: L.Trainer | None, raise_error: bool = True) -> None:
+    """Wait for ``trainer``'s background checkpoint writes (before anything reads a checkpoint
+    of the fit, or the run ends); raises the error of one that failed (unless ``raise_error`` is
+    false: on the way out of a run that failed already).  No-op for other IOs."""
+    io = trainer.strategy.checkpoint_io if trainer is not None else None
+    if isinstance(io, AtomicCheckpointIO):
+        io.flush() if raise_error else io.writer.wait()
 
 
 def last_checkpoint(cfg: DictConfig) -> Path:
@@ -104,8 +191,10 @@ def save_final_checkpoint(trainer: L.Trainer) -> Path | None:
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
             path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            flush_checkpoints(trainer)
             if not path.is_file() or read_checkpoint(path, "global_step") != trainer.global_step:
                 trainer.save_checkpoint(path)
+                flush_checkpoints(trainer)  # on disk when its path is returned
             return path
     return None
 

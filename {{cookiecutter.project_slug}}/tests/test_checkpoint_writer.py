@@ -1,0 +1,146 @@
+"""Background checkpoint writes (utils/checkpoint_writer.py through AtomicCheckpointIO): the file
+holds the state at the moment of the save, whatever training does after; best and last of one
+state are one file's bytes; errors reach the training thread; no stage that does not fit."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from {{ cookiecutter.package_name }}.errors import DiskFull
+from {{ cookiecutter.package_name }}.utils import checkpoint_writer
+from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+
+
+def a_checkpoint(step: int = 1) -> dict:
+    weight = torch.arange(12.0).reshape(3, 4)
+    return {
+        "global_step": step,
+        "loops": {"fit_loop": {"progress": step}},
+        "state_dict": {"w": weight, "tied": weight, "b": torch.ones(4, dtype=torch.bfloat16)},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.zeros(3, 4), "step": torch.tensor(float(step))}}}],
+        "callbacks": {"ModelCheckpoint": {"last_model_path": ""}},
+        "rng": (1, [2, 3]),
+    }
+
+
+def test_a_background_save_writes_the_state_of_the_moment_of_the_save(tmp_path):
+    checkpoint, path = a_checkpoint(), tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO(background=True)
+    gate = threading.Event()
+    write = io.write
+    io.write = lambda staged, file: (gate.wait(10), write(staged, file))  # the writer holds until training moved on
+    io.save_checkpoint(checkpoint, path)
+    checkpoint["state_dict"]["w"].add_(100.0)  # training goes on: in-place updates, a new step
+    checkpoint["loops"]["fit_loop"]["progress"] = 2
+    checkpoint["optimizer_states"][0]["state"][0]["exp_avg"].fill_(7.0)
+    assert not path.exists()
+    gate.set()
+    io.flush()
+    saved = torch.load(path, weights_only=True)
+    assert torch.equal(saved["state_dict"]["w"], torch.arange(12.0).reshape(3, 4))
+    assert saved["loops"]["fit_loop"]["progress"] == 1 and saved["rng"] == (1, [2, 3])
+    assert torch.equal(saved["optimizer_states"][0]["state"][0]["exp_avg"], torch.zeros(3, 4))
+    assert saved["state_dict"]["b"].dtype == torch.bfloat16
+    # Tied tensors stay one storage in the file, as torch.save of the live checkpoint keeps them.
+    assert saved["state_dict"]["w"].untyped_storage().data_ptr() == saved["state_dict"]["tied"].untyped_storage().data_ptr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_the_staging_buffers_are_reused_by_the_next_save(tmp_path):
+    io = AtomicCheckpointIO(background=True)
+    io.save_checkpoint(a_checkpoint(1), tmp_path / "a.ckpt")
+    io.flush()
+    assert io.stager.bytes_to_allocate(a_checkpoint(2)) == 0
+    held = io.stager.held_bytes()
+    assert held == 12 * 4 + 4 * 2 + 12 * 4 + 4  # w (once: tied), b (bf16), exp_avg, step
+    io.save_checkpoint(a_checkpoint(2), tmp_path / "a.ckpt")
+    io.flush()
+    assert io.stager.held_bytes() == held
+    assert torch.load(tmp_path / "a.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_last_of_the_same_state_as_the_best_is_a_hard_link_written_once(tmp_path):
+    io = AtomicCheckpointIO(background=True)
+    writes = []
+    write = io.write
+    io.write = lambda staged, file: (writes.append(staged["global_step"]), write(staged, file))
+    checkpoint = a_checkpoint(5)
+    io.save_checkpoint(checkpoint, tmp_path / "best-step5.ckpt")
+    checkpoint["callbacks"]["ModelCheckpoint"]["last_model_path"] = str(tmp_path / "last.ckpt")  # only the callbacks differ
+    io.save_checkpoint(checkpoint, tmp_path / "last.ckpt")
+    io.flush()
+    assert writes == [5]
+    assert os.stat(tmp_path / "last.ckpt").st_ino == os.stat(tmp_path / "best-step5.ckpt").st_ino
+    # The best file goes when a better one comes: last.ckpt keeps its bytes.
+    io.remove_checkpoint(tmp_path / "best-step5.ckpt")
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 5
+    # Another point of the loop (a step later, or the same step before validation) is written again.
+    io.save_checkpoint(a_checkpoint(6), tmp_path / "best-step6.ckpt")
+    io.save_checkpoint({**a_checkpoint(6), "loops": {"fit_loop": {"progress": 7}}}, tmp_path / "last.ckpt")
+    io.flush()
+    assert writes == [5, 6, 6]
+    assert os.stat(tmp_path / "last.ckpt").st_ino != os.stat(tmp_path / "best-step6.ckpt").st_ino
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-step6.ckpt", "last.ckpt"]
+
+
+def test_a_background_write_that_finds_the_disk_full_stops_the_next_save_and_drops_what_follows(tmp_path):
+    io = AtomicCheckpointIO(background=True)
+    io.save_checkpoint(a_checkpoint(1), tmp_path / "last.ckpt")
+    io.flush()
+
+    gate = threading.Event()
+
+    def full(staged, file):
+        gate.wait(10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    io.write = full
+    second = a_checkpoint(2)
+    io.save_checkpoint(second, tmp_path / "best.ckpt")
+    io.save_checkpoint(second, tmp_path / "last.ckpt")  # a link to a file that will not exist: dropped
+    gate.set()
+    with pytest.raises(DiskFull) as error:
+        io.save_checkpoint(a_checkpoint(3), tmp_path / "last.ckpt")
+    assert error.value.path == tmp_path / "best.ckpt" and error.value.needed > 0
+    io.flush()  # raised once
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 1  # the previous file, intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_teardown_waits_for_the_write_and_keeps_its_error_for_the_next_flush(tmp_path):
+    io = AtomicCheckpointIO(background=True)
+    io.write = lambda staged, file: (_ for _ in ()).throw(RuntimeError("writer failed"))
+    io.save_checkpoint(a_checkpoint(1), tmp_path / "last.ckpt")
+    io.teardown()  # (on the way out of a failed fit: must not replace that error)
+    with pytest.raises(RuntimeError, match="writer failed"):
+        io.flush()
+
+
+def test_a_checkpoint_that_does_not_fit_in_host_memory_is_written_synchronously(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(checkpoint_writer, "host_available", lambda: checkpoint_writer.HOST_RESERVE + 10)
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.utils.checkpoints.host_available", checkpoint_writer.host_available)
+    io = AtomicCheckpointIO(background=True)
+    threads = []
+    write = io.write
+    io.write = lambda staged, file: (threads.append(threading.current_thread().name), write(staged, file))
+    with caplog.at_level(logging.WARNING):
+        io.save_checkpoint(a_checkpoint(1), tmp_path / "last.ckpt")
+    assert threads == [threading.current_thread().name]  # written before save_checkpoint returned
+    assert "written synchronously instead" in caplog.text and "GiB of host memory" in caplog.text
+    assert io.stager.held_bytes() == 0
+
+
+def test_the_writer_thread_does_the_write(tmp_path):
+    io = AtomicCheckpointIO(background=True)
+    threads = []
+    write = io.write
+    io.write = lambda staged, file: (threads.append(threading.current_thread().name), write(staged, file))
+    io.save_checkpoint(a_checkpoint(1), tmp_path / "last.ckpt")
+    io.flush()
+    assert threads == [checkpoint_writer.THREAD_NAME] and io.writer.pending == 0
