@@ -98,6 +98,7 @@ ONLY_FOR = {
         "tests/slow/test_compile.py",
         "bench/text_pipeline.py",
         "bench/step_time.py",
+        "bench/answers.py",
         f"{SRC}/assets/chat_templates",
         f"{SRC}/inspect_data.py",
         f"{CONFIGS}/inspect_data.yaml",

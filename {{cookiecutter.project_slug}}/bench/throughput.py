@@ -13,7 +13,7 @@ truncated to the same length so that every step does the same work:
 - ``overhead``: 2 layers, hidden 64, 32 tokens, micro-batch 8: a step so short that the fixed
   cost per step of the framework shows (``overhead_vs_loop``, ``overhead_vs_hf_trainer``).
 
-Each is trained three ways, with the same tokenised rows, collator, optimizer, LR schedule
+Each is trained four ways, with the same tokenised rows, collator, optimizer, LR schedule
 (linear warmup 6 %, linear decay), gradient clipping (1.0) and seed:
 
 - ``train``: :func:`<package>.train.train` itself on the composed config (``experiment``-free
@@ -23,16 +23,23 @@ Each is trained three ways, with the same tokenised rows, collator, optimizer, L
 - ``loop``: a plain PyTorch loop over a ``DataLoader`` of the data module's tokenised rows and
   collator (same ``num_workers``): forward, loss, backward, clip, step, LR, zero_grad, and the
   loss read once per step.  No logging, no checkpoints: what the framework costs is the gap.
+- ``lightning``: the ceiling of any Lightning project here: the same model, loss, optimizer and
+  schedule in a bare ``LightningModule`` run by a ``Trainer`` with nothing else (no callbacks
+  but the timer, no logger, no checkpoint, no progress bar, no validation), over the loop's
+  ``DataLoader``.  ``lightning / loop`` is what Lightning itself costs; ``train / lightning``
+  what this project adds.
 - ``hf_trainer``: ``transformers.Trainer`` on the same rows and collator, doing the same work as
   ``train``: logs every step to W&B (offline), saves a checkpoint on the same schedule (keeping
   one), the same ``dataloader_num_workers``.
 
-The three run ``--repeats`` times, interleaved, the order rotated each repeat so that machine
+The four run ``--repeats`` times, interleaved, the order rotated each repeat so that machine
 drift and warm-up hit all alike.  Each run times its optimizer steps from the start of the
 second to the end of the last (not start-up); samples/s = ``(steps - 1) x micro-batch`` over
 that time.  Prints each way's median with a 95 % bootstrap interval of the median, the ratios of
 medians (with paired bootstrap intervals: the repeats resampled), and as the last line
-``vs_loop=<r> vs_hf_trainer=<r> overhead_vs_loop=<r> overhead_vs_hf_trainer=<r>``.
+``vs_loop=<r> vs_hf_trainer=<r> overhead_vs_loop=<r> overhead_vs_hf_trainer=<r>
+overhead_ceiling=<r>`` (the last: ``lightning / loop`` on the ``overhead`` workload, the best
+``overhead_vs_loop`` a Lightning project can reach).
 """
 
 from __future__ import annotations
@@ -240,6 +247,48 @@ def run_loop(cfg, prepared, steps: int) -> float:
     return time.perf_counter() - start
 
 
+class BareModule(L.LightningModule):
+    """The ``lightning`` way: the model and its loss, the optimizer and the per-step LR schedule, nothing else."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
+        super().__init__()
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def training_step(self, batch, batch_idx):
+        labels = batch.pop("labels")
+        return F.cross_entropy(self.model(**batch).logits.float(), labels)
+
+    def configure_optimizers(self):
+        return {"optimizer": self.optimizer, "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"}}
+
+
+def run_lightning(cfg, prepared, steps: int) -> float:
+    """The bare Lightning run (see the module docstring); seconds of steps 1..N."""
+    rows, collator, workers = prepared.datasets["train"], prepared.collator(), cfg.data.num_workers
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, optimizer = model_and_optimizer(cfg, prepared, device)
+    module = BareModule(model, optimizer, lr_schedule(optimizer, cfg, steps))
+    loader = DataLoader(rows, batch_size=cfg.data.batch_size, shuffle=True, collate_fn=collator, num_workers=workers)
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=1,
+        max_steps=steps,
+        precision=cfg.trainer.precision,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[StepTimer()],
+        default_root_dir=str(Path(tempfile.gettempdir()) / "bench_bare_lightning"),
+    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        trainer.fit(module, train_dataloaders=loader)
+    return StepTimer.seconds
+
+
 def run_hf_trainer(cfg, prepared, steps: int, run_dir: Path) -> float:
     """``transformers.Trainer`` with the same work as ``train``; seconds of steps 1..N."""
     rows, collator, workers = prepared.datasets["train"], prepared.collator(), cfg.data.num_workers
@@ -304,7 +353,7 @@ def measure(name: str, workload: dict, args: argparse.Namespace, folder: Path) -
     """samples/s of each way, ``args.repeats`` interleaved runs."""
     steps = args.steps[name] if isinstance(args.steps, dict) else args.steps
     data = write_data(folder / name, (steps + 2) * workload["micro_batch"], workload["seq_len"])
-    samples: dict[str, list[float]] = {"train": [], "loop": [], "hf_trainer": []}
+    samples: dict[str, list[float]] = {"train": [], "loop": [], "lightning": [], "hf_trainer": []}
     for repeat in range(args.repeats):
         run_dir = folder / name / f"run{repeat}"
         cfg = compose_train_config(workload, data, steps, run_dir, args.overrides)
@@ -314,9 +363,10 @@ def measure(name: str, workload: dict, args: argparse.Namespace, folder: Path) -
         ways = {
             "train": lambda: run_train(cfg),
             "loop": lambda: run_loop(cfg, prepared, steps),
+            "lightning": lambda: run_lightning(cfg, prepared, steps),
             "hf_trainer": lambda: run_hf_trainer(cfg, prepared, steps, run_dir),
         }
-        order = list(ways)[repeat % 3 :] + list(ways)[: repeat % 3]
+        order = list(ways)[repeat % len(ways) :] + list(ways)[: repeat % len(ways)]
         for way in order:
             seconds = ways[way]()
             samples[way].append((steps - 1) * workload["micro_batch"] / seconds)
@@ -325,7 +375,8 @@ def measure(name: str, workload: dict, args: argparse.Namespace, folder: Path) -
 
 
 def report(name: str, workload: dict, samples: dict[str, list[float]], steps: int) -> dict[str, float]:
-    """Print the workload's table; return ``{"vs_loop": r, "vs_hf_trainer": r}`` (ratios of medians)."""
+    """Print the workload's table; return ``{"vs_loop": r, "vs_hf_trainer": r, "ceiling": r}``
+    (ratios of medians; ``ceiling``: lightning / loop)."""
     print(
         f"\n{name}: {workload['layers']}-layer BERT, hidden {workload['hidden']}, {workload['seq_len']} tokens, "
         f"micro-batch {workload['micro_batch']}, {steps} steps, {len(samples['train'])} repeats"
@@ -339,6 +390,10 @@ def report(name: str, workload: dict, samples: dict[str, list[float]], steps: in
         low, high = ratio_interval(samples["train"], samples[other])
         print(f"  train / {other}: {ratio:.3f} (95% CI {low:.3f}-{high:.3f})")
         ratios[f"vs_{other}"] = ratio
+    for way, other, key in (("lightning", "loop", "ceiling"), ("train", "lightning", "vs_lightning")):
+        ratios[key] = statistics.median(samples[way]) / statistics.median(samples[other])
+        low, high = ratio_interval(samples[way], samples[other])
+        print(f"  {way} / {other}: {ratios[key]:.3f} (95% CI {low:.3f}-{high:.3f})")
     return ratios
 
 
@@ -452,7 +507,8 @@ def main() -> None:
     pinned, overhead = ratios["pinned"], ratios["overhead"]
     print(
         f"vs_loop={pinned['vs_loop']:.3f} vs_hf_trainer={pinned['vs_hf_trainer']:.3f} "
-        f"overhead_vs_loop={overhead['vs_loop']:.3f} overhead_vs_hf_trainer={overhead['vs_hf_trainer']:.3f}",
+        f"overhead_vs_loop={overhead['vs_loop']:.3f} overhead_vs_hf_trainer={overhead['vs_hf_trainer']:.3f} "
+        f"overhead_ceiling={overhead['ceiling']:.3f}",
         file=sys.stdout,
     )
 

@@ -171,6 +171,29 @@ def test_generation_never_passes_the_models_positions(lm_tokenizer_dir, prompt_w
     assert total <= 24 and capped == min(new_tokens, 23) and prompt >= 1 and isinstance(completion, str)
 
 
+def test_batched_generation_sorts_by_length_and_gives_each_prompt_its_own_greedy_completion(lm_tokenizer_dir):
+    module = gpt2_generator(lm_tokenizer_dir, positions=64)
+    torch.manual_seed(0)
+    prompts = [" ".join(["king", "queen", "the"][i % 3] for i in range(words)) for words in (3, 11, 1, 7, 7, 2, 9)]
+    ids = module.prompt_ids(prompts)
+    calls, generate_ids = [], module.model.generate
+
+    def recorded(**inputs):
+        calls.append(inputs["attention_mask"].sum(dim=1).tolist())  # the real lengths in this batch
+        return generate_ids(**inputs)
+
+    module.model.generate = recorded
+    one_by_one = module.complete(ids, batch_size=1, max_new_tokens=6, do_sample=False)
+    calls.clear()
+    batched = module.complete(ids, batch_size=3, max_new_tokens=6, do_sample=False)
+    assert batched == one_by_one  # in the prompts' order, the same greedy tokens (fp32, padding masked)
+    lengths = [len(row) for row in ids]
+    assert [len(batch) for batch in calls] == [3, 3, 1]
+    assert [n for batch in calls for n in batch] == sorted(lengths, reverse=True)  # longest first
+    with pytest.raises(ValueError, match="batch_size=0"):
+        module.complete(ids, batch_size=0)
+
+
 def test_a_failing_sample_generation_is_a_warning_not_the_end_of_the_run(tmp_path):
     from types import SimpleNamespace
 

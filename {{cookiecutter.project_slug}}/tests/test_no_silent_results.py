@@ -362,6 +362,7 @@ def test_a_tied_model_exported_after_lora_scores_as_its_checkpoint(make_lm_cfg, 
         ("generation.max_new_tokens=-3", "generation.max_new_tokens=-3"),
         ("generation.top_p=0", "generation.top_p=0"),
         ("generation.temperature=0", "generation.temperature=0"),
+        ("generation.batch_size=0", "generation.batch_size=0"),
     ],
 )
 def test_bad_generation_settings_are_refused_before_the_weights_load(make_lm_cfg, tmp_path, monkeypatch, override, field):

@@ -63,6 +63,9 @@ def generation_problems(generation: DictConfig) -> list[str]:
         problems.append(f"generation.temperature={temperature!r} must be a number > 0; fix: e.g. generation.temperature=0.7")
     if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
         problems.append(f"generation.top_p={top_p!r} must be in (0, 1]; fix: e.g. generation.top_p=0.9 (1.0: off)")
+    size = generation.get("batch_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        problems.append(f"generation.batch_size={size!r} must be a positive number of prompts; fix: e.g. generation.batch_size=16")
     return problems
 
 
@@ -115,9 +118,10 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     if torch.cuda.is_available():
         module.to("cuda")
     generation = to_plain(cfg.generation)
+    batch_size = generation.pop("batch_size")  # (ours, not model.generate's)
     if not generation.get("do_sample"):  # greedy decoding ignores them (and transformers warns)
         generation.pop("temperature", None), generation.pop("top_p", None)
-    completions = module.generate_text(prompts, **generation)
+    completions = module.generate_text(prompts, batch_size=batch_size, **generation)
     rows = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
     separator = "\n--- answer:\n" if getattr(module, "chat", False) else ""  # a chat model answers; a text model continues
     for row in rows:

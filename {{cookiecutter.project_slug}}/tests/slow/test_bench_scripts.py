@@ -26,9 +26,10 @@ def run_bench(script: str, *args: str, timeout: int = 600) -> list[str]:
 def test_throughput_bench_times_the_train_path_and_prints_its_ratios():
     lines = run_bench("throughput.py", "--steps", "3", "--repeats", "1")
     number = r"\d+\.\d{3}"
-    last = rf"vs_loop={number} vs_hf_trainer={number} overhead_vs_loop={number} overhead_vs_hf_trainer={number}"
+    last = rf"vs_loop={number} vs_hf_trainer={number} overhead_vs_loop={number} overhead_vs_hf_trainer={number} overhead_ceiling={number}"
     assert re.fullmatch(last, lines[-1]), lines[-1]
     assert any(re.match(r"\s+train / hf_trainer: \d+\.\d{3} \(95% CI", line) for line in lines)
+    assert any(re.match(r"\s+lightning / loop: \d+\.\d{3} \(95% CI", line) for line in lines)  # the ceiling
 
 
 def test_time_to_accuracy_bench_prints_both_times_and_the_ratio(tokenizer_dir, toy_data, tmp_path):
@@ -55,6 +56,30 @@ def test_identity_cost_bench_prints_first_and_cached_hash_times(tmp_path):
     assert re.fullmatch(r"first_s=\d+\.\d{3} cached_s=\d+\.\d{4} launch_check_s=\d+\.\d{4} gb_per_s=\d+\.\d{2}", lines[-1]), lines[-1]
     assert lines[0].split()[0] == "path" and len(lines) == 4, lines
 {%- if cookiecutter.tasks != "classification" %}
+
+
+def test_answers_bench_prints_the_three_ways_and_their_ratios(tmp_path):
+    from ..conftest import byte_level_bpe, lm_documents
+    from ..test_chat_data import CHATML, END, EOS, START, chat_overrides, chat_rows, tiny_llama, write_jsonl
+
+    tokenizer = byte_level_bpe(
+        lm_documents(200, seed=0) + ["user assistant system"] * 20, [EOS, START, END], eos_token=END, bos_token=START
+    )
+    tokenizer.chat_template = CHATML
+    pretrained = tmp_path / "pretrained"
+    tiny_llama(tokenizer, "sdpa").save_pretrained(pretrained)
+    tokenizer.save_pretrained(pretrained)
+    data = {
+        split: write_jsonl(tmp_path / f"{split}.jsonl", chat_rows(8, seed=seed))
+        for seed, split in enumerate(("train", "validation", "test"))
+    }
+    overrides = [o for o in chat_overrides(pretrained, data, pretrained, tmp_path / "run") if not o.startswith("peft")]
+    lines = run_bench("answers.py", "--experiment", "none", "--rows", "8", "--batch-size", "3", "--repeats", "1", "--overrides", *overrides)
+    assert re.fullmatch(
+        r"answers_per_s=\d+\.\d{3} vs_one_at_a_time=\d+\.\d{3} vs_unsorted=\d+\.\d{3} exact_match_delta=\d\.\d{4}", lines[-1]
+    )
+    assert float(lines[-1].rsplit("=", 1)[1]) <= 0.005  # fp32, padding masked: the same answers
+    assert lines[0].startswith("8 prompts of ")
 
 
 def test_step_time_bench_prints_its_error(tmp_path):

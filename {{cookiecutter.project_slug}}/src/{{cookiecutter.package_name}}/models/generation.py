@@ -38,8 +38,10 @@ class TextGeneration:
         """The new token ids for each prompt, up to (not including) the first end token: the
         end-of-turn token for a chat model, else the generation config's EOS.
 
-        Prompts go ``batch_size`` at a time, padded on the left (the attention mask hides the
-        padding).  ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``,
+        Prompts go ``batch_size`` at a time, longest first (sorted by length, so a batch holds
+        prompts of similar length and little padding; an out-of-memory error comes with the
+        first batch), padded on the left (the attention mask hides the padding); the
+        completions come back in the order of ``prompt_ids``.  ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``,
         ``temperature``...).  The model is put in eval mode and restored afterwards.  Prompt and
         new tokens together never pass the model's positions (:func:`.builder.max_positions`):
         with a warning, ``max_new_tokens`` is capped to ``positions - 1`` and a prompt too long
@@ -59,35 +61,40 @@ class TextGeneration:
         pad = pad_token_id(self.tokenizer)
         was_training = self.model.training
         self.model.eval()
-        completions = []
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: prompts per generate call, at least 1")
+        kept = []
+        for ids in prompt_ids:
+            if room is not None and len(ids) > room:
+                rank_zero_warn(
+                    f"a prompt of {len(ids)} tokens leaves no room for {new_tokens} new ones in the model's "
+                    f"{limit} positions: its first {len(ids) - room} tokens are dropped"
+                )
+                ids = ids[-room:]
+            kept.append(ids)
+        order = sorted(range(len(kept)), key=lambda index: -len(kept[index]))  # longest first (stable: ties keep their order)
+        completions: list[list[int]] = [[] for _ in kept]
         try:
-            for first in range(0, len(prompt_ids), batch_size):
-                rows = []
-                for ids in prompt_ids[first : first + batch_size]:
-                    if room is not None and len(ids) > room:
-                        rank_zero_warn(
-                            f"a prompt of {len(ids)} tokens leaves no room for {new_tokens} new ones in the model's "
-                            f"{limit} positions: its first {len(ids) - room} tokens are dropped"
-                        )
-                        ids = ids[-room:]
-                    rows.append(ids)
+            for first in range(0, len(order), batch_size):
+                batch = order[first : first + batch_size]
+                rows = [kept[index] for index in batch]
                 longest = max(len(ids) for ids in rows)
                 input_ids = torch.tensor([[pad] * (longest - len(ids)) + ids for ids in rows], device=self.device)  # (b, T)
                 attention_mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in rows], device=self.device)
                 output = self.model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, pad_token_id=pad, use_cache=True, **generation
                 )  # (b, T + new tokens)
-                for new in output[:, longest:].tolist():
+                for index, new in zip(batch, output[:, longest:].tolist(), strict=True):
                     end = next((i for i, token in enumerate(new) if token in stops), len(new))
-                    completions.append(new[:end])
+                    completions[index] = new[:end]
         finally:
             self.model.train(was_training)
         return completions
 
-    def generate_text(self, prompts: list[str], **generation: object) -> list[str]:
-        """Complete each prompt (:meth:`prompt_ids`, one at a time); return only the new text, up
-        to the end token (:meth:`complete`)."""
-        completions = self.complete(self.prompt_ids(prompts), **generation)
+    def generate_text(self, prompts: list[str], batch_size: int = 1, **generation: object) -> list[str]:
+        """Complete each prompt (:meth:`prompt_ids`, ``batch_size`` at a time); return only the
+        new text, up to the end token (:meth:`complete`)."""
+        completions = self.complete(self.prompt_ids(prompts), batch_size=batch_size, **generation)
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
 
 

@@ -158,7 +158,7 @@ NAMED_NODES: dict[str, tuple[str, Callable[[], dict[str, str]], str]] = {
 HF_CONFIG_NODES: dict[str, frozenset[str]] = {
     "model.config": frozenset({"model_type"}),
     "model.architecture": frozenset({"model_type", "of"}),  # `of`: the model these numbers describe
-    "generation": frozenset(),
+    "generation": frozenset({"batch_size"}),  # (ours: prompts a generate call, not passed to transformers)
 }
 # Nodes whose own keys are not ours to check (dotted paths from the top).
 FREE_FORM = frozenset(

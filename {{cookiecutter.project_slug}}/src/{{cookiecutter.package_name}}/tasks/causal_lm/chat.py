@@ -608,6 +608,7 @@ class ChatDataModule(TokenizedDataModule):
         answer_rows: rows of the test split whose answers ``eval``/``train`` generate for
             ``test/exact_match`` (the first ones, a fixed subset); ``None`` = all.
         answer_max_new_tokens: the longest generated answer, in tokens.
+        answer_batch_size: prompts a ``generate`` call for those answers (sorted by length).
 
     Raises (from ``setup``, before any model weights load):
         ConfigError: unknown ``mode``/``train_on``/``truncation``, no chat template, an
@@ -648,8 +649,14 @@ class ChatDataModule(TokenizedDataModule):
         mix_ratios: list[float] | None = None,
         mix_until: str = "first_exhausted",
         mix_seed: int = 0,
+        answer_batch_size: int = 16,
     ) -> None:
         super().__init__()
+        if not isinstance(answer_batch_size, int) or isinstance(answer_batch_size, bool) or answer_batch_size < 1:
+            raise ConfigError(
+                f"data.answer_batch_size={answer_batch_size!r} must be a positive number of prompts; fix: e.g. data.answer_batch_size=16"
+            )
+        self.answer_batch_size = answer_batch_size
         problems = mix_problems(dict(splits), mix_ratios, mix_until)
         if problems:
             raise ConfigError("; ".join(problems))
