@@ -144,3 +144,33 @@ def test_the_writer_thread_does_the_write(tmp_path):
     io.save_checkpoint(a_checkpoint(1), tmp_path / "last.ckpt")
     io.flush()
     assert threads == [checkpoint_writer.THREAD_NAME] and io.writer.pending == 0
+{%- if cookiecutter.tasks != "causal_lm" %}
+
+
+def test_in_a_real_fit_last_ckpt_after_a_validation_is_not_written_again(make_cfg, tmp_path):
+    from {{ cookiecutter.package_name }}.train import train
+    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
+
+    writes = []
+    write = AtomicCheckpointIO.write
+
+    def counted(self, checkpoint, file):
+        writes.append((os.path.basename(file.name), checkpoint["global_step"]))
+        write(self, checkpoint, file)
+
+    AtomicCheckpointIO.write = counted
+    try:  # every validation keeps its checkpoint (save_top_k=-1) and saves last.ckpt of the same state
+        train(
+            make_cfg(
+                "trainer.max_steps=4", "trainer.val_check_interval=2", "callbacks.model_checkpoint.save_top_k=-1", "test_after_fit=false"
+            )
+        )
+    finally:
+        AtomicCheckpointIO.write = write
+    folder = tmp_path / "run" / "checkpoints"
+    assert [step for name, step in writes if name == ".best-epoch00-step{:06d}.ckpt.partial".format(step)] == [2, 4]
+    # last.ckpt of steps 2 and 4 were links to those files; the one write is the end of the epoch (its own state).
+    assert [step for name, step in writes if name == ".last.ckpt.partial"] == [4]
+    assert trained_checkpoint(folder / "last.ckpt")["global_step"] == 4
+    assert trained_checkpoint(folder / "best-epoch00-step000002.ckpt")["global_step"] == 2
+{%- endif %}

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -167,16 +168,26 @@ class Stager:
         return sum(self.held_sizes())
 
 
+# Tensors up to this size are compared by their values in a fingerprint (a state read anew for each
+# save, such as an RNG state, is a new tensor every time); larger ones by storage.
+BY_VALUE_BYTES = 4096
+
+
 def fingerprint(checkpoint: dict) -> object:
     """What identifies the training state a checkpoint holds, apart from the callbacks' own state:
-    every other entry, with each tensor as its :func:`tensor_key`.  Two saves with equal
-    fingerprints were taken at the same point of the loop (its progress counters are in
-    ``loops``) of the same weights, so they differ only in the callbacks' bookkeeping (a
-    ``ModelCheckpoint`` records the file it is saving)."""
+    every other entry, with each tensor as its :func:`tensor_key` (up to 4 KiB: its values) and
+    each numpy array as its values.  Two saves with equal fingerprints were taken at the same
+    point of the loop (its progress counters are in ``loops``) of the same weights (no optimizer
+    step runs without moving those counters), so they differ only in the callbacks' bookkeeping
+    (a ``ModelCheckpoint`` records the file it is saving)."""
 
     def plain(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
+            if tensor_bytes(node) <= BY_VALUE_BYTES and node.device.type == "cpu":
+                return ("values", node.dtype, tuple(node.shape), node.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             return ("tensor", tensor_key(node))
+        if isinstance(node, np.ndarray):
+            return ("ndarray", node.dtype.str, node.shape, node.tobytes())
         if isinstance(node, dict):
             return tuple((repr(key), plain(value)) for key, value in node.items())
         if isinstance(node, (list, tuple)):
