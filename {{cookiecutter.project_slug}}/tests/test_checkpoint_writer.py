@@ -77,8 +77,10 @@ def test_last_of_the_same_state_as_the_best_is_a_hard_link_written_once(tmp_path
     io.flush()
     assert writes == [5]
     assert os.stat(tmp_path / "last.ckpt").st_ino == os.stat(tmp_path / "best-step5.ckpt").st_ino
-    # The best file goes when a better one comes: last.ckpt keeps its bytes.
+    # The best file goes when a better one comes (queued after the writes: no wait): last.ckpt keeps its bytes.
     io.remove_checkpoint(tmp_path / "best-step5.ckpt")
+    io.flush()
+    assert not (tmp_path / "best-step5.ckpt").exists()
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 5
     # Another point of the loop (a step later, or the same step before validation) is written again.
     io.save_checkpoint(a_checkpoint(6), tmp_path / "best-step6.ckpt")

@@ -140,9 +140,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.writer.flush()
 
     def remove_checkpoint(self, path: str | Path) -> None:
-        """Lightning's remove (an older best checkpoint), after the queued writes (one may be of that file)."""
-        self.flush()
-        super().remove_checkpoint(path)
+        """Lightning's remove (an older best checkpoint, right after a new best is saved): with
+        ``background``, queued after the writes before it (one may be of that file, or link it),
+        so the training thread does not wait for the new best's write."""
+        if not self.background:
+            super().remove_checkpoint(path)
+            return
+        remove = super().remove_checkpoint
+        self.writer.submit(lambda: remove(path))
 
     def teardown(self) -> None:
         """The end of a fit (or of a validate/test), also after an error: the queued writes
