@@ -16,10 +16,13 @@ three ways:
 - ``sorted``: ``--batch-size`` prompts a call, longest first (what ``eval``, ``train``'s test
   and ``generate`` do now: ``data.answer_batch_size``, ``generation.batch_size``).
 
-Each way runs ``--repeats`` times (the order rotated); prints each way's median answers/s and
-exact match, and as the last line ``answers_per_s=<sorted> vs_one_at_a_time=<r> vs_unsorted=<r>
-exact_match_delta=<d>`` (``d``: the largest difference in exact match from one-at-a-time; the
-padding is masked, so it stays within float noise: goal <= 0.005).
+Each way runs ``--repeats`` times (the order rotated); prints each way's median answers/s, exact
+match and the fraction of its answers identical (token for token) to one-at-a-time's, and as the
+last line ``answers_per_s=<sorted> vs_one_at_a_time=<r> vs_unsorted=<r> exact_match_delta=<d>
+same_answers=<f>`` (``d``: the largest difference in exact match from one-at-a-time, goal <=
+0.005; ``f``: the smallest fraction of identical answers; the padding is masked, so only float
+noise can tell them apart).  An untuned model's exact match is near 0, so ``f`` is the sharper
+check.
 """
 
 from __future__ import annotations
@@ -97,20 +100,26 @@ def main() -> None:
         }
         rates: dict[str, list[float]] = {way: [] for way in ways}
         matched: dict[str, float] = {}
+        given: dict[str, list[list[int]]] = {}
         for repeat in range(args.repeats):
             order = list(ways)[repeat % 3 :] + list(ways)[: repeat % 3]
             for way in order:
                 answers, seconds = answer(module, prompts, *ways[way], new_tokens)
                 rates[way].append(len(prompts) / seconds)
+                given[way] = answers
                 texts = [module.tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
                 matched[way] = sum(exact_match(text, row["reference"]) for text, row in zip(texts, rows)) / len(rows)
+    same = {way: sum(a == b for a, b in zip(given[way], given["one_at_a_time"])) / len(prompts) for way in ways}
     for way in ways:
-        print(f"  {way:>14}: {statistics.median(rates[way]):8.2f} answers/s, exact match {matched[way]:.4f}")
+        print(
+            f"  {way:>14}: {statistics.median(rates[way]):8.2f} answers/s, exact match {matched[way]:.4f}, "
+            f"{same[way]:.4f} of the answers identical to one at a time"
+        )
     best = statistics.median(rates["sorted"])
     delta = max(abs(matched[way] - matched["one_at_a_time"]) for way in ways)
     print(
         f"answers_per_s={best:.3f} vs_one_at_a_time={best / statistics.median(rates['one_at_a_time']):.3f} "
-        f"vs_unsorted={best / statistics.median(rates['unsorted']):.3f} exact_match_delta={delta:.4f}"
+        f"vs_unsorted={best / statistics.median(rates['unsorted']):.3f} exact_match_delta={delta:.4f} same_answers={min(same.values()):.4f}"
     )
 
 
