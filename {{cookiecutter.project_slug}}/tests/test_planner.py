@@ -47,14 +47,20 @@ def _real_model(cfg):
     return AutoModelForCausalLM.from_config(architecture(cfg))
 
 
-def test_parameter_gradient_and_optimizer_bytes_are_exact():
-    """The arithmetic parts against a real model, its real gradients and a real AdamW's state."""
-    cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
+def _stepped_model(cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The planned model after one real backward and one real fused AdamW step."""
     model = _real_model(cfg)
     ids = torch.randint(0, 100, (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     optimizer.step()
+    return model, optimizer
+
+
+def test_parameter_gradient_and_optimizer_bytes_are_exact():
+    """The arithmetic parts against a real model, its real gradients and a real AdamW's state."""
+    cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
+    model, optimizer = _stepped_model(cfg)
     real_params = sum(p.numel() * p.element_size() for p in model.parameters())
     real_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     real_state = sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values())
@@ -75,11 +81,7 @@ def test_checkpoint_staging_is_the_pinned_blocks_of_a_real_checkpoint():
     from {{ cookiecutter.package_name }}.utils.checkpoint_writer import Stager, tensor_bytes, unique_tensors
 
     cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
-    model = _real_model(cfg)
-    ids = torch.randint(0, 100, (1, 16))
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    optimizer.step()
+    model, optimizer = _stepped_model(cfg)
     staged = Stager(pin_memory=False).stage({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]})
     real = sum(pinned_block(tensor_bytes(t)) for t in unique_tensors(staged).values())
     plan = plan_memory(cfg, search=False)

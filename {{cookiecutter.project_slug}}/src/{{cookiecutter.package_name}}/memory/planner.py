@@ -662,8 +662,9 @@ def checkpoint_staging_bytes(cfg: DictConfig, trainable: list[tuple[int, int]], 
     weights = sum(pinned_block(numel * size) for numel, size in trainable)
     peft = (cfg.get("peft") or {}).get("method", "none")
     frozen = param_bytes - sum(numel * size for numel, size in trainable) if peft == "none" else 0
-    copies = state_bytes // (4 * sum(numel for numel, _ in trainable))  # fp32 values per trained value
-    rest = state_bytes - copies * 4 * sum(numel for numel, _ in trainable)
+    trained = sum(numel for numel, _ in trainable)
+    copies = state_bytes // (4 * trained)  # fp32 values per trained value
+    rest = state_bytes - copies * 4 * trained
     state = copies * sum(pinned_block(numel * 4) for numel, _ in trainable) + rest
     return weights + (pinned_block(frozen) if frozen > 0 else 0) + state
 

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError, DiskFull
 from . import stored
-from .checkpoint_writer import HOST_RESERVE, BackgroundWriter, Stager, fingerprint, host_available, link_into_place
+from .checkpoint_writer import HOST_RESERVE, BackgroundWriter, Stager, fingerprint, host_available, link_into_place, unique_tensors
 from .identity import command_line_value, is_local_path
 from .run import atomic_write_path
 
@@ -41,19 +41,8 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 def checkpoint_bytes(checkpoint: object) -> int:
     """The bytes of every tensor in ``checkpoint`` (nested dicts and lists walked; a tensor's
     storage counted once)."""
-    seen, total, stack = set(), 0, [checkpoint]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor):
-            key = (node.untyped_storage().data_ptr(), node.untyped_storage().nbytes())
-            if key not in seen:
-                seen.add(key)
-                total += node.untyped_storage().nbytes()
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-    return total
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in unique_tensors(checkpoint).values()}
+    return sum(storages.values())
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -42,16 +42,14 @@ def exact_match(prediction: str, reference: str) -> bool:
     return normalize_answer(prediction) == normalize_answer(reference)
 
 
-def evaluate_answers(
-    module, datamodule, output: Path, split: str = "test", prefix: str = "test", batch_size: int | None = None
-) -> dict[str, float]:
+def evaluate_answers(module, datamodule, output: Path, split: str = "test", prefix: str = "test") -> dict[str, float]:
     """Greedy answers of ``module`` (a language-model task module: ``complete`` and ``tokenizer``) to the prompts of
     ``datamodule.answer_prompts(split)``; writes ``output`` (jsonl: ``row``, ``prompt``,
     ``reference``, ``prediction``, ``exact_match``) atomically.
 
     Runs on the GPU when there is one (the module is moved there), else the CPU; greedy
-    decoding, ``datamodule.answer_max_new_tokens`` new tokens at most, ``batch_size`` prompts a
-    batch (``None``: ``datamodule.answer_batch_size``; sorted by length, left-padded).
+    decoding, ``datamodule.answer_max_new_tokens`` new tokens at most, ``datamodule.answer_batch_size``
+    prompts a batch (sorted by length, left-padded).
 
     Returns:
         ``{f"{prefix}/exact_match": fraction, f"{prefix}/answers": count}``.
@@ -61,7 +59,7 @@ def evaluate_answers(
         module.to("cuda")
     answers = module.complete(
         [row["prompt_ids"] for row in rows],
-        batch_size=batch_size or getattr(datamodule, "answer_batch_size", 16),
+        batch_size=datamodule.answer_batch_size,
         max_new_tokens=datamodule.answer_max_new_tokens,
         do_sample=False,
     )
