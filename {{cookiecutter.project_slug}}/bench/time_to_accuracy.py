@@ -9,9 +9,12 @@ demo's data (VADER movie reviews) with the same hyperparameters, read from the c
 ``train`` config: peak LR, AdamW betas/eps/weight decay, linear warmup (6 %) and decay over the
 same number of optimizer steps, micro-batch, accumulation, gradient clipping, precision, seed.
 Both read the same tokenised rows (the data module's) with dynamic padding to a multiple of 8,
-batches grouped by length (``group_by_length``), validate the same rows every ``--every``
-optimizer steps, and save a checkpoint every 50 steps (the project's step checkpoint; the HF
-Trainer keeps one).  The HF side logs to W&B offline every 10 steps, as ``train`` does.
+in the same order: the HF Trainer is handed the project's own epoch orders (its length-grouped
+sampler, seeded by ``(seed, epoch)``, the same micro-batches in the same sequence), so the
+comparison is of speed, not of which data order happens to suit the seed.  Both validate the
+same rows at the same optimizer steps (every ``--every`` steps counted over the whole run, not
+restarted each epoch), and save a checkpoint every 50 steps (the project's step checkpoint; the
+HF Trainer keeps one).  The HF side logs to W&B offline every 10 steps, as ``train`` does.
 
 Each side's clock starts when its first training step starts (model loading, tokenising and
 ``train``'s sanity check are before it) and stops at the end of the first validation whose
@@ -22,7 +25,8 @@ last line, ``project_s=<s> hf_trainer_s=<s> ratio=<hf / project>`` (goal: ratio 
 than the HF Trainer).  A side that never reaches the target prints ``inf``.
 
 Which validation first crosses the target moves with the seed (data order, head initialisation,
-dropout) by a validation or more, so one seed says little: ``--seeds 42 43 44`` runs both sides
+dropout) by a validation or more, so one seed says little (the two sides share the data order
+and the head's initial weights; their dropout streams differ): ``--seeds 42 43 44`` runs both sides
 once per seed (the order alternating), prints each pair, and the last line then holds each
 side's median over the seeds (a side that never crossed counts as ``inf``) and their ratio.
 """
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import logging
 import math
@@ -47,6 +50,7 @@ import numpy as np
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
+from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier
@@ -105,8 +109,10 @@ def compose_config(run_dir: Path, every: int, overrides: list[str]):
             ],
         )
     with open_dict(cfg):
-        # Validation every `every` optimizer steps (micro-batches x accumulation), as the HF side.
+        # Validation every `every` optimizer steps (micro-batches x accumulation), counted over the
+        # whole run as the HF side counts them (Lightning's default restarts the count each epoch).
         cfg.trainer.val_check_interval = every * cfg.batch.accumulate_grad_batches
+        cfg.trainer.check_val_every_n_epoch = None
         cfg.callbacks.bench_until_accuracy = {"_target_": "__main__.UntilAccuracy"}
     return cfg
 
@@ -118,15 +124,26 @@ def run_project(cfg) -> tuple[float, float | None, int | None]:
     return UntilAccuracy.seconds, UntilAccuracy.accuracy, UntilAccuracy.step
 
 
-def length_grouping() -> dict:
-    """The HF Trainer's length-grouped batches, in this transformers version's terms (later 5.x:
-    ``train_sampling_strategy``; before: ``group_by_length``)."""
-    names = {field.name for field in dataclasses.fields(TrainingArguments)}
-    return {"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in names else {"group_by_length": True}
+class ProjectOrder(IterableDataset):
+    """The project's training rows in the project's order: the ``n``-th pass over it is epoch ``n``
+    of ``sampler`` (the data module's own sampler, whose order is a function of ``(seed, epoch)``).
+    The HF Trainer batches it as the project's loader does (``per_device_train_batch_size`` rows
+    in sequence, the epoch's last batch partial), and starts a new pass when one ends."""
+
+    def __init__(self, rows, sampler) -> None:
+        self.rows, self.sampler, self.passes = rows, sampler, 0
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.passes)
+        self.passes += 1
+        return (self.rows[index] for index in self.sampler)
 
 
 def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float, float | None, int | None]:
     """The HF Trainer on the same rows and hyperparameters; (seconds, accuracy reached, at optimizer step)."""
+    if cfg.data.num_workers:
+        # (each worker would iterate the whole ProjectOrder: every row num_workers times)
+        raise SystemExit(f"data.num_workers={cfg.data.num_workers}: this bench hands the HF Trainer the project's order in-process; fix: data.num_workers=0")
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
@@ -150,8 +167,7 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
         per_device_train_batch_size=cfg.data.batch_size,
         per_device_eval_batch_size=cfg.data.batch_size,
         gradient_accumulation_steps=accumulate,
-        num_train_epochs=trainer_cfg.max_epochs,
-        max_steps=trainer_cfg.max_steps,
+        max_steps=steps,  # (an iterable dataset has no length: the run is counted in steps)
         learning_rate=optimizer.lr,
         adam_beta1=optimizer.betas[0],
         adam_beta2=optimizer.betas[1],
@@ -161,7 +177,6 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
         warmup_steps=int(scheduler.warmup_ratio * steps),
         max_grad_norm=trainer_cfg.gradient_clip_val or 0.0,
         bf16=trainer_cfg.precision == "bf16-mixed",
-        **length_grouping(),
         eval_strategy="steps",
         eval_steps=every,
         save_strategy="steps" if step_checkpoint else "no",
@@ -181,7 +196,7 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
     trainer = Trainer(
         model=model,
         args=arguments,
-        train_dataset=datamodule.datasets["train"],
+        train_dataset=ProjectOrder(datamodule.datasets["train"], datamodule.train_dataloader().sampler),
         eval_dataset=datamodule.datasets["validation"],
         data_collator=datamodule.collator(),
         compute_metrics=accuracy,

@@ -45,6 +45,26 @@ def test_time_to_accuracy_bench_prints_both_times_and_the_ratio(tokenizer_dir, t
         for side in ("project", "hf_trainer"):
             assert any(re.match(rf"seed {seed} +{side}: .*\(val acc", line) for line in lines), lines
     assert re.fullmatch(r"ratio per seed: \d+\.\d{3} \d+\.\d{3}; medians over 2 seeds:", lines[-2]), lines[-2]
+
+
+def test_time_to_accuracy_hands_the_hf_trainer_the_projects_epoch_orders():
+    # The HF side's rows, pass after pass, are the project's sampler's epochs 0, 1, ... (a
+    # different order each epoch), so both sides train on the same micro-batches in sequence.
+    import importlib.util
+
+    from {{ cookiecutter.package_name }}.data.sampling import ResumableSampler
+
+    spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH / "time_to_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths = [(7 * i) % 23 + 1 for i in range(100)]
+    hf_rows = bench.ProjectOrder([{"row": i} for i in range(100)], ResumableSampler(100, seed=3, lengths=lengths, batch_size=8))
+    passes = [[row["row"] for row in hf_rows] for _ in range(2)]
+    project = ResumableSampler(100, seed=3, lengths=lengths, batch_size=8)
+    for epoch, seen in enumerate(passes):
+        project.set_epoch(epoch)
+        assert seen == list(project), epoch
+    assert passes[0] != passes[1] and sorted(passes[0]) == list(range(100))
 {%- endif %}
 
 
