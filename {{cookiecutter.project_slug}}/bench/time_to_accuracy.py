@@ -143,7 +143,9 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
     """The HF Trainer on the same rows and hyperparameters; (seconds, accuracy reached, at optimizer step)."""
     if cfg.data.num_workers:
         # (each worker would iterate the whole ProjectOrder: every row num_workers times)
-        raise SystemExit(f"data.num_workers={cfg.data.num_workers}: this bench hands the HF Trainer the project's order in-process; fix: data.num_workers=0")
+        raise SystemExit(
+            f"data.num_workers={cfg.data.num_workers}: this bench hands the HF Trainer the project's order in-process; fix: data.num_workers=0"
+        )
     datamodule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
