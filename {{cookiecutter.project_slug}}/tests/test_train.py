@@ -249,6 +249,31 @@ def test_overfitting_one_batch_drives_the_loss_down(make_cfg, tmp_path):
     assert losses[-1] < 0.3 * losses[0], losses
 
 
+def test_each_optimizer_steps_row_reaches_the_loggers_once_at_their_pace(make_cfg, tmp_path, monkeypatch):
+    # The module sends its per-step row itself (not through self.log): every 3rd optimizer step
+    # here, once, whole (loss, lr, epoch), with accumulation counting optimizer steps, and the
+    # last step's loss is metrics.json's train/loss and the progress bar's loss.
+    from {{ cookiecutter.package_name }}.callbacks.terminal import ProgressBar
+
+    shown = []
+    get_metrics = ProgressBar.get_metrics
+    monkeypatch.setattr(
+        ProgressBar, "get_metrics", lambda self, trainer, module: shown.append(get_metrics(self, trainer, module)) or shown[-1]
+    )
+    cfg = make_cfg(
+        "batch.global_batch_size=16", "batch.micro_batch_size=8", "trainer.max_steps=6", "trainer.log_every_n_steps=3",
+        "trainer.val_check_interval=4", "test_after_fit=false", "callbacks.progress_bar.refresh_rate=1",
+    )  # fmt: skip
+    metrics = train(cfg)
+    rows = [row for row in read_metrics(tmp_path / "run" / "csv") if row.get("train/loss")]
+    assert [int(row["step"]) for row in rows] == [2, 5]  # optimizer steps 3 and 6, each once
+    assert all(row["epoch"] == "0" for row in rows)
+    lr_steps = [int(row["step"]) for row in read_metrics(tmp_path / "run" / "csv") if row.get("train/lr")]
+    assert lr_steps == list(range(6))  # (the LR schedule's own rows: every step, unchanged)
+    assert metrics["train/loss"] == pytest.approx(float(rows[-1]["train/loss"]))
+    assert any(set(postfix) >= {"loss"} for postfix in shown) and shown[-1]["loss"] == pytest.approx(metrics["train/loss"])
+
+
 def test_bad_data_fails_before_any_weights_load(make_cfg, monkeypatch):
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")

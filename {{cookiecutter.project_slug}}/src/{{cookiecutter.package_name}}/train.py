@@ -141,8 +141,9 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
                 text = write_oom_report(cfg, run_dir, guard.report if guard else None, error)
                 raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
-            # *_start (restored from the checkpoint on a resume), train/*, val/* of the last validation
-            metrics = {**module.start_metrics, **scalar_metrics(trainer.callback_metrics)}
+            # *_start (restored from the checkpoint on a resume), the last step's train/loss (and the
+            # task's other per-step metrics), train/* of the epoch, val/* of the last validation
+            metrics = {**module.start_metrics, **module.final_step_metrics(), **scalar_metrics(trainer.callback_metrics)}
             if cfg.task.validate_before_fit and module.validated_at_step != trainer.global_step:
                 # Training stopped between validations (or a resumed run never validated): validate
                 # the final weights, so val/* never repeats the *_start figures (or an older pass)

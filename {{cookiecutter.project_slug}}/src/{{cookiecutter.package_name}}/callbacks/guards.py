@@ -52,8 +52,9 @@ class _StepBoundary(L.Callback):
 
     def log_step_and_save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path:
         """At ``on_train_batch_end`` of a step that ends the run: send the step's row to the
-        loggers first (Lightning would right after this hook, which the stop skips), so the step
-        the checkpoint holds is also in the logs."""
+        loggers first (the module would right after the callbacks' hooks,
+        :meth:`..models.base.HFModule.on_train_batch_end`, which the stop skips), so the step the
+        checkpoint holds is also in the logs."""
         if hasattr(pl_module, "step_row"):
             step, metrics = pl_module.step_row()
             for logger in trainer.loggers:

@@ -34,6 +34,10 @@ class ProgressBar(TQDMProgressBar):
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
         metrics = super().get_metrics(trainer, pl_module)
+        # The latest optimizer step's metrics (train/loss) are the module's own row, not self.log's
+        # (models.base.HFModule.log_step_metric): one host sync each, per redraw.
+        step_metrics = getattr(pl_module, "step_metrics", {})
+        metrics.update({name: step_metrics[name].item() for name in self.shown if name in step_metrics})
         return {name.split("/", 1)[-1] if name.startswith("train/") else name: metrics[name] for name in self.shown if name in metrics}
 
 

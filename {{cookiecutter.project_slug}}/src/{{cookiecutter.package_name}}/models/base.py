@@ -72,8 +72,9 @@ class HFModule(L.LightningModule):
         self._window_items = torch.zeros((), dtype=torch.long)
         self._step_loss: torch.Tensor | None = None
         self._step_items = torch.zeros(())
-        self.step_metrics: dict[str, torch.Tensor] = {}
+        self.step_metrics: dict[str, torch.Tensor] = {}  # the latest optimizer step's row (log_step_metric)
         self._row_step = 0
+        self._row_pending = False  # an optimizer step whose row on_train_batch_end has not sent yet
         # (the run's entry of its base files, where the checkpoint is): an adapter checkpoint's base is checked against it
         self.expected_base: tuple[dict, str] | None = None
 
@@ -233,30 +234,63 @@ class HFModule(L.LightningModule):
                 if parameter.grad is not None:
                     parameter.grad.mul_(scale)
         self._row_step = self.trainer.global_step  # (the step this optimizer step's row is logged at)
-        self.log_step_metric("train/loss", loss, prog_bar=True)
+        self._row_pending = True
+        self.log_step_metric("train/loss", loss)
         self._window_loss.zero_()
         self._window_items.zero_()
         self._step_loss = None
 
-    def log_step_metric(self, name: str, value: torch.Tensor | float, **kwargs) -> None:
-        """``self.log(name, value, on_step=True, on_epoch=False, **kwargs)`` for a metric logged
-        once per optimizer step, keeping its latest value in :attr:`step_metrics` (for
-        :meth:`step_row`).  ``value``: a 0-dim tensor or a number, stored as Lightning stores it
-        (a 0-dim float32/float64 tensor)."""
+    def log_step_metric(self, name: str, value: torch.Tensor | float) -> None:
+        """Put a metric of the optimizer step being taken (``train/loss``, ``train/tokens``...) in
+        the step's row, :attr:`step_metrics`, which :meth:`on_train_batch_end` sends to the
+        loggers.  ``value``: a 0-dim tensor or a number, stored as a 0-dim float32/float64 tensor
+        (no host sync here).
+
+        Not ``self.log``: Lightning's per-call bookkeeping (its result collection moves the
+        logged metric's state to the value's device on every call) cost 0.55-0.8 ms a call on a
+        2-core CPU (``bench/throughput.py --profile``), once per metric per step; the rows are
+        the same, sent by :meth:`on_train_batch_end` as Lightning's ``LearningRateMonitor`` sends
+        its own.  A per-step metric is therefore not in ``trainer.callback_metrics``: the
+        progress bar (:class:`..callbacks.terminal.ProgressBar`) and ``metrics.json`` read
+        :attr:`step_metrics`."""
         value = torch.as_tensor(value, device=self.device).detach()
         if value.dtype not in (torch.float32, torch.float64):
             value = value.to(torch.get_default_dtype())
-        self.log(name, value, on_step=True, on_epoch=False, **kwargs)
         self.step_metrics[name] = value
 
     def step_row(self) -> tuple[int, dict[str, float]]:
-        """The row Lightning sends the loggers after the latest optimizer step: the step number
-        it logs it at (optimizer steps before this one) and the :meth:`log_step_metric` values
-        plus ``epoch``.  Read before that delivery, to write the row before the step's checkpoint
+        """The row :meth:`on_train_batch_end` sends the loggers after the latest optimizer step:
+        the step number it is logged at (optimizer steps before this one, as Lightning counts
+        its rows) and the :meth:`log_step_metric` values plus ``epoch``.  Also read before that
+        delivery, to write the row before the step's checkpoint
         (:class:`..utils.csv_log.StepLogBeforeCheckpoint`) or when a stop skips the delivery
         (:mod:`..callbacks.guards`).  One host sync per metric."""
         metrics = {name: value.item() for name, value in self.step_metrics.items()}
         return self._row_step, {**metrics, "epoch": self.trainer.current_epoch}
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        """Send the optimizer step's row (:meth:`step_row`) to every logger, at Lightning's pace
+        (every ``trainer.log_every_n_steps``-th step, and a step after which the run stops) and
+        where Lightning sends the rows of ``self.log``: after the callbacks'
+        ``on_train_batch_end`` (a checkpoint saved there has the row written first, and the CSV
+        logger does not write it twice).  A micro-batch inside an accumulation window sends
+        nothing.  The loggers write at their own pace (the CSV log every
+        ``flush_logs_every_n_steps`` rows and before every checkpoint), not once a row as
+        Lightning's delivery does (it calls each logger's ``save``)."""
+        if not self._row_pending:
+            return
+        self._row_pending = False
+        trainer = self.trainer
+        if ((self._row_step + 1) % trainer.log_every_n_steps and not trainer.should_stop) or not trainer.is_global_zero:
+            return  # (Lightning's loggers write on the global-zero process only: no host syncs elsewhere)
+        step, metrics = self.step_row()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def final_step_metrics(self) -> dict[str, float]:
+        """The latest optimizer step's :meth:`log_step_metric` values as numbers (for
+        ``metrics.json``); empty before the first step."""
+        return {name: value.item() for name, value in self.step_metrics.items()}
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         """The manual-optimization step of ``optimizer.step_in_backward``: ``backward`` updates

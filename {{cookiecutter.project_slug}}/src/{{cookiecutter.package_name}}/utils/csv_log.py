@@ -64,7 +64,7 @@ class _AtomicWriter(ExperimentWriter):
     def log_metrics(self, metrics_dict: dict, step: int | None = None) -> None:
         values = {key: value.item() if isinstance(value, torch.Tensor) else value for key, value in metrics_dict.items()}
         if self.written_early is not None and self.written_early[0] == step and _contains(values, self.written_early[1]):
-            early, self.written_early = self.written_early[1], None  # Lightning's delivery of the row written early
+            early, self.written_early = self.written_early[1], None  # the module's delivery of the row written early
             values = {key: value for key, value in values.items() if key not in early}
             if not values:
                 return
@@ -128,13 +128,14 @@ class StepLogBeforeCheckpoint(L.Callback):
     """Write an optimizer step's row to the CSV log *before* a checkpoint of that step is saved,
     with every row still held in memory (``flush_logs_every_n_steps``) before any checkpoint.
 
-    Lightning sends a step's metrics to the loggers after the ``on_train_batch_end`` hooks, and
-    ``ModelCheckpoint`` saves inside them: a kill between the two would leave a checkpoint of step
-    ``k`` and no row for ``k``, which the resumed run (starting after ``k``) never writes.  So
-    when a checkpoint is saved between an optimizer step and Lightning's delivery of its row
-    (``on_save_checkpoint``), this callback writes the row first: the module's
-    :meth:`..models.base.HFModule.step_row`, which holds what Lightning will send.  The logger
-    then skips the identical delivery.  Other loggers (W&B) are left to Lightning.
+    The module sends a step's row to the loggers in its ``on_train_batch_end``, after the
+    callbacks' (:meth:`..models.base.HFModule.on_train_batch_end`, where Lightning would send
+    ``self.log``'s rows), and ``ModelCheckpoint`` saves inside the callbacks': a kill between the
+    two would leave a checkpoint of step ``k`` and no row for ``k``, which the resumed run
+    (starting after ``k``) never writes.  So when a checkpoint is saved between an optimizer step
+    and the delivery of its row (``on_save_checkpoint``), this callback writes the row first: the
+    module's :meth:`..models.base.HFModule.step_row`, which holds what will be sent.  The logger
+    then skips the identical delivery.  Other loggers (W&B) get the delivery only.
     """
 
     def __init__(self) -> None:
@@ -153,8 +154,8 @@ class StepLogBeforeCheckpoint(L.Callback):
         self.stepped = False
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        # Lightning logs an optimizer step whose number is a multiple of log_every_n_steps, and
-        # the last one (should_stop).
+        # A step's row is sent when its number is a multiple of log_every_n_steps, and for the
+        # last one (should_stop): HFModule.on_train_batch_end, as Lightning paces self.log's rows.
         logged = trainer.global_step % trainer.log_every_n_steps == 0 or trainer.should_stop
         row = pl_module.step_row() if self.stepped and logged and hasattr(pl_module, "step_row") else None
         for logger in trainer.loggers:

@@ -200,7 +200,7 @@ class CausalLMModule(TextGeneration, HFModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)  # rescales the gradients, logs train/loss
         self.tokens_seen += int(self._window_tokens)  # one host sync per optimizer step
-        self.log_step_metric("train/tokens", float(self.tokens_seen), reduce_fx="max")
+        self.log_step_metric("train/tokens", float(self.tokens_seen))
         self._window_tokens.zero_()
 
     def configure_metrics(self) -> None:
