@@ -81,16 +81,20 @@ class UntilAccuracy(L.Callback):
 
 
 class HFUntilAccuracy(TrainerCallback):
-    """The same for ``transformers.Trainer``."""
+    """The same for ``transformers.Trainer``, at the same validation steps: an evaluation the HF
+    Trainer adds at the run's last step (not a multiple of ``every``; the project has none there)
+    does not count."""
 
-    def __init__(self, target: float) -> None:
-        self.target, self.seconds, self.accuracy, self.step = target, math.inf, None, None
+    def __init__(self, target: float, every: int) -> None:
+        self.target, self.every, self.seconds, self.accuracy, self.step = target, every, math.inf, None, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         accuracy = (metrics or {}).get("eval_accuracy")
+        if state.global_step % self.every:
+            return
         if accuracy is not None and accuracy >= self.target and self.accuracy is None:
             self.seconds, self.accuracy, self.step = time.perf_counter() - self.start, accuracy, state.global_step
             control.should_training_stop = True
@@ -163,7 +167,7 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
     batches = math.ceil(len(datamodule.datasets["train"]) / cfg.data.batch_size)
     accumulate = cfg.batch.accumulate_grad_batches
     steps = trainer_cfg.max_steps if trainer_cfg.max_steps > 0 else math.ceil(batches / accumulate) * trainer_cfg.max_epochs
-    timer = HFUntilAccuracy(target)
+    timer = HFUntilAccuracy(target, every)
     arguments = TrainingArguments(
         output_dir=str(run_dir / "hf"),
         per_device_train_batch_size=cfg.data.batch_size,

@@ -65,6 +65,24 @@ def test_time_to_accuracy_hands_the_hf_trainer_the_projects_epoch_orders():
         project.set_epoch(epoch)
         assert seen == list(project), epoch
     assert passes[0] != passes[1] and sorted(passes[0]) == list(range(100))
+
+
+def test_time_to_accuracy_counts_the_hf_trainers_evaluations_at_the_projects_steps_only():
+    # The HF Trainer also evaluates at the run's last step (265 of an epoch); the project does not
+    # validate there, so a crossing at that step would be a chance only one side had.
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH / "time_to_accuracy.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    timer = bench.HFUntilAccuracy(target=0.82, every=50)
+    timer.on_train_begin(None, None, None)
+    control = SimpleNamespace(should_training_stop=False)
+    timer.on_evaluate(None, SimpleNamespace(global_step=265), control, metrics={"eval_accuracy": 0.9})
+    assert timer.accuracy is None and not control.should_training_stop
+    timer.on_evaluate(None, SimpleNamespace(global_step=250), control, metrics={"eval_accuracy": 0.9})
+    assert (timer.accuracy, timer.step, control.should_training_stop) == (0.9, 250, True)
 {%- endif %}
 
 
