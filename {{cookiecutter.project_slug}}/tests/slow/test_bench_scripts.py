@@ -20,6 +20,16 @@ def run_bench(script: str, *args: str, timeout: int = 600) -> list[str]:
     result = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result.stdout.strip().splitlines()
+
+
+def load_bench(name: str):
+    """``bench/<name>.py`` imported as a module (its classes tested without running it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 {%- if cookiecutter.tasks != "causal_lm" %}
 
 
@@ -50,13 +60,9 @@ def test_time_to_accuracy_bench_prints_both_times_and_the_ratio(tokenizer_dir, t
 def test_time_to_accuracy_hands_the_hf_trainer_the_projects_epoch_orders():
     # The HF side's rows, pass after pass, are the project's sampler's epochs 0, 1, ... (a
     # different order each epoch), so both sides train on the same micro-batches in sequence.
-    import importlib.util
-
     from {{ cookiecutter.package_name }}.data.sampling import ResumableSampler
 
-    spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH / "time_to_accuracy.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("time_to_accuracy")
     lengths = [(7 * i) % 23 + 1 for i in range(100)]
     hf_rows = bench.ProjectOrder([{"row": i} for i in range(100)], ResumableSampler(100, seed=3, lengths=lengths, batch_size=8))
     passes = [[row["row"] for row in hf_rows] for _ in range(2)]
@@ -70,13 +76,9 @@ def test_time_to_accuracy_hands_the_hf_trainer_the_projects_epoch_orders():
 def test_time_to_accuracy_counts_the_hf_trainers_evaluations_at_the_projects_steps_only():
     # The HF Trainer also evaluates at the run's last step (265 of an epoch); the project does not
     # validate there, so a crossing at that step would be a chance only one side had.
-    import importlib.util
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("time_to_accuracy", BENCH / "time_to_accuracy.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    timer = bench.HFUntilAccuracy(target=0.82, every=50)
+    timer = load_bench("time_to_accuracy").HFUntilAccuracy(target=0.82, every=50)
     timer.on_train_begin(None, None, None)
     control = SimpleNamespace(should_training_stop=False)
     timer.on_evaluate(None, SimpleNamespace(global_step=265), control, metrics={"eval_accuracy": 0.9})

@@ -265,8 +265,13 @@ class HFModule(L.LightningModule):
         delivery, to write the row before the step's checkpoint
         (:class:`..utils.csv_log.StepLogBeforeCheckpoint`) or when a stop skips the delivery
         (:mod:`..callbacks.guards`).  One host sync per metric."""
-        metrics = {name: value.item() for name, value in self.step_metrics.items()}
-        return self._row_step, {**metrics, "epoch": self.trainer.current_epoch}
+        return self._row_step, {**self.final_step_metrics(), "epoch": self.trainer.current_epoch}
+
+    def sends_step_row(self) -> bool:
+        """Whether the latest optimizer step's row goes to the loggers: every
+        ``trainer.log_every_n_steps``-th step, and the step after which the run stops (Lightning's
+        pace for ``self.log`` rows).  Also asked by :class:`..utils.csv_log.StepLogBeforeCheckpoint`."""
+        return (self._row_step + 1) % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
         """Send the optimizer step's row (:meth:`step_row`) to every logger, at Lightning's pace
@@ -280,11 +285,10 @@ class HFModule(L.LightningModule):
         if not self._row_pending:
             return
         self._row_pending = False
-        trainer = self.trainer
-        if ((self._row_step + 1) % trainer.log_every_n_steps and not trainer.should_stop) or not trainer.is_global_zero:
+        if not self.sends_step_row() or not self.trainer.is_global_zero:
             return  # (Lightning's loggers write on the global-zero process only: no host syncs elsewhere)
         step, metrics = self.step_row()
-        for logger in trainer.loggers:
+        for logger in self.trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
     def final_step_metrics(self) -> dict[str, float]:

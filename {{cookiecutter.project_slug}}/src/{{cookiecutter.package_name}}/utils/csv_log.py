@@ -154,10 +154,9 @@ class StepLogBeforeCheckpoint(L.Callback):
         self.stepped = False
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        # A step's row is sent when its number is a multiple of log_every_n_steps, and for the
-        # last one (should_stop): HFModule.on_train_batch_end, as Lightning paces self.log's rows.
-        logged = trainer.global_step % trainer.log_every_n_steps == 0 or trainer.should_stop
-        row = pl_module.step_row() if self.stepped and logged and hasattr(pl_module, "step_row") else None
+        # Only a row the module will send (HFModule.sends_step_row) is written early.
+        sent = self.stepped and hasattr(pl_module, "step_row") and pl_module.sends_step_row()
+        row = pl_module.step_row() if sent else None
         for logger in trainer.loggers:
             if not isinstance(logger, ResumableCSVLogger):
                 continue
