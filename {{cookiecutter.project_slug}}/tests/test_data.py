@@ -6,7 +6,10 @@ import csv
 import os
 
 import datasets
+import lightning as L
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from {{ cookiecutter.package_name }}.data.loading import load_split
 from {{ cookiecutter.package_name }}.errors import DataError
@@ -151,13 +154,17 @@ def test_a_row_with_more_cells_than_the_header_is_refused_naming_its_line(tmp_pa
             load_split("predict", str(path), None, None, str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("rows, ranks", [(5, 2), (41, 2), (7, 3), (2, 4), (8, 2)])
-def test_each_rank_evaluates_its_own_rows_and_every_row_once(rows, ranks):
+@pytest.mark.parametrize("rows, ranks", [(5, 2), (41, 2), (7, 3), (2, 4), (8, 2), (1, 1)])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_each_rank_evaluates_its_own_rows_and_every_row_once(rows, ranks, ordered):
     from {{ cookiecutter.package_name }}.data.sampling import EvaluationShardSampler
 
-    shards = [list(EvaluationShardSampler(rows, ranks, rank)) for rank in range(ranks)]
+    order = sorted(range(rows), key=lambda row: -(row * 7 % 5)) if ordered else None  # (a length order)
+    shards = [list(EvaluationShardSampler(rows, ranks, rank, order)) for rank in range(ranks)]
     assert sorted(i for shard in shards for i in shard) == list(range(rows))
-    assert [len(EvaluationShardSampler(rows, ranks, rank)) for rank in range(ranks)] == [len(shard) for shard in shards]
+    assert [len(EvaluationShardSampler(rows, ranks, rank, order)) for rank in range(ranks)] == [len(shard) for shard in shards]
+    if ordered:  # each rank keeps the order's sequence
+        assert all(shard == [row for row in order if row in shard] for shard in shards)
 
 
 def test_validation_split_is_seeded_and_sized(make_datamodule):
@@ -208,6 +215,70 @@ def test_length_grouped_batches_hold_similar_lengths(make_datamodule, tmp_path):
         assert sum(len(b["labels"]) for b in batches) == 240  # every training row once
         padded[grouped] = sum(b["input_ids"].numel() for b in batches)
     assert padded[True] < 0.75 * padded[False]
+
+
+def mixed_length_rows(n: int) -> list[dict[str, str]]:
+    """Rows of 1..30 words in an order unrelated to their length."""
+    return [{"text": " ".join(["good"] * (1 + 7 * i % 30)), "label": "positive" if i % 2 else "negative"} for i in range(n)]
+
+
+def test_evaluation_runs_the_longest_rows_first_every_row_once_with_less_padding(make_datamodule, tmp_path):
+    rows = write_csv(tmp_path / "mixed.csv", mixed_length_rows(90))
+    datamodule = make_datamodule(splits={"train": str(rows), "validation": str(rows)}, group_by_length=True)
+    datamodule.setup("fit")
+    batches = list(datamodule.val_dataloader())
+    widths = [batch["input_ids"].shape[1] for batch in batches]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
+    evaluated = [ids[mask.bool()].tolist() for batch in batches for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    assert sorted(evaluated) == sorted(datamodule.datasets["validation"]["input_ids"])  # every row once, as tokenised
+    in_own_order = DataLoader(datamodule.datasets["validation"], batch_size=8, collate_fn=datamodule.collator())
+    assert sum(batch["input_ids"].numel() for batch in batches) < 0.75 * sum(batch["input_ids"].numel() for batch in in_own_order)
+
+
+def test_each_rows_logits_are_the_same_in_the_evaluation_order_as_in_the_splits_own(make_datamodule, tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    rows = write_csv(tmp_path / "mixed.csv", mixed_length_rows(40))
+    datamodule = make_datamodule(splits={"train": str(rows), "validation": str(rows)}, group_by_length=True)
+    datamodule.setup("fit")
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(datamodule.tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    model = BertForSequenceClassification(config).eval()
+
+    def logits(loader) -> torch.Tensor:  # (rows, num_labels), in the loader's order
+        with torch.inference_mode():
+            return torch.cat([model(**{k: v for k, v in batch.items() if k != "labels"}).logits for batch in loader])
+
+    order = datamodule.evaluation_order("validation")
+    assert order is not None and order != sorted(order)
+    sorted_logits = logits(datamodule.val_dataloader())
+    own_logits = logits(DataLoader(datamodule.datasets["validation"], batch_size=8, collate_fn=datamodule.collator()))
+    torch.testing.assert_close(sorted_logits, own_logits[order], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("limit", [0.5, 3, 1])
+def test_a_limited_evaluation_keeps_the_splits_own_order_so_its_batches_are_a_sample(make_datamodule, tmp_path, limit):
+    rows = write_csv(tmp_path / "mixed.csv", mixed_length_rows(90))
+    datamodule = make_datamodule(splits={"train": str(rows), "validation": str(rows), "test": str(rows)}, group_by_length=True)
+    datamodule.setup("fit")
+    datamodule.setup("test")
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    datamodule.trainer = trainer
+    assert datamodule.evaluation_order("validation") is not None and datamodule.evaluation_order("test") is not None
+    for split, setting in (("validation", "limit_val_batches"), ("test", "limit_test_batches")):
+        setattr(trainer, setting, limit)
+        assert datamodule.evaluation_order(split) is None, split
+        first = next(iter(datamodule.val_dataloader() if split == "validation" else datamodule.test_dataloader()))
+        evaluated = [ids[mask.bool()].tolist() for ids, mask in zip(first["input_ids"], first["attention_mask"])]
+        assert evaluated == datamodule.datasets[split]["input_ids"][:8]
+
+
+def test_without_length_grouping_evaluation_keeps_the_splits_own_order(make_datamodule):
+    datamodule = make_datamodule(group_by_length=False)
+    datamodule.setup("fit")
+    assert datamodule.evaluation_order("validation") is None
 
 
 def test_text_pairs_get_segment_ids(make_datamodule, tmp_path):

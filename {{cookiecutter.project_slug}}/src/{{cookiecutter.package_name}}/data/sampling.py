@@ -96,27 +96,30 @@ class ResumableSampler(DistributedSampler):
 
 
 class EvaluationShardSampler(DistributedSampler):
-    """This rank's share of an evaluation split, in order and without padding: rank ``r`` of
-    ``n`` gets rows ``r, r + n, r + 2n, ...``, so every row is evaluated exactly once over all
-    ranks (torch's ``DistributedSampler``, which Lightning puts in by default, repeats rows so
-    that every rank gets as many, and they would count twice in the metrics).  The metrics add
-    the ranks' sums and counts up (torchmetrics' sync, Lightning's ``sync_dist`` means), so a
-    rank with one row fewer changes nothing.
+    """This rank's share of an evaluation split, in ``order`` and without padding: rank ``r`` of
+    ``n`` gets rows ``order[r], order[r + n], order[r + 2n], ...``, so every row is evaluated
+    exactly once over all ranks (torch's ``DistributedSampler``, which Lightning puts in by
+    default, repeats rows so that every rank gets as many, and they would count twice in the
+    metrics).  The metrics add the ranks' sums and counts up (torchmetrics' sync, Lightning's
+    ``sync_dist`` means), so a rank with one row fewer changes nothing.
 
     Args:
         num_rows: rows in the split.
         num_replicas, rank: ``trainer.world_size`` and ``trainer.global_rank``.
+        order: every row index of the split once (the data module's ``evaluation_order``);
+            ``None``: the split's own order.
     """
 
-    def __init__(self, num_rows: int, num_replicas: int, rank: int) -> None:
+    def __init__(self, num_rows: int, num_replicas: int, rank: int, order: Sequence[int] | None = None) -> None:
         # (DistributedSampler's own __init__ would read the process group; nothing of it is used.)
         self.num_rows, self.num_replicas, self.rank = num_rows, num_replicas, rank
+        self.order = range(num_rows) if order is None else order
 
     def set_epoch(self, epoch: int) -> None:
         """Nothing to do: evaluation order does not depend on the epoch."""
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.num_rows, self.num_replicas))
+        return iter(self.order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
         return len(range(self.rank, self.num_rows, self.num_replicas))
