@@ -222,6 +222,16 @@ def mixed_length_rows(n: int) -> list[dict[str, str]]:
     return [{"text": " ".join(["good"] * (1 + 7 * i % 30)), "label": "positive" if i % 2 else "negative"} for i in range(n)]
 
 
+def in_its_own_order(datamodule, split: str = "validation") -> DataLoader:
+    """``split``'s batches in the file's order (what evaluation ran before it sorted)."""
+    return DataLoader(datamodule.datasets[split], batch_size=datamodule.batch_size, collate_fn=datamodule.collator())
+
+
+def token_ids(batch: dict) -> list[list[int]]:
+    """Each row's token ids in ``batch``, without its padding."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+
+
 def test_evaluation_runs_the_longest_rows_first_every_row_once_with_less_padding(make_datamodule, tmp_path):
     rows = write_csv(tmp_path / "mixed.csv", mixed_length_rows(90))
     datamodule = make_datamodule(splits={"train": str(rows), "validation": str(rows)}, group_by_length=True)
@@ -229,10 +239,10 @@ def test_evaluation_runs_the_longest_rows_first_every_row_once_with_less_padding
     batches = list(datamodule.val_dataloader())
     widths = [batch["input_ids"].shape[1] for batch in batches]
     assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
-    evaluated = [ids[mask.bool()].tolist() for batch in batches for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    evaluated = [ids for batch in batches for ids in token_ids(batch)]
     assert sorted(evaluated) == sorted(datamodule.datasets["validation"]["input_ids"])  # every row once, as tokenised
-    in_own_order = DataLoader(datamodule.datasets["validation"], batch_size=8, collate_fn=datamodule.collator())
-    assert sum(batch["input_ids"].numel() for batch in batches) < 0.75 * sum(batch["input_ids"].numel() for batch in in_own_order)
+    own = in_its_own_order(datamodule)
+    assert sum(batch["input_ids"].numel() for batch in batches) < 0.75 * sum(batch["input_ids"].numel() for batch in own)
 
 
 def test_each_rows_logits_are_the_same_in_the_evaluation_order_as_in_the_splits_own(make_datamodule, tmp_path):
@@ -254,7 +264,7 @@ def test_each_rows_logits_are_the_same_in_the_evaluation_order_as_in_the_splits_
     order = datamodule.evaluation_order("validation")
     assert order is not None and order != sorted(order)
     sorted_logits = logits(datamodule.val_dataloader())
-    own_logits = logits(DataLoader(datamodule.datasets["validation"], batch_size=8, collate_fn=datamodule.collator()))
+    own_logits = logits(in_its_own_order(datamodule))
     torch.testing.assert_close(sorted_logits, own_logits[order], atol=1e-5, rtol=1e-5)
 
 
@@ -271,8 +281,7 @@ def test_a_limited_evaluation_keeps_the_splits_own_order_so_its_batches_are_a_sa
         setattr(trainer, setting, limit)
         assert datamodule.evaluation_order(split) is None, split
         first = next(iter(datamodule.val_dataloader() if split == "validation" else datamodule.test_dataloader()))
-        evaluated = [ids[mask.bool()].tolist() for ids, mask in zip(first["input_ids"], first["attention_mask"])]
-        assert evaluated == datamodule.datasets[split]["input_ids"][:8]
+        assert token_ids(first) == datamodule.datasets[split]["input_ids"][:8]
 
 
 def test_without_length_grouping_evaluation_keeps_the_splits_own_order(make_datamodule):

@@ -228,7 +228,4 @@ class TokenizedDataModule(L.LightningDataModule):
                 f"{trainer.world_size - 1} repeated rows twice; for exact figures, run eval on one device"
             )
             return self._loader(split)
-        order = self.evaluation_order(split)
-        if world == 1 and order is None:
-            return self._loader(split)
-        return self._loader(split, EvaluationShardSampler(len(self.datasets[split]), world, rank, order))
+        return self._loader(split, EvaluationShardSampler(len(self.datasets[split]), world, rank, self.evaluation_order(split)))
