@@ -24,11 +24,20 @@ many steps the crossing took, which the seed moves by a validation or two), and 
 last line, ``project_s=<s> hf_trainer_s=<s> ratio=<hf / project>`` (goal: ratio >= 1.0, no slower
 than the HF Trainer).  A side that never reaches the target prints ``inf``.
 
-Which validation first crosses the target moves with the seed (data order, head initialisation,
-dropout) by a validation or more, so one seed says little (the two sides share the data order
-and the head's initial weights; their dropout streams differ): ``--seeds 42 43 44`` runs both sides
-once per seed (the order alternating), prints each pair, and the last line then holds each
-side's median over the seeds (a side that never crossed counts as ``inf``) and their ratio.
+Dropout: left alone, each side draws its dropout masks from the global torch generator, which
+each side has advanced differently by its first step (model loading, loaders, evaluation), so
+the two sides train with different masks, and on a plateau near the target that alone moves the
+crossing by a validation (a 3-seed median then turns on one row of the validation split).  By
+default (``--dropout shared``) both sides reseed the generator before each training forward with
+``(seed, micro-batch number)`` (:class:`SharedDropout`): the same masks on both sides, so they
+train the same model, apart from floating-point rounding, and cross at the same validation;
+what differs is the time.  ``--dropout independent`` leaves the generator alone (a crossing then
+also measures which masks suit the seed).
+
+Which validation first crosses the target still moves with the seed by a validation or more, so
+one seed says little: ``--seeds 42 43 44`` runs both sides once per seed (the order
+alternating), prints each pair, and the last line then holds each side's median over the seeds
+(a side that never crossed counts as ``inf``) and their ratio.
 """
 
 from __future__ import annotations
@@ -57,17 +66,39 @@ from {{ cookiecutter.package_name }}.models.builder import build_sequence_classi
 from {{ cookiecutter.package_name }}.train import train
 
 
+class SharedDropout:
+    """Reseeds torch's global generator before each training-mode forward of a model with
+    ``seed * 2**32 + n`` (mod 2**64; ``n``: the number of training forwards before it), so two runs of the
+    same model over the same micro-batches draw the same dropout masks, whatever else drew from
+    the generator between their forwards.  Evaluation forwards (``model.training`` false) are
+    left alone.  A forward pre-hook: the same on both sides, a few microseconds a forward."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.forwards = seed, 0
+
+    def attach(self, model: torch.nn.Module) -> None:
+        model.register_forward_pre_hook(self.reseed)
+
+    def reseed(self, model: torch.nn.Module, args: object) -> None:
+        if model.training:
+            torch.manual_seed((self.seed * 2**32 + self.forwards) % 2**64)
+            self.forwards += 1
+
+
 class UntilAccuracy(L.Callback):
     """Stop ``train`` at the end of the first validation with ``val/acc >= target``; keep the
     wall time from the start of the first training step (on the class: the config builds it)."""
 
     target = 0.82
+    dropout_seed: int | None = None  # (SharedDropout's seed; None: --dropout independent)
     seconds = math.inf
     accuracy = None
     step = None
 
     def on_train_start(self, trainer, pl_module):
         UntilAccuracy.seconds, UntilAccuracy.accuracy, UntilAccuracy.step = math.inf, None, None
+        if UntilAccuracy.dropout_seed is not None:
+            SharedDropout(UntilAccuracy.dropout_seed).attach(pl_module.model)
         self.start = time.perf_counter()
 
     def on_validation_end(self, trainer, pl_module):
@@ -121,8 +152,9 @@ def compose_config(run_dir: Path, every: int, overrides: list[str]):
     return cfg
 
 
-def run_project(cfg) -> tuple[float, float | None, int | None]:
+def run_project(cfg, shared_dropout: bool) -> tuple[float, float | None, int | None]:
     """``train(cfg)``, stopped at the target; (seconds, accuracy reached, at optimizer step)."""
+    UntilAccuracy.dropout_seed = cfg.seed if shared_dropout else None
     with contextlib.redirect_stdout(io.StringIO()):
         train(cfg)
     return UntilAccuracy.seconds, UntilAccuracy.accuracy, UntilAccuracy.step
@@ -143,7 +175,7 @@ class ProjectOrder(IterableDataset):
         return (self.rows[index] for index in self.sampler)
 
 
-def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float, float | None, int | None]:
+def run_hf_trainer(cfg, run_dir: Path, target: float, every: int, shared_dropout: bool) -> tuple[float, float | None, int | None]:
     """The HF Trainer on the same rows and hyperparameters; (seconds, accuracy reached, at optimizer step)."""
     if cfg.data.num_workers:
         # (each worker would iterate the whole ProjectOrder: every row num_workers times)
@@ -156,6 +188,8 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int) -> tuple[float
     L.seed_everything(cfg.seed, workers=True)
     spec = OmegaConf.to_container(cfg.model, resolve=True)
     model = build_sequence_classifier(spec, datamodule.id2label, datamodule.tokenizer)
+    if shared_dropout:
+        SharedDropout(cfg.seed).attach(model)
     optimizer, scheduler, trainer_cfg = cfg.optimizer, cfg.lr_schedule, cfg.trainer
     if scheduler.decay != "linear" or scheduler.min_lr_ratio != 0:
         raise SystemExit(
@@ -236,6 +270,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.82, help="validation accuracy to reach (0-1)")
     parser.add_argument("--every", type=int, default=50, help="optimizer steps between validations (both sides)")
     parser.add_argument("--order", choices=["project-first", "hf-first"], default="project-first")
+    parser.add_argument(
+        "--dropout", choices=["shared", "independent"], default="shared", help="the same dropout masks on both sides, or each its own"
+    )
     parser.add_argument("--overrides", nargs="*", default=[], help="train overrides (key=value), as on the command line")
     parser.add_argument("--seeds", type=int, nargs="*", default=None, help="one run per side per seed (default: the config's seed)")
     args = parser.parse_args()
@@ -257,8 +294,8 @@ def main() -> None:
             os.environ["WANDB_DIR"] = folder
             cfg = compose_config(Path(folder) / "project", args.every, overrides)
             sides = {
-                "project": lambda: run_project(cfg),
-                "hf_trainer": lambda: run_hf_trainer(cfg, Path(folder) / "hf", args.target, args.every),
+                "project": lambda: run_project(cfg, args.dropout == "shared"),
+                "hf_trainer": lambda: run_hf_trainer(cfg, Path(folder) / "hf", args.target, args.every, args.dropout == "shared"),
             }
             order = list(sides) if (args.order == "project-first") == (index % 2 == 0) else list(reversed(sides))
             for name in order:

@@ -88,6 +88,32 @@ def test_time_to_accuracy_counts_the_hf_trainers_evaluations_at_the_projects_ste
 {%- endif %}
 
 
+def test_time_to_accuracy_shared_dropout_gives_both_sides_the_same_masks():
+    # Two copies of a model, each side drawing from the global generator in between as it likes
+    # (loaders, evaluation): with SharedDropout both draw the same masks forward after forward;
+    # the masks still differ from one forward to the next, and evaluation forwards do not count.
+    import torch
+
+    bench = load_bench("time_to_accuracy")
+    x = torch.ones(4, 64)
+
+    def side(disturb: int) -> list[torch.Tensor]:
+        model = torch.nn.Dropout(0.5)
+        bench.SharedDropout(seed=42).attach(model)
+        outputs = []
+        for _ in range(3):
+            torch.rand(disturb)  # (whatever else this side draws between two steps)
+            model.eval()
+            model(x)
+            model.train()
+            outputs.append(model(x))
+        return outputs
+
+    first, second = side(disturb=1), side(disturb=1000)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+
+
 def test_identity_cost_bench_prints_first_and_cached_hash_times(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model.safetensors").write_bytes(os.urandom(1 << 20))
