@@ -91,6 +91,63 @@ def test_last_of_the_same_state_as_the_best_is_a_hard_link_written_once(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-step6.ckpt", "last.ckpt"]
 
 
+def counting_io(**options) -> tuple[AtomicCheckpointIO, list[tuple[str, int]]]:
+    """A background IO that records each full write as (file name, global_step)."""
+    io, writes = AtomicCheckpointIO(background=True, **options), []
+    write = io.write
+    io.write = lambda staged, file: (writes.append((os.path.basename(file.name), staged["global_step"])), write(staged, file))
+    return io, writes
+
+
+def after_validation(step: int) -> dict:
+    """The checkpoint of ``step`` after a validation: the same weights, other loop counters."""
+    return {**a_checkpoint(step), "loops": {"fit_loop": {"progress": step}, "val_loop": {"progress": 1}}}
+
+
+def test_a_held_step_checkpoint_superseded_by_the_validation_of_its_step_is_not_written(tmp_path):
+    io, writes = counting_io()
+    io.hold_saves = True
+    io.save_checkpoint(a_checkpoint(5), tmp_path / "last.ckpt")  # the step checkpoint, before the validation
+    assert writes == [] and not (tmp_path / "last.ckpt").exists()  # held
+    io.save_checkpoint(after_validation(5), tmp_path / "best-step5.ckpt")  # a new best at that step
+    io.save_checkpoint(after_validation(5), tmp_path / "last.ckpt")  # ModelCheckpoint's save_last: the same state
+    io.flush()
+    assert writes == [(".best-step5.ckpt.partial", 5)]  # the step's bytes once
+    assert os.stat(tmp_path / "last.ckpt").st_ino == os.stat(tmp_path / "best-step5.ckpt").st_ino
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["loops"]["val_loop"] == {"progress": 1}
+    # No new best: ModelCheckpoint saves last.ckpt alone, after the validation; one write again.
+    io.save_checkpoint(a_checkpoint(10), tmp_path / "last.ckpt")
+    io.save_checkpoint(after_validation(10), tmp_path / "last.ckpt")
+    io.flush()
+    assert writes[1:] == [(".last.ckpt.partial", 10)]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["loops"]["val_loop"] == {"progress": 1}
+    assert io.stager.held_bytes() > 0 and io.stager.bytes_to_allocate(a_checkpoint(11)) == 0  # the dropped copy's buffers reused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-step5.ckpt", "last.ckpt"]
+
+
+def test_a_held_checkpoint_is_written_at_the_next_batch_a_save_of_another_step_or_the_end(tmp_path):
+    io, writes = counting_io()
+    io.hold_saves = True
+    io.save_checkpoint(a_checkpoint(5), tmp_path / "last.ckpt")
+    io.release()  # the next training batch (HoldStepCheckpoint)
+    io.writer.wait()
+    assert writes == [(".last.ckpt.partial", 5)]
+    io.save_checkpoint(a_checkpoint(6), tmp_path / "last.ckpt")
+    io.save_checkpoint(a_checkpoint(7), tmp_path / "best.ckpt")  # another step: the held one is written first
+    io.writer.wait()
+    assert writes[1:] == [(".last.ckpt.partial", 6)]
+    io.teardown()  # the end of the fit writes what is held
+    assert writes[2:] == [(".best.ckpt.partial", 7)]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 6
+    # Held in another folder: not the same file set, written as it is.
+    io.save_checkpoint(a_checkpoint(8), tmp_path / "last.ckpt")
+    (tmp_path / "other").mkdir()
+    io.save_checkpoint(after_validation(8), tmp_path / "other" / "best.ckpt")
+    io.flush()
+    assert writes[3:] == [(".last.ckpt.partial", 8), (".best.ckpt.partial", 8)]
+    assert os.stat(tmp_path / "last.ckpt").st_ino != os.stat(tmp_path / "other" / "best.ckpt").st_ino
+
+
 def test_a_background_write_that_finds_the_disk_full_stops_the_next_save_and_drops_what_follows(tmp_path):
     io = AtomicCheckpointIO(background=True)
     io.save_checkpoint(a_checkpoint(1), tmp_path / "last.ckpt")
@@ -175,4 +232,39 @@ def test_in_a_real_fit_last_ckpt_after_a_validation_is_not_written_again(make_cf
     assert [step for name, step in writes if name == ".last.ckpt.partial"] == [4]
     assert trained_checkpoint(folder / "last.ckpt")["global_step"] == 4
     assert trained_checkpoint(folder / "best-epoch00-step000002.ckpt")["global_step"] == 2
+
+
+def test_in_a_real_fit_a_step_checkpoint_at_a_validation_step_is_written_once(make_cfg, tmp_path):
+    from {{ cookiecutter.package_name }}.train import train
+    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
+
+    writes = []
+    write = AtomicCheckpointIO.write
+
+    def counted(self, checkpoint, file):
+        writes.append((os.path.basename(file.name), checkpoint["global_step"]))
+        write(self, checkpoint, file)
+
+    AtomicCheckpointIO.write = counted
+    try:  # the step checkpoint and a validation at steps 2, 4 and 6, a step checkpoint alone at 3
+        train(
+            make_cfg(
+                "trainer.max_steps=6",
+                "trainer.val_check_interval=2",
+                "callbacks.step_checkpoint.every_n_train_steps=3",
+                "callbacks.model_checkpoint.save_top_k=-1",
+                "callbacks.step_checkpoint.save_on_train_epoch_end=false",
+                "test_after_fit=false",
+            )
+        )
+    finally:
+        AtomicCheckpointIO.write = write
+    folder = tmp_path / "run" / "checkpoints"
+    best = [step for name, step in writes if name.startswith(".best-")]
+    assert best == [2, 4, 6]
+    # Step 3's step checkpoint is written (at the next batch); step 6's is superseded by that
+    # step's validation (best-*-step000006.ckpt), and last.ckpt is a link to it.
+    assert [step for name, step in writes if name == ".last.ckpt.partial"] == [3]
+    assert os.stat(folder / "last.ckpt").st_ino == os.stat(folder / "best-epoch00-step000006.ckpt").st_ino
+    assert trained_checkpoint(folder / "last.ckpt")["global_step"] == 6
 {%- endif %}

@@ -7,7 +7,10 @@ resume.  :class:`AtomicCheckpointIO` writes to a hidden temporary file next to t
 systems), so ``last.ckpt`` is always either the previous complete checkpoint or the new one.
 With ``background=True`` (the shipped config) the write runs on a background thread
 (:mod:`.checkpoint_writer`), and a ``last.ckpt`` of the same state as the best checkpoint just
-written is a hard link to it, not a second write.
+written is a hard link to it, not a second write.  With :class:`..callbacks.checkpoint_writes.HoldStepCheckpoint`
+(the shipped callbacks), a step checkpoint's write also waits until the next training batch: a
+validation at the same step that saves (``best-*.ckpt``, ``last.ckpt``) replaces it, so that
+step's bytes are written once.
 """
 
 from __future__ import annotations
@@ -61,6 +64,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             warning.  An error of a background write (:class:`DiskFull`) is raised at the next
             save, :meth:`flush` or the end of the fit (``teardown``).
         pin_memory: pinned staging buffers (``None``: when CUDA is available).
+
+    ``hold_saves`` (set by :class:`..callbacks.checkpoint_writes.HoldStepCheckpoint`, off
+    otherwise): a staged checkpoint is held, not queued, until :meth:`release` (the next training
+    batch), the next save, :meth:`flush` or the end of the fit.  A save of the same optimizer
+    step (``global_step``) to the same folder before then *supersedes* it: the held copy is
+    dropped, the new checkpoint is written, and the held file's name becomes a link to it (the
+    later save holds the same weights, plus what the validation in between recorded).  A kill
+    while a checkpoint is held leaves the previous file of that name, as a kill during its
+    write would.
     """
 
     def __init__(self, background: bool = False, pin_memory: bool | None = None) -> None:
@@ -69,6 +81,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.stager = Stager(pin_memory)
         self.writer = BackgroundWriter()
         self._previous: tuple[Path, object] | None = None  # (file, fingerprint) of the last save queued
+        self._linked: set[Path] = set()  # files already linked to the previous save's
+        self._held: tuple[Path, dict, object] | None = None  # (file, staged checkpoint, global_step) not yet queued
+        self.hold_saves = False
         self._warned = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
@@ -86,9 +101,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         state = fingerprint(checkpoint)
         previous, self._previous = self._previous, (path, state)
         if previous is not None and previous[1] == state and previous[0] != path and previous[0].parent == path.parent:
-            source = previous[0]
-            self.writer.submit(lambda: link_into_place(source, path))
+            self._previous = previous
+            if path not in self._linked:
+                self._link(previous[0], path)
             return
+        superseded = self._supersede(path, checkpoint.get("global_step"))
+        self._linked = set()
         self.flush()  # one checkpoint staged at a time; its buffers are free again
         needed, available = self.stager.bytes_to_allocate(checkpoint), host_available()
         if available is not None and needed > available - HOST_RESERVE:
@@ -104,9 +122,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 )
             self._previous = None
             self._write_file(checkpoint, path)
+            if superseded is not None:
+                link_into_place(path, superseded)
             return
         staged = self.stager.stage(checkpoint)
+        if superseded is not None:
+            self._queue_write(staged, path)
+            self._link(path, superseded)
+        elif self.hold_saves:
+            self._held = (path, staged, checkpoint.get("global_step"))
+        else:
+            self._queue_write(staged, path)
 
+    def _queue_write(self, staged: dict, path: Path) -> None:
         def write() -> None:
             try:
                 self._write_file(staged, path)
@@ -114,6 +142,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 self.stager.release(staged)
 
         self.writer.submit(write)
+
+    def _link(self, source: Path, target: Path) -> None:
+        """Queue ``target`` as a second name of ``source`` (after ``source``'s write)."""
+        self.release()
+        self._linked.add(target)
+        self.writer.submit(lambda: link_into_place(source, target))
+
+    def _supersede(self, path: Path, step: object) -> Path | None:
+        """Before a full save to ``path`` at optimizer step ``step``: a held checkpoint of the
+        same step in the same folder is dropped and its file returned (to become a link to
+        ``path``; ``None`` when it is ``path`` itself); any other held checkpoint is queued."""
+        if self._held is not None and step is not None and self._held[2] == step and self._held[0].parent == path.parent:
+            held_path, staged, _ = self._held
+            self._held = None
+            self.stager.release(staged)
+            return None if held_path == path else held_path
+        self.release()
+        return None
+
+    def release(self) -> None:
+        """Queue the held checkpoint's write, if one is held."""
+        if self._held is not None:
+            path, staged, _ = self._held
+            self._held = None
+            self._queue_write(staged, path)
 
     def _write_file(self, checkpoint: dict[str, Any], path: Path) -> None:
         try:
@@ -125,8 +178,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise DiskFull(path, checkpoint_bytes(checkpoint), shutil.disk_usage(path.parent).free) from error
 
     def flush(self) -> None:
-        """Wait for every queued write; raises the error of one that failed (:class:`DiskFull`...)."""
+        """Write the held checkpoint and wait for every queued write; raises the error of one
+        that failed (:class:`DiskFull`...)."""
+        self.release()
         self.writer.flush()
+
+    def wait(self) -> None:
+        """:meth:`flush` without raising a write's error (kept for the next :meth:`flush`)."""
+        self.release()
+        self.writer.wait()
 
     def remove_checkpoint(self, path: str | Path) -> None:
         """Lightning's remove (an older best checkpoint, right after a new best is saved): with
@@ -135,6 +195,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not self.background:
             super().remove_checkpoint(path)
             return
+        self.release()
         remove = super().remove_checkpoint
         self.writer.submit(lambda: remove(path))
 
@@ -142,7 +203,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """The end of a fit (or of a validate/test), also after an error: the queued writes
         complete first.  A write's error is not raised here (it would replace the error that
         ended the fit): the next :meth:`flush` raises it."""
-        self.writer.wait()
+        self.wait()
 
     def load_checkpoint(self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's load, always with ``weights_only=True`` (a resume unpickles no code, whatever
@@ -162,7 +223,7 @@ def flush_checkpoints(trainer: L.Trainer | None, raise_error: bool = True) -> No
     false: on the way out of a run that failed already).  No-op for other IOs."""
     io = trainer.strategy.checkpoint_io if trainer is not None else None
     if isinstance(io, AtomicCheckpointIO):
-        io.flush() if raise_error else io.writer.wait()
+        io.flush() if raise_error else io.wait()
 
 
 def last_checkpoint(cfg: DictConfig) -> Path:
