@@ -29,7 +29,7 @@ each side has advanced differently by its first step (model loading, loaders, ev
 the two sides train with different masks, and on a plateau near the target that alone moves the
 crossing by a validation (a 3-seed median then turns on one row of the validation split).  By
 default (``--dropout shared``) both sides reseed the generator before each training forward with
-``(seed, micro-batch number)`` (:class:`SharedDropout`): the same masks on both sides, so they
+``(seed, number of training forwards so far)`` (:class:`SharedDropout`): the same masks on both sides, so they
 train the same model, apart from floating-point rounding, and cross at the same validation;
 what differs is the time.  ``--dropout independent`` leaves the generator alone (a crossing then
 also measures which masks suit the seed).

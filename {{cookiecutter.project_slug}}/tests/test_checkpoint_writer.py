@@ -91,9 +91,9 @@ def test_last_of_the_same_state_as_the_best_is_a_hard_link_written_once(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best-step6.ckpt", "last.ckpt"]
 
 
-def counting_io(**options) -> tuple[AtomicCheckpointIO, list[tuple[str, int]]]:
+def counting_io() -> tuple[AtomicCheckpointIO, list[tuple[str, int]]]:
     """A background IO that records each full write as (file name, global_step)."""
-    io, writes = AtomicCheckpointIO(background=True, **options), []
+    io, writes = AtomicCheckpointIO(background=True), []
     write = io.write
     io.write = lambda staged, file: (writes.append((os.path.basename(file.name), staged["global_step"])), write(staged, file))
     return io, writes
