@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 
 from {{ cookiecutter.package_name }}.callbacks.build import instantiate_callbacks
 from {{ cookiecutter.package_name }}.callbacks.gpu_stats import GPUStats
@@ -37,6 +38,45 @@ def test_tensorboard_logs_every_nth_step_row_and_every_validation_row(tmp_path, 
     logger.log_metrics({"val/acc": 0.5, "epoch": 0}, step=11)
     assert received == [(0, {"train/loss", "train/lr", "epoch"}), (5, {"train/loss", "train/lr", "epoch"}),
                         (10, {"train/loss", "train/lr", "epoch"}), (11, {"val/acc", "epoch"})]  # fmt: skip
+
+
+def test_wandb_sends_the_rows_of_one_step_as_one_call(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(LightningWandbLogger, "log_metrics", lambda self, metrics, step=None: sent.append((step, dict(metrics))))
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, log_every_n_steps=5)
+    logger.log_metrics({"perf/tokens_per_sec": 9.0}, step=5)  # a callback's row of step 5
+    logger.log_metrics({"train/loss": 1.0, "epoch": 0}, step=4)  # off the period: skipped, holds nothing back
+    logger.log_metrics({"train/loss": 0.5, "train/lr": 0.1, "epoch": 0}, step=5)  # the step's own row
+    assert sent == []  # held until a row of another step arrives
+    logger.log_metrics({"val/acc": 0.75, "epoch": 0}, step=6)
+    assert sent == [(5, {"perf/tokens_per_sec": 9.0, "train/loss": 0.5, "train/lr": 0.1, "epoch": 0})]
+    logger.save()  # (Lightning calls it after its own rows; also before the run is finished)
+    assert sent[1:] == [(6, {"val/acc": 0.75, "epoch": 0})]
+    logger.log_metrics({"train/loss": 0.25, "epoch": 1}, step=10)
+    logger.log_metrics({"test/acc": 0.5}, step=None)  # no step to merge on: the held row first, then this one
+    assert sent[2:] == [(10, {"train/loss": 0.25, "epoch": 1}), (None, {"test/acc": 0.5})]
+    logger.log_metrics({"train/loss": 0.125, "epoch": 1}, step=15)
+    logger.finalize("success")
+    assert sent[4:] == [(15, {"train/loss": 0.125, "epoch": 1})]
+
+
+def test_close_loggers_sends_the_held_wandb_row_before_finishing_the_run(tmp_path, monkeypatch):
+    import wandb
+
+    from my_4090_project.utils.run import close_loggers
+
+    sent, events = [], []
+    monkeypatch.setattr(LightningWandbLogger, "log_metrics", lambda self, metrics, step=None: events.append("log") or sent.append(step))
+    run = wandb.init(mode="disabled")
+    finish = run.finish
+    monkeypatch.setattr(run, "finish", lambda exit_code=0: events.append("finish"))
+    try:
+        logger = WandbLogger(save_dir=str(tmp_path), offline=True)
+        logger.log_metrics({"train/loss": 1.0}, step=7)
+        close_loggers([logger], failed=False)
+    finally:
+        finish()
+    assert sent == [7] and events == ["log", "finish"]
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True, "10"])

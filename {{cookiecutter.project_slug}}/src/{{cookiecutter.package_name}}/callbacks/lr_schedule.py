@@ -6,7 +6,7 @@ Setting ``lr = peak_lr * lr_factor(global_step, ...)`` before every batch needs 
 works unchanged under manual optimization, and is right after a resume because
 ``trainer.global_step`` (optimizer steps taken) is restored with the checkpoint.
 
-The same callback logs the LR (``train/lr``, once per optimizer step, at that step), so no
+The same callback logs the LR (``train/lr``, in each optimizer step's row, at that step), so no
 ``LearningRateMonitor`` is needed: that one reads every param group of every optimizer before
 each micro-batch, about 1 ms a step on a small CPU for a value this callback already knows
 (``docs/performance.md``).
@@ -48,9 +48,10 @@ class WarmupDecayLR(L.Callback):
     non-finite loss do not advance the schedule).
 
     The peak LR is each group's ``lr`` when training starts, kept as ``group["peak_lr"]`` (saved
-    with the optimizer state).  ``train/lr``, sent to every logger before each optimizer step
-    (step = ``trainer.global_step``, the step Lightning logs that step's ``train/loss`` at), is
-    the LR that step used, of the first param group (the others differ only where their peak LR
+    with the optimizer state).  ``train/lr``, put in each optimizer step's row (the module's
+    ``log_step_metric``: the row with that step's ``train/loss``, sent at Lightning's pace,
+    ``trainer.log_every_n_steps``; a module without one: a row of its own to every logger each
+    step, step = ``trainer.global_step``), is the LR that step used, of the first param group (the others differ only where their peak LR
     does).  ``total_steps`` is ``trainer.estimated_stepping_batches``: optimizer
     steps, not batches, so gradient accumulation does not stretch the schedule.
 
@@ -83,8 +84,12 @@ class WarmupDecayLR(L.Callback):
         self.lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else 0.0
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        # Straight to the loggers, at the step Lightning logs this step's row at (as
-        # LearningRateMonitor does): a row of its own, before any checkpoint of the step, without
-        # the cost of a LightningModule.log call per step.
+        # In the module's row of this step (HFModule.log_step_metric: one row, one call per
+        # logger, at the step Lightning logs that step's train/loss at, before any checkpoint of
+        # the step); a module without a step row gets a row of its own, straight to the loggers
+        # (as LearningRateMonitor does), without the cost of a LightningModule.log call per step.
+        if hasattr(pl_module, "log_step_metric"):
+            pl_module.log_step_metric("train/lr", self.lr)
+            return
         for logger in trainer.loggers:
             logger.log_metrics({"train/lr": self.lr}, step=trainer.global_step)

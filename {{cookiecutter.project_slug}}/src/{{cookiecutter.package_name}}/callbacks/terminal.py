@@ -37,7 +37,7 @@ class ProgressBar(TQDMProgressBar):
         # The latest optimizer step's metrics (train/loss) are the module's own row, not self.log's
         # (models.base.HFModule.log_step_metric): one host sync each, per redraw.
         step_metrics = getattr(pl_module, "step_metrics", {})
-        metrics.update({name: step_metrics[name].item() for name in self.shown if name in step_metrics})
+        metrics.update({name: float(step_metrics[name]) for name in self.shown if name in step_metrics})
         return {name.split("/", 1)[-1] if name.startswith("train/") else name: metrics[name] for name in self.shown if name in metrics}
 
 

@@ -72,7 +72,7 @@ class HFModule(L.LightningModule):
         self._window_items = torch.zeros((), dtype=torch.long)
         self._step_loss: torch.Tensor | None = None
         self._step_items = torch.zeros(())
-        self.step_metrics: dict[str, torch.Tensor] = {}  # the latest optimizer step's row (log_step_metric)
+        self.step_metrics: dict[str, torch.Tensor | float] = {}  # the latest optimizer step's row (log_step_metric)
         self._row_step = 0
         self._row_pending = False  # an optimizer step whose row on_train_batch_end has not sent yet
         # (the run's entry of its base files, where the checkpoint is): an adapter checkpoint's base is checked against it
@@ -241,10 +241,11 @@ class HFModule(L.LightningModule):
         self._step_loss = None
 
     def log_step_metric(self, name: str, value: torch.Tensor | float) -> None:
-        """Put a metric of the optimizer step being taken (``train/loss``, ``train/tokens``...) in
-        the step's row, :attr:`step_metrics`, which :meth:`on_train_batch_end` sends to the
-        loggers.  ``value``: a 0-dim tensor or a number, stored as a 0-dim float32/float64 tensor
-        (no host sync here).
+        """Put a metric of the optimizer step being taken (``train/loss``, ``train/lr``,
+        ``train/tokens``...) in the step's row, :attr:`step_metrics`, which
+        :meth:`on_train_batch_end` sends to the loggers.  ``value``: a 0-dim tensor, stored as a
+        0-dim float32/float64 tensor on its device (no host sync here), or a Python number, stored
+        as a float (no device copy, nothing to read back).
 
         Not ``self.log``: Lightning's per-call bookkeeping (its result collection moves the
         logged metric's state to the value's device on every call) cost 0.55-0.8 ms a call on a
@@ -253,6 +254,9 @@ class HFModule(L.LightningModule):
         its own.  A per-step metric is therefore not in ``trainer.callback_metrics``: the
         progress bar (:class:`..callbacks.terminal.ProgressBar`) and ``metrics.json`` read
         :attr:`step_metrics`."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self.step_metrics[name] = float(value)
+            return
         value = torch.as_tensor(value, device=self.device).detach()
         if value.dtype not in (torch.float32, torch.float64):
             value = value.to(torch.get_default_dtype())
@@ -294,7 +298,7 @@ class HFModule(L.LightningModule):
     def final_step_metrics(self) -> dict[str, float]:
         """The latest optimizer step's :meth:`log_step_metric` values as numbers (for
         ``metrics.json``); empty before the first step."""
-        return {name: value.item() for name, value in self.step_metrics.items()}
+        return {name: value if isinstance(value, float) else value.item() for name, value in self.step_metrics.items()}
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         """The manual-optimization step of ``optimizer.step_in_backward``: ``backward`` updates

@@ -63,8 +63,17 @@ class StepThinning:
 class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
     """``lightning.pytorch.loggers.WandbLogger`` that logs the per-step training rows of every
     ``log_every_n_steps``-th optimizer step only (see the module docstring and
-    :class:`StepThinning`), and its config with secrets masked (:mod:`.secrets`); other arguments
-    as Lightning's.
+    :class:`StepThinning`), one ``wandb.log`` call per step, and its config with secrets masked
+    (:mod:`.secrets`); other arguments as Lightning's.
+
+    One call per step: the rows of one step (a step's ``train/loss`` and ``train/lr``, the
+    throughput callback's ``perf/*`` of the same step number) are held and merged, and sent as one
+    row when a row of another step arrives, at ``save`` and ``finalize``, and by
+    :meth:`send_row` (called before the W&B run is finished).  Each ``wandb.log`` call is a
+    message to W&B's service process, whose work shares the CPU with training; merging them cut
+    the W&B logger's cost per optimizer step on ``bench/throughput.py --profile`` (see
+    ``docs/performance.md``).  A row still held when the process is killed is lost from W&B (the
+    CSV log has it).
 
     Args:
         quiet: W&B's ``silent`` setting (default here): W&B prints nothing, neither its start
@@ -78,7 +87,35 @@ class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
 
     def __init__(self, *args, quiet: bool = True, log_every_n_steps: int = 1, **kwargs) -> None:
         self.quiet = quiet
+        self._held: tuple[int, dict] | None = None  # (step, merged row) not sent yet
         super().__init__(*args, log_every_n_steps=log_every_n_steps, **kwargs)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if skips_row(metrics, step, self.log_every_n_steps):
+            return
+        if self._held is not None and self._held[0] != step:
+            self.send_row()
+        if step is None:  # (no step to merge on)
+            LightningWandbLogger.log_metrics(self, metrics, step)
+            return
+        if self._held is None:
+            self._held = (step, {})
+        self._held[1].update(metrics)
+
+    def send_row(self) -> None:
+        """Send the held row, if any, to W&B (one ``wandb.log`` call)."""
+        if self._held is not None:
+            step, row = self._held
+            self._held = None
+            LightningWandbLogger.log_metrics(self, row, step)
+
+    def save(self) -> None:
+        self.send_row()
+        super().save()
+
+    def finalize(self, status: str) -> None:
+        self.send_row()
+        super().finalize(status)
 
 
 class TensorBoardLogger(MaskedHyperparameters, StepThinning, LightningTensorBoardLogger):
