@@ -14,6 +14,7 @@ from {{ cookiecutter.package_name }}.callbacks.gpu_stats import GPUStats
 from {{ cookiecutter.package_name }}.errors import ConfigError
 from {{ cookiecutter.package_name }}.utils.instantiate import instantiate_loggers
 from {{ cookiecutter.package_name }}.utils.loggers import TensorBoardLogger, WandbLogger, skips_row
+from {{ cookiecutter.package_name }}.utils.run import close_loggers
 
 from .conftest import common_overrides, compose_config
 
@@ -62,8 +63,6 @@ def test_wandb_sends_the_rows_of_one_step_as_one_call(tmp_path, monkeypatch):
 
 def test_close_loggers_sends_the_held_wandb_row_before_finishing_the_run(tmp_path, monkeypatch):
     import wandb
-
-    from my_4090_project.utils.run import close_loggers
 
     sent, events = [], []
     monkeypatch.setattr(LightningWandbLogger, "log_metrics", lambda self, metrics, step=None: events.append("log") or sent.append(step))
