@@ -51,8 +51,8 @@ class WarmupDecayLR(L.Callback):
     with the optimizer state).  ``train/lr``, put in each optimizer step's row (the module's
     ``log_step_metric``: the row with that step's ``train/loss``, sent at Lightning's pace,
     ``trainer.log_every_n_steps``; a module without one: a row of its own to every logger each
-    step, step = ``trainer.global_step``), is the LR that step used, of the first param group (the others differ only where their peak LR
-    does).  ``total_steps`` is ``trainer.estimated_stepping_batches``: optimizer
+    step, step = ``trainer.global_step``), is the LR that step used, of the first param group
+    (the others differ only where their peak LR does).  ``total_steps`` is ``trainer.estimated_stepping_batches``: optimizer
     steps, not batches, so gradient accumulation does not stretch the schedule.
 
     Args:

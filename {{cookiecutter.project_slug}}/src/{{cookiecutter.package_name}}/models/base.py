@@ -254,7 +254,7 @@ class HFModule(L.LightningModule):
         its own.  A per-step metric is therefore not in ``trainer.callback_metrics``: the
         progress bar (:class:`..callbacks.terminal.ProgressBar`) and ``metrics.json`` read
         :attr:`step_metrics`."""
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
             self.step_metrics[name] = float(value)
             return
         value = torch.as_tensor(value, device=self.device).detach()

@@ -170,15 +170,12 @@ def close_loggers(loggers: list[Logger], failed: bool) -> None:
     One W&B run per job: without this, the next job of a multirun would re-use the open run.
     """
     for logger in loggers:
+        logger.finalize("failed" if failed else "success")  # (our WandbLogger sends its held row here)
         if isinstance(logger, WandbLogger):
             import wandb
 
             if wandb.run is not None:  # the run this job's logger started (logger.experiment would start one)
-                if hasattr(logger, "send_row"):
-                    logger.send_row()  # (its last step's row, held to be merged)
                 wandb.run.finish(exit_code=1 if failed else 0)
-        else:
-            logger.finalize("failed" if failed else "success")
 
 
 @contextmanager
