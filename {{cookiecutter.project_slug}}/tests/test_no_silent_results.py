@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }} import configs
 from {{ cookiecutter.package_name }}.checks import validate_config
 from {{ cookiecutter.package_name }}.data.loading import load_split
 from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.train import train
+from {{ cookiecutter.package_name }}.utils.config import stopping_problems
 from {{ cookiecutter.package_name }}.utils.run import command_line_problems
 
+from .conftest import compose_config
 from .processes import run_module
 
 
@@ -53,14 +56,53 @@ def test_without_max_steps_the_default_epochs_end_the_run(tiny_cfg):
     [
         ["trainer.max_steps=30", "trainer.max_epochs=2"],
         ["trainer.max_epochs=5", "trainer.max_steps=7"],
-        ["debug=limit", "trainer.max_steps=30"],  # the debug group sets max_epochs: 2
+        ["debug=limit", "trainer.max_steps=30", "trainer.max_epochs=4"],
     ],
 )
-def test_max_steps_and_max_epochs_both_set_are_refused_naming_both(tiny_cfg, overrides):
+def test_max_steps_and_max_epochs_both_set_are_refused_naming_both_and_the_fix_runs(tiny_cfg, overrides):
     with pytest.raises(ConfigError) as error:
         validate_config(tiny_cfg(*overrides))
     (line,) = [line for line in str(error.value).splitlines() if "max_steps" in line]
     assert "trainer.max_epochs=" in line and "fix:" in line
+    steps = next(o for o in overrides if o.startswith("trainer.max_steps="))
+    for fix in ("trainer.max_epochs=-1", "trainer.max_steps=-1"):  # both fixes the line names are accepted
+        assert fix in line
+        cfg = tiny_cfg(*overrides, fix)
+        validate_config(cfg)
+        if fix == "trainer.max_epochs=-1":
+            assert f"trainer.max_steps={cfg.trainer.max_steps}" == steps
+
+
+@pytest.mark.parametrize("epochs", ["-1", "null"])
+def test_max_steps_with_no_epoch_limit_set_by_hand_is_accepted(tiny_cfg, epochs):
+    validate_config(tiny_cfg("trainer.max_steps=30", f"trainer.max_epochs={epochs}"))
+
+
+@pytest.mark.parametrize("epochs", ["-1", "null", "0"])
+def test_no_step_limit_needs_a_positive_number_of_epochs(tiny_cfg, epochs):
+    with pytest.raises(ConfigError, match=rf"trainer.max_epochs={'None' if epochs == 'null' else epochs} must be a positive number"):
+        validate_config(tiny_cfg(f"trainer.max_epochs={epochs}"))
+
+
+def shipped_groups(group: str) -> list[str]:
+    folder = Path(configs.__file__).parent / group
+    return sorted(path.stem for path in folder.glob("*.yaml"))
+
+
+SHIPPED_STOPS = [f"debug={name}" for name in shipped_groups("debug")] + [f"experiment={name}" for name in shipped_groups("experiment")]
+
+
+@pytest.mark.parametrize("choice", SHIPPED_STOPS)
+def test_max_steps_alone_lifts_the_epochs_of_every_shipped_experiment_and_debug_group(choice):
+    """An experiment's or a debug group's epochs are a default: ``trainer.max_steps=N`` alone runs
+    N steps (the README's promise), and without it their own limit stands (epochs, or steps)."""
+    stepped = compose_config("train", [choice, "trainer.max_steps=30"])
+    assert stopping_problems(stepped.trainer) == []
+    assert (stepped.trainer.max_steps, stepped.trainer.max_epochs) == (30, -1)
+    plain = compose_config("train", [choice])
+    assert stopping_problems(plain.trainer) == []
+    limits = (plain.trainer.max_steps, plain.trainer.max_epochs)
+    assert (limits[0] == -1 and limits[1] > 0) or (limits[0] > 0 and limits[1] == -1), limits  # one limit binds
 
 
 # ----------------------------------------------------------- a Hub model on a machine without it

@@ -176,10 +176,12 @@ def epochs_unless_steps(max_steps: object, epochs: int) -> int:
 def stopping_problems(trainer: DictConfig) -> list[str]:
     """What is wrong with ``trainer.max_steps``/``trainer.max_epochs`` (read raw).
 
-    The rule: ``max_steps > 0`` binds (the derived ``max_epochs`` is then -1, no epoch limit);
-    ``-1`` leaves the stop to ``max_epochs``.  Both set by hand (command line, experiment, debug
-    group) is refused, naming both: Lightning would stop at the first limit reached and exit 0
-    with fewer steps than asked.
+    The rule: ``max_steps > 0`` binds: ``max_epochs`` must then be lifted, ``-1`` or ``null`` (no
+    epoch limit), which the shipped configs derive (``${epochs_unless_steps:...}``: the trainer
+    group, the experiments, the debug groups); ``max_steps=-1`` leaves the stop to
+    ``max_epochs``, a positive number.  A number of epochs set by hand next to ``max_steps > 0``
+    is refused, naming both: Lightning would stop at the first limit reached and exit 0 with
+    fewer steps than asked.
     """
     problems = []
     steps = trainer.get("max_steps")
@@ -188,19 +190,22 @@ def stopping_problems(trainer: DictConfig) -> list[str]:
             f"trainer.max_steps={steps!r} must be -1 (no step limit: max_epochs ends the run) or a positive number of "
             "optimizer steps; fix: e.g. trainer.max_steps=100, or trainer.max_steps=-1"
         )
+        return problems
     if "max_epochs" not in trainer or OmegaConf.is_interpolation(trainer, "max_epochs"):
         return problems
     epochs = trainer.max_epochs
-    if not _is_int(epochs) or (epochs != -1 and epochs <= 0):
+    if steps > 0:
+        if epochs is not None and epochs != -1:
+            problems.append(
+                f"trainer.max_steps={steps} and trainer.max_epochs={epochs!r} are both set (command line, your own "
+                "experiment or debug file): Lightning stops at whichever comes first, so the run could end short of "
+                f"either; fix: trainer.max_epochs=-1 to run exactly {steps} optimizer steps, or trainer.max_steps=-1 "
+                f"to stop after max_epochs"
+            )
+    elif not _is_int(epochs) or epochs <= 0:
         problems.append(
-            f"trainer.max_epochs={epochs!r} must be a positive number of epochs (or -1 with trainer.max_steps > 0); "
-            "fix: e.g. trainer.max_epochs=3"
-        )
-    elif _is_int(steps) and steps > 0:
-        problems.append(
-            f"trainer.max_steps={steps} and trainer.max_epochs={epochs} are both set (command line, experiment or debug group): "
-            "Lightning stops at whichever comes first, so the run could end short of either; fix: keep one: "
-            f"trainer.max_steps={steps} alone (max_epochs is then lifted), or trainer.max_steps=-1 to stop after {epochs} epoch(s)"
+            f"trainer.max_epochs={epochs!r} must be a positive number of epochs when trainer.max_steps=-1 "
+            "(-1 or null only with trainer.max_steps > 0); fix: e.g. trainer.max_epochs=3"
         )
     return problems
 
