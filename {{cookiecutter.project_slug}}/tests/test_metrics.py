@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from {{ cookiecutter.package_name }}.optim import build_optimizer, optimizer_factory, param_groups
-from {{ cookiecutter.package_name }}.tasks.classification.module import classification_metrics
+from {{ cookiecutter.package_name }}.tasks.classification.module import PendingUpdates, classification_metrics
 
 
 def one_hot_logits(predictions: list[int], num_classes: int) -> torch.Tensor:
@@ -48,6 +48,27 @@ class TinyEncoder(nn.Module):
         self.norm = nn.LayerNorm(4)
         self.frozen = nn.Linear(4, 4)
         self.frozen.requires_grad_(False)
+
+
+@pytest.mark.parametrize("every", [1, 4, 64])
+def test_training_updates_gathered_give_the_figures_of_per_batch_updates(every):
+    """``PendingUpdates`` (the training metrics' updates, applied a few micro-batches at a time):
+    the same accuracy and macro F1 as one update per micro-batch of logits, for micro-batches of
+    any size, with the last partial group flushed at the epoch's end."""
+    generator = torch.Generator().manual_seed(0)
+    each, gathered = classification_metrics(3, "train"), classification_metrics(3, "train")
+    pending = PendingUpdates(gathered, every=every)
+    for rows in [8, 8, 5, 8, 1, 8, 8, 3, 8, 7]:
+        logits = torch.randn(rows, 3, generator=generator)
+        labels = torch.randint(0, 3, (rows,), generator=generator)
+        each.update(logits, labels)
+        pending.add(logits.argmax(dim=-1), labels)
+    assert len(pending.predictions) == 10 % every  # applied in whole groups so far
+    pending.flush()
+    assert not pending.predictions
+    expected, got = each.compute(), gathered.compute()
+    assert 0.2 < expected["train/acc"].item() < 0.6  # not a trivial all-right or all-wrong case
+    assert {k: v.item() for k, v in got.items()} == {k: v.item() for k, v in expected.items()}
 
 
 def test_no_weight_decay_on_biases_and_norms_and_frozen_params_left_out():

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 import pandas as pd
 import pytest
 import torch
+from tqdm import tqdm
 from transformers import AutoConfig
 
+from {{ cookiecutter.package_name }}.callbacks.terminal import ProgressBar
 from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.models import builder
@@ -253,8 +257,6 @@ def test_each_optimizer_steps_row_reaches_the_loggers_once_at_their_pace(make_cf
     # The module sends its per-step row itself (not through self.log): every 3rd optimizer step
     # here, once, whole (loss, lr, epoch), with accumulation counting optimizer steps, and the
     # last step's loss is metrics.json's train/loss and the progress bar's loss.
-    from {{ cookiecutter.package_name }}.callbacks.terminal import ProgressBar
-
     shown = []
     get_metrics = ProgressBar.get_metrics
     monkeypatch.setattr(
@@ -272,6 +274,20 @@ def test_each_optimizer_steps_row_reaches_the_loggers_once_at_their_pace(make_cf
     assert lr_steps == [2, 5] and all(row["train/lr"] for row in rows)  # train/lr in the same rows as train/loss
     assert metrics["train/loss"] == pytest.approx(float(rows[-1]["train/loss"]))
     assert any(set(postfix) >= {"loss"} for postfix in shown) and shown[-1]["loss"] == pytest.approx(metrics["train/loss"])
+
+
+def test_the_progress_bar_draws_once_per_refresh_with_the_count_and_the_shown_metrics():
+    # Lightning's bar draws the count, then the postfix (two terminal writes per refresh).
+    bar = ProgressBar(metrics=["train/loss", "val/acc"], refresh_rate=2)
+    bar.train_progress_bar = tqdm(total=5, file=io.StringIO())
+    draws = []
+    bar.train_progress_bar.refresh = lambda *args, **kwargs: draws.append((bar.train_progress_bar.n, str(bar.train_progress_bar.postfix)))
+    trainer = SimpleNamespace(progress_bar_metrics={"val/acc": 0.5, "val/loss": 0.7})
+    module = SimpleNamespace(step_metrics={"train/loss": torch.tensor(0.25), "train/lr": 0.1})
+    for batch_idx in range(5):
+        bar.on_train_batch_end(trainer, module, None, None, batch_idx)
+    assert [n for n, _ in draws] == [2, 4, 5]  # every 2nd batch and the last, one draw each
+    assert draws[-1][1] == "loss=0.25, val/acc=0.5"  # the shown names only, train/ dropped
 
 
 def test_bad_data_fails_before_any_weights_load(make_cfg, monkeypatch):

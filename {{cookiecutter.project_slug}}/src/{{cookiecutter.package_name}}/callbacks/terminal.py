@@ -23,6 +23,9 @@ class ProgressBar(TQDMProgressBar):
     shortened to the part after ``/`` (``loss=0.693``), so the bar keeps its width in an
     80-120 column terminal (every logged metric and ``v_num`` squeezed it to nothing).
 
+    A training redraw is one ``tqdm.refresh`` (the count and the postfix together): Lightning's
+    bar draws twice, the count and then the postfix, each a write to the terminal.
+
     Args:
         metrics: names of logged metrics to show when they exist (e.g. ``[train/loss, val/acc]``).
         refresh_rate: redraw every that many batches (as Lightning's).
@@ -33,12 +36,20 @@ class ProgressBar(TQDMProgressBar):
         self.shown = list(dict.fromkeys(metrics))
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
-        metrics = super().get_metrics(trainer, pl_module)
-        # The latest optimizer step's metrics (train/loss) are the module's own row, not self.log's
-        # (models.base.HFModule.log_step_metric): one host sync each, per redraw.
+        # Only the shown names: the metrics logged with prog_bar=True (val/acc) and the latest
+        # optimizer step's row (train/loss: the module's own, models.base.HFModule.log_step_metric;
+        # one host sync each, per redraw), not Lightning's standard ones (v_num), never shown.
+        metrics = dict(trainer.progress_bar_metrics)
         step_metrics = getattr(pl_module, "step_metrics", {})
         metrics.update({name: float(step_metrics[name]) for name in self.shown if name in step_metrics})
         return {name.split("/", 1)[-1] if name.startswith("train/") else name: metrics[name] for name in self.shown if name in metrics}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        bar, done = self.train_progress_bar, batch_idx + 1
+        if bar is None or bar.disable or not self.is_enabled or (done % self.refresh_rate and done != bar.total):
+            return
+        bar.n = done
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)  # (one draw: the count and the postfix)
 
 
 class RunHeader(L.Callback):

@@ -34,6 +34,36 @@ def classification_metrics(num_classes: int, split: str) -> MetricCollection:
     )
 
 
+class PendingUpdates:
+    """A metric collection's training updates, gathered and applied ``every`` micro-batches at a
+    time (one ``update`` of the concatenated rows) and when :meth:`flush` is called.
+
+    The training metrics are read once, at the epoch's end, and accuracy and F1 are sums over
+    rows, so the figures are those of per-micro-batch updates; what changes is the cost: a
+    torchmetrics ``update`` of two metrics is about 0.1 ms of Python and a dozen small kernels
+    (2-core CPU, ``bench/throughput.py``'s overhead workload), once per ``every`` micro-batches
+    here, while :meth:`add` is a list append.  Holds at most ``every`` predictions ``(B,)`` and
+    labels ``(B,)`` on their device.
+    """
+
+    def __init__(self, metrics: MetricCollection, every: int = 64) -> None:
+        self.metrics, self.every = metrics, every
+        self.predictions: list[torch.Tensor] = []
+        self.labels: list[torch.Tensor] = []
+
+    def add(self, predictions: torch.Tensor, labels: torch.Tensor) -> None:
+        """Class ids ``(B,)`` (long) against labels ``(B,)``."""
+        self.predictions.append(predictions)
+        self.labels.append(labels)
+        if len(self.predictions) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.predictions:
+            self.metrics.update(torch.cat(self.predictions), torch.cat(self.labels))
+            self.predictions, self.labels = [], []
+
+
 class SequenceClassificationModule(HFModule):
     """Fine-tune (or train from scratch) a sequence classifier.
 
@@ -133,6 +163,7 @@ class SequenceClassificationModule(HFModule):
         self.model.train()
         self.apply_levers()
         self.train_metrics, self.val_metrics, self.test_metrics = (self.metrics(split) for split in ("train", "val", "test"))
+        self.train_updates = PendingUpdates(self.train_metrics)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.val_acc_best = MaxMetric()  # (of BEST_OF; the name is the one checkpoints store)
         self.val_acc_best.persistent(True)  # in the checkpoint's state_dict: a resumed run keeps the best so far
@@ -217,7 +248,7 @@ class SequenceClassificationModule(HFModule):
         """The summed cross-entropy of the rows, normalised over the whole accumulated batch
         (see :class:`.base.HFModule`): each optimizer step follows the mean over its rows."""
         logits = self(batch)  # (B, num_labels)
-        self.train_metrics.update(logits, batch["labels"])  # logged at the epoch's end (on_train_epoch_end)
+        self.train_updates.add(logits.detach().argmax(dim=-1), batch["labels"])  # logged at the epoch's end (on_train_epoch_end)
         return self.add_to_window(*self.loss_sum(logits, batch))
 
     def on_train_epoch_end(self) -> None:
@@ -225,6 +256,7 @@ class SequenceClassificationModule(HFModule):
         ``self.log`` of the metric objects in every training step would cost Lightning's
         per-call bookkeeping each step (about 0.5 ms on a small CPU, ``docs/performance.md``)
         for the same figures."""
+        self.train_updates.flush()
         if any(metric.update_count for metric in self.train_metrics.values()):  # (none after a resume at the epoch's end)
             self.log_dict(self.train_metrics.compute())
         self.train_metrics.reset()
