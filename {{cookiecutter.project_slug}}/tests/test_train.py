@@ -290,6 +290,20 @@ def test_the_progress_bar_draws_once_per_refresh_with_the_count_and_the_shown_me
     assert draws[-1][1] == "loss=0.25, val/acc=0.5"  # the shown names only, train/ dropped
 
 
+def test_a_run_too_short_to_validate_says_its_test_figures_are_of_the_last_weights(make_cfg, capsys):
+    metrics = train(make_cfg("trainer.max_steps=2", "callbacks.progress_bar=null"))
+    assert metrics["best_checkpoint"] is None and "test/acc" in metrics
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "of the last weights" in line]
+    assert "no validation during the fit saved a best checkpoint (2 optimizer steps" in line
+    assert "fix: trainer.val_check_interval=" in line
+
+
+def test_a_run_that_validated_tests_its_best_checkpoint_without_that_line(make_cfg, capsys):
+    metrics = train(make_cfg("trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.progress_bar=null"))
+    assert metrics["best_checkpoint"] and "test/acc" in metrics
+    assert "of the last weights" not in capsys.readouterr().out
+
+
 def test_bad_data_fails_before_any_weights_load(make_cfg, monkeypatch):
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")

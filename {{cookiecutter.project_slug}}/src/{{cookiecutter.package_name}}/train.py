@@ -156,7 +156,9 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
             if pruning is not None and best and final is not None:  # the pruned model, not an early best
                 best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
+            tested_last = None
             if cfg.test_after_fit and datamodule.has_test:
+                tested_last = None if best else why_no_best(trainer)
                 trainer.test(module, datamodule=datamodule, ckpt_path=best or None, verbose=False)
                 metrics.update(scalar_metrics(trainer.callback_metrics))
                 if main_process:  # e.g. the tested (best) weights' answers
@@ -170,7 +172,10 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
             if trainer.is_global_zero:
                 write_metrics(run_dir / "metrics.json", metrics, announce=False)
-                print_results(metrics, result_lines(cfg, run_dir, best or (str(final) if final else None), loggers))
+                lines = result_lines(cfg, run_dir, best or (str(final) if final else None), loggers)
+                if tested_last:
+                    lines.insert(0, ("test/*", f"of the last weights, not the best: {tested_last}"))
+                print_results(metrics, lines)
         failed = False
         return metrics
     except DiskFull as error:
@@ -207,6 +212,20 @@ def train_command(cfg: DictConfig, *more: str) -> str:
     dropped = ("ckpt_path=", "hydra.run.dir=", "hparams_search=", "hydra.sweeper.", "hydra/sweeper=", "hydra.mode=", "hydra.sweep.")
     kept = [o for o in overrides if not o.lstrip("+~").startswith(dropped)]
     return mask(" ".join([f"python -m {__package__}.train", *kept, *more]))
+
+
+def why_no_best(trainer: L.Trainer) -> str:
+    """Why a fit left no best checkpoint to test (``test/*`` is then of the last weights): no
+    checkpoint callback ranks the validations (``callbacks.model_checkpoint=null``), or none ran
+    during the fit (a run shorter than ``trainer.val_check_interval``, the usual case)."""
+    ranking = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]
+    if not ranking:
+        return "no checkpoint callback keeps a best (callbacks.model_checkpoint is off)"
+    return (
+        f"no validation during the fit saved a best checkpoint ({trainer.global_step} optimizer steps, "
+        f"trainer.val_check_interval={trainer.val_check_interval}); fix: trainer.val_check_interval=<steps> "
+        "below the run's length"
+    )
 
 
 def result_lines(cfg: DictConfig, run_dir: Path, checkpoint: str | None, loggers: list) -> list[tuple[str, str]]:
