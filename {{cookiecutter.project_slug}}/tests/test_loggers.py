@@ -61,6 +61,35 @@ def test_wandb_sends_the_rows_of_one_step_as_one_call(tmp_path, monkeypatch):
     assert sent[4:] == [(15, {"train/loss": 0.125, "epoch": 1})]
 
 
+def test_the_last_step_row_off_the_period_is_sent_at_finalize(tmp_path, monkeypatch):
+    # A run of 13 optimizer steps, period 5: rows 0, 5, 10 go out; the last one (12) at the end
+    # of the fit (Lightning finalizes the loggers then), merged in W&B with a held row of its step.
+    sent = []
+    monkeypatch.setattr(LightningWandbLogger, "log_metrics", lambda self, metrics, step=None: sent.append((step, dict(metrics))))
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, log_every_n_steps=5)
+    for step in range(13):
+        logger.log_metrics({"train/loss": 1.0 / (step + 1), "epoch": 0}, step=step)
+    logger.log_metrics({"val/acc": 0.5, "epoch": 0}, step=12)
+    logger.finalize("success")
+    assert [step for step, _ in sent] == [0, 5, 10, 12]
+    assert sent[-1] == (12, {"val/acc": 0.5, "epoch": 0, "train/loss": 1.0 / 13})
+    logger.finalize("success")  # (again after the test): nothing more
+    logger.log_metrics({"train/loss": 0.1, "epoch": 1}, step=15)  # on the period: nothing left out
+    logger.finalize("success")
+    assert [step for step, _ in sent] == [0, 5, 10, 12, 15]
+
+
+def test_tensorboard_sends_the_last_step_row_off_the_period_at_finalize(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    received = []
+    monkeypatch.setattr(LightningTensorBoardLogger, "log_metrics", lambda self, metrics, step=None: received.append(step))
+    logger = TensorBoardLogger(save_dir=str(tmp_path), name="tb", log_every_n_steps=5)
+    for step in range(8):
+        logger.log_metrics({"train/loss": 1.0, "epoch": 0}, step=step)
+    logger.finalize("success")
+    assert received == [0, 5, 7]
+
+
 def test_close_loggers_sends_the_held_wandb_row_before_finishing_the_run(tmp_path, monkeypatch):
     import wandb
 

@@ -4,8 +4,9 @@
 to every logger: the CSV log keeps them all (a resume's merge needs each step), while a W&B
 or TensorBoard run gains little from 1,000 points a minute and pays for each (W&B offline: one
 message to its service process per call).  These subclasses of Lightning's loggers skip the
-per-step rows of steps that are not a multiple of their own ``log_every_n_steps``; every other
-row (validation, test, epoch-end, throughput and GPU stats) passes through whatever its step.
+per-step rows of steps that are not a multiple of their own ``log_every_n_steps``, except the
+last one of a fit (sent when the logger is finalized); every other row (validation, test,
+epoch-end, throughput and GPU stats) passes through whatever its step.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class StepThinning:
     ``log_metrics`` that leaves out the rows :func:`skips_row` names.  ``config_name`` is the
     logger's key in the ``logger`` group, for the error message.
 
+    The last per-step row is never lost: the latest row left out is kept until a later per-step
+    row is sent, and ``finalize`` (Lightning calls it at the end of every fit, validation and
+    test) sends it, so a run whose last optimizer step is off the period still shows its last
+    ``train/loss`` (the one ``metrics.json`` reports).
+
     Raises:
         ConfigError: ``log_every_n_steps`` is not an integer >= 1.
     """
@@ -53,11 +59,35 @@ class StepThinning:
 
     def __init__(self, *args, log_every_n_steps: int = 1, **kwargs) -> None:
         self.log_every_n_steps = checked_every_n_steps(log_every_n_steps, self.config_name)
+        self.left_out: tuple[int, dict] | None = None  # the latest per-step row left out, if no later one was sent
         super().__init__(*args, **kwargs)
 
+    def thinned(self, metrics: Mapping[str, float], step: int | None) -> bool:
+        """Whether this row is left out (:func:`skips_row`); keeps the latest left out in :attr:`left_out`."""
+        if skips_row(metrics, step, self.log_every_n_steps):
+            self.left_out = (step, dict(metrics))
+            return True
+        if step is not None and set(metrics) <= PER_STEP_KEYS:
+            self.left_out = None  # a later per-step row goes out
+        return False
+
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if not skips_row(metrics, step, self.log_every_n_steps):
+        if not self.thinned(metrics, step):
             super().log_metrics(metrics, step)
+
+    def send_left_out(self) -> None:
+        """Send :attr:`left_out`, if any (through :meth:`log_unthinned`)."""
+        if self.left_out is not None:
+            step, metrics = self.left_out
+            self.left_out = None
+            self.log_unthinned(metrics, step)
+
+    def log_unthinned(self, metrics: Mapping[str, float], step: int | None) -> None:
+        super().log_metrics(metrics, step)
+
+    def finalize(self, status: str) -> None:
+        self.send_left_out()
+        super().finalize(status)
 
 
 class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
@@ -91,8 +121,12 @@ class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
         super().__init__(*args, log_every_n_steps=log_every_n_steps, **kwargs)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if skips_row(metrics, step, self.log_every_n_steps):
-            return
+        if not self.thinned(metrics, step):
+            self.log_unthinned(metrics, step)
+
+    def log_unthinned(self, metrics: Mapping[str, float], step: int | None) -> None:
+        """Hold ``metrics`` for ``step``, merged with the held row of the same step (sending a
+        held row of another step first); a row without a step is sent at once."""
         if self._held is not None and self._held[0] != step:
             self.send_row()
         if step is None:  # (no step to merge on)
@@ -114,6 +148,7 @@ class WandbLogger(MaskedHyperparameters, StepThinning, LightningWandbLogger):
         super().save()
 
     def finalize(self, status: str) -> None:
+        self.send_left_out()
         self.send_row()
         super().finalize(status)
 
