@@ -69,8 +69,8 @@ def test_max_steps_and_max_epochs_both_set_are_refused_naming_both_and_the_fix_r
         assert fix in line
         cfg = tiny_cfg(*overrides, fix)
         validate_config(cfg)
-        if fix == "trainer.max_epochs=-1":
-            assert f"trainer.max_steps={cfg.trainer.max_steps}" == steps
+        if fix == "trainer.max_epochs=-1":  # exactly the asked steps, no epoch limit
+            assert (f"trainer.max_steps={cfg.trainer.max_steps}", cfg.trainer.max_epochs) == (steps, -1)
 
 
 @pytest.mark.parametrize("epochs", ["-1", "null"])

@@ -156,9 +156,9 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
             if pruning is not None and best and final is not None:  # the pruned model, not an early best
                 best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
-            tested_last = None
-            if cfg.test_after_fit and datamodule.has_test:
-                tested_last = None if best else why_no_best(trainer)
+            tests = cfg.test_after_fit and datamodule.has_test
+            tested_last = why_no_best(trainer) if tests and not best else None
+            if tests:
                 trainer.test(module, datamodule=datamodule, ckpt_path=best or None, verbose=False)
                 metrics.update(scalar_metrics(trainer.callback_metrics))
                 if main_process:  # e.g. the tested (best) weights' answers
