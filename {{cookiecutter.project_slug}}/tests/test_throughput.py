@@ -223,6 +223,25 @@ def test_mfu_is_model_flops_over_the_peak(monkeypatch):
         assert metrics["perf/mfu"] == pytest.approx(metrics["perf/tflops"] / 1e-3)
 
 
+@pytest.mark.parametrize("held", [1, 3, 64])
+def test_held_masks_count_the_real_tokens_and_flops_of_every_length_as_at_once(monkeypatch, held):
+    # The masks are summed later (at the log, and every HELD_MASKS masks), grouped by length:
+    # the same tokens and FLOPs (each at its own T) as summing every micro-batch at once.
+    monkeypatch.setattr(throughput, "HELD_MASKS", held)
+    callback = TokenThroughput(every_n_steps=1)
+    callback.flops_args = (1000, 200, 2, 4, 16)  # trainable, frozen, layers, heads, head_dim
+    generator = torch.Generator().manual_seed(0)
+    tokens = flops = 0.0
+    for length in [8, 8, 12, 8, 5, 12, 12]:
+        mask = torch.randint(0, 2, (3, length), generator=generator)
+        callback._count({"input_ids": torch.ones(3, length, dtype=torch.long), "attention_mask": mask})
+        tokens += int(mask.sum())
+        flops += int(mask.sum()) * flops_per_token(*callback.flops_args, length)
+    callback._fold()
+    assert int(callback._window_tokens) == tokens and callback._window_samples == 21
+    assert float(callback._window_flops) == pytest.approx(flops)
+
+
 def test_batches_without_input_ids_are_refused():
     with pytest.raises(ValueError, match="input_ids"):
         TokenThroughput(every_n_steps=1)._count((torch.zeros(2, 4), torch.zeros(2)))

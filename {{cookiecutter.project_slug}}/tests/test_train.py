@@ -276,18 +276,46 @@ def test_each_optimizer_steps_row_reaches_the_loggers_once_at_their_pace(make_cf
     assert any(set(postfix) >= {"loss"} for postfix in shown) and shown[-1]["loss"] == pytest.approx(metrics["train/loss"])
 
 
-def test_the_progress_bar_draws_once_per_refresh_with_the_count_and_the_shown_metrics():
-    # Lightning's bar draws the count, then the postfix (two terminal writes per refresh).
-    bar = ProgressBar(metrics=["train/loss", "val/acc"], refresh_rate=2)
-    bar.train_progress_bar = tqdm(total=5, file=io.StringIO())
+def test_the_training_bar_draws_by_time_once_per_redraw_with_the_count_and_the_shown_metrics(monkeypatch):
+    # Lightning's bar draws the count, then the postfix (two terminal writes per refresh); ours
+    # draws once, at the first batch, then at most every refresh_seconds, and at the last batch.
+    from {{ cookiecutter.package_name }}.callbacks import terminal
+
+    clock = iter([0.0, 0.2, 0.45, 0.5, 0.9, 1.05, 1.1])  # time.monotonic() at each batch's end
+    monkeypatch.setattr(terminal, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    bar = ProgressBar(metrics=["train/loss", "val/acc"], refresh_rate=2, refresh_seconds=0.5)
+    bar.train_progress_bar = tqdm(total=7, file=io.StringIO())
     draws = []
     bar.train_progress_bar.refresh = lambda *args, **kwargs: draws.append((bar.train_progress_bar.n, str(bar.train_progress_bar.postfix)))
     trainer = SimpleNamespace(progress_bar_metrics={"val/acc": 0.5, "val/loss": 0.7})
     module = SimpleNamespace(step_metrics={"train/loss": torch.tensor(0.25), "train/lr": 0.1})
-    for batch_idx in range(5):
+    for batch_idx in range(7):
         bar.on_train_batch_end(trainer, module, None, None, batch_idx)
-    assert [n for n, _ in draws] == [2, 4, 5]  # every 2nd batch and the last, one draw each
+    # batch 1 at 0 s; 4 at 0.5 s (0.5 after the last draw); 6 at 1.05 s; 7: the last; never refresh_rate's 2, 4, 6
+    assert [n for n, _ in draws] == [1, 4, 6, 7]
     assert draws[-1][1] == "loss=0.25, val/acc=0.5"  # the shown names only, train/ dropped
+
+
+def test_the_trainer_wraps_each_hook_in_a_free_context_unless_a_profiler_is_asked_for(make_cfg):
+    from lightning.pytorch.profilers import SimpleProfiler
+    from omegaconf import open_dict
+
+    from {{ cookiecutter.package_name }}.utils.instantiate import NoProfiler, instantiate_trainer
+
+    cfg = make_cfg()
+    profiler = instantiate_trainer(cfg, [], []).profiler
+    assert isinstance(profiler, NoProfiler)
+    with profiler.profile("[Callback]ProgressBar.on_train_batch_end") as inside:  # as Lightning's loop uses it
+        assert inside is None
+    with open_dict(cfg):
+        cfg.trainer.profiler = "simple"  # +trainer.profiler=simple (bench/throughput.py --profile)
+    assert isinstance(instantiate_trainer(cfg, [], []).profiler, SimpleProfiler)
+
+
+@pytest.mark.parametrize("seconds", [-1, "often", None, True])
+def test_the_progress_bar_refuses_a_refresh_time_that_is_not_a_number_of_seconds(seconds):
+    with pytest.raises(ConfigError, match=r"callbacks.progress_bar.refresh_seconds=.*fix: a number of seconds >= 0"):
+        ProgressBar(refresh_seconds=seconds)
 
 
 def test_a_run_too_short_to_validate_says_its_test_figures_are_of_the_last_weights(make_cfg, capsys):

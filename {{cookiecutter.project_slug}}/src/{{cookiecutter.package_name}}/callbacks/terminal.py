@@ -8,11 +8,14 @@ shows warnings and errors: ``configs/hydra/default.yaml``).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
+
+from ..errors import ConfigError
 
 # The first lines of the results table, in this order; every other metric follows alphabetically.
 LEADING = ("test/", "val/", "train/")
@@ -23,17 +26,31 @@ class ProgressBar(TQDMProgressBar):
     shortened to the part after ``/`` (``loss=0.693``), so the bar keeps its width in an
     80-120 column terminal (every logged metric and ``v_num`` squeezed it to nothing).
 
-    A training redraw is one ``tqdm.refresh`` (the count and the postfix together): Lightning's
-    bar draws twice, the count and then the postfix, each a write to the terminal.
+    The training bar redraws by time, not by batch count: at the first batch, then at most every
+    ``refresh_seconds``, and at the epoch's last batch.  A count of batches redraws too often
+    where steps are short (a redraw costs about 1 ms of the step loop on a small CPU, more where a
+    W&B run captures the console) and too seldom where they are long (every 10th batch of a 5 s
+    step is a bar that moves twice a minute).  A redraw is one ``tqdm.refresh`` (the count and
+    the postfix together): Lightning's bar draws twice, the count and then the postfix.
 
     Args:
         metrics: names of logged metrics to show when they exist (e.g. ``[train/loss, val/acc]``).
-        refresh_rate: redraw every that many batches (as Lightning's).
+        refresh_rate: validation and test bars redraw every that many batches (as Lightning's).
+        refresh_seconds: the training bar's least time between redraws (s).
+
+    Raises:
+        ConfigError: ``refresh_seconds`` negative or not a number.
     """
 
-    def __init__(self, metrics: list[str] | tuple[str, ...] = ("train/loss",), refresh_rate: int = 10) -> None:
+    def __init__(
+        self, metrics: list[str] | tuple[str, ...] = ("train/loss",), refresh_rate: int = 10, refresh_seconds: float = 0.5
+    ) -> None:
         super().__init__(refresh_rate=refresh_rate)
+        if isinstance(refresh_seconds, bool) or not isinstance(refresh_seconds, (int, float)) or not refresh_seconds >= 0:
+            raise ConfigError(f"callbacks.progress_bar.refresh_seconds={refresh_seconds!r}; fix: a number of seconds >= 0 (0.5)")
         self.shown = list(dict.fromkeys(metrics))
+        self.refresh_seconds = float(refresh_seconds)
+        self._drawn_at = -math.inf  # time.monotonic() of the training bar's last redraw
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
         # Only the shown names: the metrics logged with prog_bar=True (val/acc) and the latest
@@ -45,9 +62,10 @@ class ProgressBar(TQDMProgressBar):
         return {name.split("/", 1)[-1] if name.startswith("train/") else name: metrics[name] for name in self.shown if name in metrics}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        bar, done = self.train_progress_bar, batch_idx + 1
-        if bar is None or bar.disable or not self.is_enabled or (done % self.refresh_rate and done != bar.total):
+        bar, done, now = self.train_progress_bar, batch_idx + 1, time.monotonic()
+        if bar is None or bar.disable or not self.is_enabled or (now - self._drawn_at < self.refresh_seconds and done != bar.total):
             return
+        self._drawn_at = now
         bar.n = done
         bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)  # (one draw: the count and the postfix)
 
