@@ -13,8 +13,10 @@ in the same order: the HF Trainer is handed the project's own epoch orders (its 
 sampler, seeded by ``(seed, epoch)``, the same micro-batches in the same sequence), so the
 comparison is of speed, not of which data order happens to suit the seed.  Both validate the
 same rows at the same optimizer steps (every ``--every`` steps counted over the whole run, not
-restarted each epoch), and save a checkpoint every 50 steps (the project's step checkpoint; the
-HF Trainer keeps one).  The HF side logs to W&B offline every 10 steps, as ``train`` does.
+restarted each epoch), and save a checkpoint at each validation that improves the accuracy (the
+project's best checkpoint, ``last.ckpt`` a link to it; the HF Trainer's ``save_strategy="best"``,
+keeping one); the project's step checkpoint, every 500 steps, comes after the target here (the
+demo crosses by step 300).  The HF side logs to W&B offline every 10 steps, as ``train`` does.
 
 Each side's clock starts when its first training step starts (model loading, tokenising and
 ``train``'s sanity check are before it) and stops at the end of the first validation whose
@@ -195,7 +197,6 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int, shared_dropout
         raise SystemExit(
             f"lr_schedule: decay={scheduler.decay}, min_lr_ratio={scheduler.min_lr_ratio}; this bench compares linear decay to 0 only"
         )
-    step_checkpoint = cfg.callbacks.get("step_checkpoint")
     # The schedule's length as Lightning counts it (estimated_stepping_batches), and the
     # project's warmup of it (int(ratio x steps); the HF Trainer would round a ratio up).
     batches = math.ceil(len(datamodule.datasets["train"]) / cfg.data.batch_size)
@@ -219,8 +220,10 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int, shared_dropout
         bf16=trainer_cfg.precision == "bf16-mixed",
         eval_strategy="steps",
         eval_steps=every,
-        save_strategy="steps" if step_checkpoint else "no",
-        save_steps=step_checkpoint.every_n_train_steps if step_checkpoint else 500,
+        # Saves where the project's best checkpoint does: at each validation that improves the accuracy.
+        save_strategy="best" if cfg.callbacks.get("model_checkpoint") else "no",
+        metric_for_best_model="accuracy",
+        greater_is_better=True,
         save_total_limit=1,
         logging_steps=10,
         report_to=["wandb"] if cfg.get("logger") and cfg.logger.get("wandb") else [],

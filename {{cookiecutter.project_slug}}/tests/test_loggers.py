@@ -113,11 +113,11 @@ def test_a_bad_period_is_refused_with_the_field_and_the_fix(value, tmp_path):
         WandbLogger(save_dir=str(tmp_path), offline=True, log_every_n_steps=value)
 
 
-def test_the_default_loggers_keep_every_step_in_the_csv_and_every_tenth_in_wandb(tmp_path):
+def test_the_default_loggers_keep_every_step_in_the_csv_and_every_fiftieth_in_wandb(tmp_path):
     cfg = compose_config("train", [*common_overrides(tmp_path / "run"), "logger=[csv,wandb]", "logger.wandb.mode=disabled"])
-    assert cfg.trainer.log_every_n_steps == 1 and cfg.logger.wandb.log_every_n_steps == 10
+    assert cfg.trainer.log_every_n_steps == 1 and cfg.logger.wandb.log_every_n_steps == 50
     wandb = next(logger for logger in instantiate_loggers(cfg) if isinstance(logger, WandbLogger))
-    assert wandb.log_every_n_steps == 10
+    assert wandb.log_every_n_steps == 50
     wandb.experiment.finish()
 
 

@@ -153,7 +153,9 @@ def resolve_peak_tflops(device: torch.device, configured: float | None) -> tuple
 
 
 class TokenThroughput(L.Callback):
-    """Every ``every_n_steps`` optimizer steps, log the rates over the steps since the last log:
+    """Every ``every_n_steps`` optimizer steps, and at the end of training (the steps since the
+    last log, if any: a run shorter than the period still reports), log the rates over the steps
+    since the last log:
 
     - ``perf/tokens_per_sec``: real tokens (``attention_mask.sum()``, padding excluded) per second;
     - ``perf/samples_per_sec``: sequences per second;
@@ -192,6 +194,7 @@ class TokenThroughput(L.Callback):
         self._peak: float | None = None
         self._rates: Throughput | None = None  # None until the first optimizer step is done
         self._last_step = 0
+        self._logged_step = 0  # the optimizer step of the last log (or of the clock's start)
         self._t0 = 0.0
         self._paused_at: float | None = None  # validation started here; the clock is stopped
         self._paused_seconds = 0.0
@@ -233,6 +236,10 @@ class TokenThroughput(L.Callback):
             self._start()
         elif step % self.every_n_steps == 0:
             self._log(trainer, step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._rates is not None and trainer.global_step > self._logged_step and self._window_batches:
+            self._log(trainer, trainer.global_step)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._rates is not None and not trainer.sanity_checking:
@@ -283,13 +290,16 @@ class TokenThroughput(L.Callback):
         self._reset_window()
         self._totals = {"batches": 0, "samples": 0, "lengths": 0}
         self._rates = Throughput(available_flops=self._peak * 1e12 if self._peak else None, window_size=2)
+        self._logged_step = self._last_step
         self._rates.update(time=0.0, **self._totals, flops=0)
         self._t0, self._paused_at, self._paused_seconds = time.perf_counter(), None, 0.0
 
     def _log(self, trainer: L.Trainer, step: int) -> None:
         self._fold()
         self._synchronize()
-        elapsed = time.perf_counter() - self._t0 - self._paused_seconds
+        end = self._paused_at if self._paused_at is not None else time.perf_counter()  # (training ended in a validation)
+        elapsed = end - self._t0 - self._paused_seconds
+        self._logged_step = step
         self._totals["batches"] += self._window_batches
         self._totals["samples"] += self._window_samples
         self._totals["lengths"] += int(self._window_tokens.item()) + self._host_tokens

@@ -68,10 +68,12 @@ class HFModule(L.LightningModule):
         self.start_metrics: dict[str, float] = {}
         self.validated_at_step: int | None = None  # the optimizer step of the last full validation pass
         self._loss_divisor = 1.0
-        self._window_loss = torch.zeros(())
-        self._window_items = torch.zeros((), dtype=torch.long)
+        # The optimizer step being accumulated: its summed loss (None before its first micro-batch)
+        # and item count (a Python int while every count came from the host, as a classifier's rows do).
+        self._window_loss: torch.Tensor | None = None
+        self._window_items: int | torch.Tensor = 0
         self._step_loss: torch.Tensor | None = None
-        self._step_items = torch.zeros(())
+        self._step_items: float | torch.Tensor = 0.0
         self.step_metrics: dict[str, torch.Tensor | float] = {}  # the latest optimizer step's row (log_step_metric)
         self._row_step = 0
         self._row_pending = False  # an optimizer step whose row on_train_batch_end has not sent yet
@@ -176,9 +178,10 @@ class HFModule(L.LightningModule):
         return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=fused, loraplus_lr_ratio=ratio)
 
     # ------------------------------------------------------------------ loss normalisation
-    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
         """The loss contract of every task: ``(loss_sum, items)``, the loss summed over the
-        micro-batch's items (rows, target tokens: fp32 scalar) and their count (long scalar).
+        micro-batch's items (rows, target tokens: fp32 scalar) and their count (a long scalar, or
+        a Python int where the host knows it: no device op, no host read).
         Training normalises over the whole accumulated batch (:meth:`add_to_window`); the planner
         traces ``loss_sum / items`` (``tasks.base.Task.example_loss``)."""
         raise NotImplementedError
@@ -191,16 +194,17 @@ class HFModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._loss_divisor = float(self.loss_divisor())
-        self._window_loss = torch.zeros((), device=self.device)
-        self._window_items = torch.zeros((), dtype=torch.long, device=self.device)
-        self._step_loss = None
+        self._window_loss, self._window_items, self._step_loss = None, 0, None
 
-    def add_to_window(self, loss_sum: torch.Tensor, items: torch.Tensor) -> torch.Tensor | None:
-        """Count one micro-batch (``loss_sum``: fp32 scalar, summed over its ``items``) and return
-        what ``training_step`` returns: the loss to backpropagate (automatic optimization), or
-        ``None`` after stepping here (``optimizer.step_in_backward``)."""
-        self._window_loss += loss_sum.detach()
-        self._window_items += items
+    def add_to_window(self, loss_sum: torch.Tensor, items: torch.Tensor | int) -> torch.Tensor | None:
+        """Count one micro-batch (``loss_sum``: fp32 scalar, summed over its ``items``: a long
+        scalar or an int) and return what ``training_step`` returns: the loss to backpropagate
+        (automatic optimization), or ``None`` after stepping here (``optimizer.step_in_backward``).
+        The first micro-batch of a step costs no device op here (its loss and count are kept as
+        they are), each later one an add."""
+        loss_sum_detached = loss_sum.detach()
+        self._window_loss = loss_sum_detached if self._window_loss is None else self._window_loss + loss_sum_detached
+        self._window_items = items if isinstance(self._window_items, int) and self._window_items == 0 else self._window_items + items
         if not self.automatic_optimization:
             # step_in_backward: no accumulation, one device, so this micro-batch is the whole
             # batch: normalise now, as the update happens during backward.
@@ -214,14 +218,20 @@ class HFModule(L.LightningModule):
         """Mean loss per item of the optimizer step being taken (every micro-batch, every device);
         a 0-dim tensor, computed once per step (callbacks read it before the module logs it)."""
         if self._step_loss is None:
-            items = self.trainer.strategy.reduce(self._window_items.float(), reduce_op="sum")
-            self._step_loss = self.trainer.strategy.reduce(self._window_loss, reduce_op="sum") / items
-            self._step_items = items
+            if self._window_loss is None:  # cannot happen: Lightning steps after a training_step
+                raise RuntimeError("an optimizer step before any micro-batch of it")
+            loss, items = self._window_loss, self._window_items
+            if self.trainer.world_size > 1:
+                items = self.trainer.strategy.reduce(torch.as_tensor(items, dtype=torch.float32, device=self.device), reduce_op="sum")
+                loss = self.trainer.strategy.reduce(loss, reduce_op="sum")
+            elif isinstance(items, int):
+                items = float(items)
+            self._step_loss, self._step_items = loss / items, items
         return self._step_loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         loss = self.step_loss()
-        items = float(self._step_items)  # (the step's one host sync here)
+        items = float(self._step_items)  # (a host read when the count is a device tensor)
         if items <= 0:  # cannot happen with our data modules
             raise RuntimeError("an optimizer step with nothing to learn from: every label is -100")
         # DDP averages gradients over devices, hence the world-size factor.
@@ -236,9 +246,7 @@ class HFModule(L.LightningModule):
         self._row_step = self.trainer.global_step  # (the step this optimizer step's row is logged at)
         self._row_pending = True
         self.log_step_metric("train/loss", loss)
-        self._window_loss.zero_()
-        self._window_items.zero_()
-        self._step_loss = None
+        self._window_loss, self._window_items, self._step_loss = None, 0, None
 
     def log_step_metric(self, name: str, value: torch.Tensor | float) -> None:
         """Put a metric of the optimizer step being taken (``train/loss``, ``train/lr``,
@@ -257,7 +265,9 @@ class HFModule(L.LightningModule):
         if isinstance(value, (int, float)):
             self.step_metrics[name] = float(value)
             return
-        value = torch.as_tensor(value, device=self.device).detach()
+        value = torch.as_tensor(value, device=self.device)
+        if value.requires_grad:
+            value = value.detach()
         if value.dtype not in (torch.float32, torch.float64):
             value = value.to(torch.get_default_dtype())
         self.step_metrics[name] = value

@@ -229,16 +229,16 @@ class SequenceClassificationModule(HFModule):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return self.model(**inputs).logits  # (B, num_labels)
 
-    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """The loss contract of every task: ``(loss_sum, items)``, the cross-entropy summed over
-        the micro-batch's rows (fp32 scalar) and their count (long scalar)."""
+        the micro-batch's rows (fp32 scalar) and their count (an int: the host knows it)."""
         return self.loss_sum(self(batch), batch)
 
     @staticmethod
-    def loss_sum(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_sum(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """``(loss_sum, rows)`` of ``logits`` ``(B, num_labels)`` against ``batch["labels"]`` ``(B,)``."""
         labels = batch["labels"]
-        return F.cross_entropy(logits.float(), labels, reduction="sum"), labels.new_tensor(len(labels))
+        return F.cross_entropy(logits.float(), labels, reduction="sum"), len(labels)
 
     def loss_divisor(self) -> float:
         # The summed loss of a full micro-batch -> its mean (1 when fit on a bare DataLoader).

@@ -162,10 +162,10 @@ class PreferenceModule(CausalLMModule):
         values = [terms.reward_chosen, terms.reward_rejected, margin, (margin > 0).float(), logp_w.detach(), logp_l.detach()]
         return terms, torch.stack(values, dim=1)
 
-    def model_step(self, batch: dict[str, torch.Tensor], split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def model_step(self, batch: dict[str, torch.Tensor], split: str | None = None) -> tuple[torch.Tensor, int]:
         """The summed pair loss of the micro-batch and its number of pairs."""
         terms, _ = self.pair_terms(batch, split)
-        return terms.loss.sum(), torch.tensor(terms.loss.shape[0], device=terms.loss.device)
+        return terms.loss.sum(), terms.loss.shape[0]
 
     def loss_divisor(self) -> float:
         return self.inputs.micro_batch_size if self.inputs is not None else 1
@@ -180,7 +180,7 @@ class PreferenceModule(CausalLMModule):
         mask = batch["token_mask"]  # (2P, T) 1 = a real token
         self._window_tokens += mask.sum()
         self.log_step_metric("train/padding_fraction", 1.0 - mask.float().mean())
-        return self.add_to_window(terms.loss.sum(), torch.tensor(terms.loss.shape[0], device=self.device))
+        return self.add_to_window(terms.loss.sum(), terms.loss.shape[0])
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)  # train/loss (the step's pairs: self._step_items), train/tokens
