@@ -200,8 +200,9 @@ def test_cpu_fit_logs_rates_without_mfu_and_says_why_once(kind, caplog):
     with caplog.at_level(logging.INFO, logger=throughput.__name__):
         logger, module = fit(kind, TokenThroughput(every_n_steps=2, peak_tflops=165.2))
     records = perf_records(logger)
-    # the clock starts after optimizer step 1; then every 2nd step of 5, and the last at the end
-    assert [step for step, _ in records] == [2, 4, 5]
+    # the clock starts after optimizer step 1; then rows of steps numbered 2 and 4 (Lightning's
+    # numbering: optimizer steps 3 and 5, the last); nothing left for the end of training
+    assert [step for step, _ in records] == [2, 4]
     expected_flops = flops_per_token(*count_parameters(module), *architecture(module.model.config), SEQ_LEN)
     for _, metrics in records:
         assert set(metrics) == {"perf/tokens_per_sec", "perf/samples_per_sec", "perf/tflops"}
@@ -215,8 +216,8 @@ def test_cpu_fit_logs_rates_without_mfu_and_says_why_once(kind, caplog):
 
 def test_a_run_shorter_than_the_period_still_logs_its_rates_at_the_end():
     logger, _ = fit("bert", TokenThroughput(every_n_steps=50))
-    [(step, metrics)] = perf_records(logger)  # steps 2-5 (the clock starts after step 1), once
-    assert step == 5 and metrics["perf/tokens_per_sec"] / metrics["perf/samples_per_sec"] == pytest.approx(REAL_TOKENS)
+    [(step, metrics)] = perf_records(logger)  # optimizer steps 2-5 (the clock starts after step 1), once
+    assert step == 4 and metrics["perf/tokens_per_sec"] / metrics["perf/samples_per_sec"] == pytest.approx(REAL_TOKENS)
 
 
 def test_mfu_is_model_flops_over_the_peak(monkeypatch):
@@ -224,7 +225,7 @@ def test_mfu_is_model_flops_over_the_peak(monkeypatch):
     monkeypatch.setattr(throughput, "resolve_peak_tflops", lambda device, configured: (1e-3, None))
     logger, _ = fit("llama", TokenThroughput(every_n_steps=2))
     records = perf_records(logger)
-    assert len(records) == 3
+    assert len(records) == 2
     for _, metrics in records:
         assert metrics["perf/mfu"] == pytest.approx(metrics["perf/tflops"] / 1e-3)
 

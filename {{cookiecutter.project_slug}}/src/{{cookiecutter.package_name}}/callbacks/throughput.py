@@ -163,7 +163,10 @@ class TokenThroughput(L.Callback):
       work, so it lowers this and MFU), with ``T = input_ids.shape[1]``;
     - ``perf/mfu``: ``perf/tflops / peak`` (a fraction, 0-1), only on a GPU with a known peak.
 
-    Per device, step = ``trainer.global_step``.  Batches are dicts with ``input_ids`` ``(B, T)``
+    Per device.  A row's step is that of the last optimizer step it covers, numbered as Lightning
+    numbers that step's own rows (``trainer.global_step - 1`` after it): ``perf/*`` and
+    ``train/loss`` of a step share it (one W&B row), and the steps a resumed launch logs follow
+    the first launch's.  Batches are dicts with ``input_ids`` ``(B, T)``
     and, optionally, ``attention_mask`` or (packed chat rows) ``token_mask`` ``(B, T)``.  Every
     micro-batch of an accumulated step counts.  The clock (``time.perf_counter``) starts after
     the first optimizer step, which pays for CUDA warm-up, autotuning and ``torch.compile``; it
@@ -234,7 +237,7 @@ class TokenThroughput(L.Callback):
         self._last_step = step
         if self._rates is None:
             self._start()
-        elif step % self.every_n_steps == 0:
+        elif (step - 1) % self.every_n_steps == 0:  # (the row's step, step - 1, a multiple of the period)
             self._log(trainer, step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -312,7 +315,7 @@ class TokenThroughput(L.Callback):
         if "device/mfu" in rates:
             metrics["perf/mfu"] = rates["device/mfu"]
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics, step=step - 1)
         self._reset_window()  # the clock runs on from t0; the totals above carry the counts
 
     def _synchronize(self) -> None:
