@@ -50,7 +50,6 @@ ONLY_FOR = {
     "causal_lm": [
         f"{SRC}/tasks/causal_lm",
         f"{SRC}/tasks/preference",  # (its module extends the causal LM's)
-        f"{SRC}/callbacks/reference_logps.py",
         f"{CONFIGS}/task/preference.yaml",
         f"{CONFIGS}/objective",
         f"{CONFIGS}/data/preference.yaml",
@@ -62,9 +61,9 @@ ONLY_FOR = {
         "tests/test_training_callbacks.py",
         "tests/e2e/test_preference_resume.py",
         "tests/real_data/test_demo_dpo.py",
-        f"{SRC}/callbacks/sample_generation.py",
-        f"{SRC}/assets/shakespeare.py",
-        f"{SRC}/assets/gguf.py",
+        f"{SRC}/core/assets/shakespeare.py",
+        f"{SRC}/core/assets/gguf.py",
+        f"{CONFIGS}/callbacks/neftune.yaml",  # (NEFTune: tasks/causal_lm/neftune.py)
         "tests/test_adapter_base.py",
         f"{SRC}/export.py",
         f"{SRC}/generate.py",
@@ -99,7 +98,6 @@ ONLY_FOR = {
         "bench/text_pipeline.py",
         "bench/step_time.py",
         "bench/answers.py",
-        f"{SRC}/assets/chat_templates",
         f"{SRC}/inspect_data.py",
         f"{CONFIGS}/inspect_data.yaml",
         f"{CONFIGS}/data/chat.yaml",

@@ -88,17 +88,22 @@ def test_default_bake_yaml_and_toml_parse(default_project):
         yaml.safe_load(path.read_text())
     project = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
     assert project["name"] == "my_4090_project"
-    assert set(project["scripts"]) == {f"my_4090_project-{name}" for name in ("train", "eval", "plan", "doctor", "plot", "quantize", "predict", "generate", "export", "inspect-data")}
+    assert project["scripts"] == {"my_4090_project": "my_4090_project.__main__:main"}  # one command, its verbs below
     # Ranges, not pins: a lower bound and an upper one (the next major, or minor for 0.x) each.
     assert all(re.fullmatch(r"[a-z0-9-]+>=[0-9.]+,<[0-9.]+", dep) for dep in project["dependencies"]), project["dependencies"]
 
 
-def test_installed_console_script_finds_its_configs(default_project, tmp_path):
+def test_installed_console_script_lists_its_verbs_and_finds_its_configs(default_project, tmp_path):
     # Run from an unrelated folder: the configs must come from the installed package.
-    script = Path(sys.executable).with_name("my_4090_project-train")
-    result = run([str(script), "--cfg", "job", "model=tiny_bert", "experiment=demo_classification"], cwd=tmp_path, timeout=300)
+    script = str(Path(sys.executable).with_name("my_4090_project"))
+    listed = run([script, "--help"], cwd=tmp_path, timeout=300).stdout
+    verbs = ("train", "eval", "predict", "generate", "export", "quantize", "plan", "inspect-data", "doctor", "plot")
+    assert [line.split()[0] for line in listed.splitlines() if line.startswith("  ")] == list(verbs), listed
+    result = run([script, "train", "--cfg", "job", "model=tiny_bert", "experiment=demo_classification"], cwd=tmp_path, timeout=300)
     assert "accumulate_grad_batches" in result.stdout and "tiny_bert" not in result.stdout
     assert not (tmp_path / "logs").exists()
+    unknown = subprocess.run([script, "fit"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert unknown.returncode == 2 and "unknown verb 'fit'" in unknown.stderr and "  train " in unknown.stderr
 
 
 def test_default_bake_full_test_suite_with_the_real_demo(default_project, capsys):
@@ -217,9 +222,6 @@ def test_single_task_bake_holds_only_its_task_and_its_tests_pass(tasks, default_
         assert not leaked, f"{path.relative_to(project)} mentions {leaked}"
     for marker in TASK_MARKERS[tasks][:2]:  # its own task is there
         assert any(marker in path.read_text() for path in code), marker
-    scripts = set(tomllib.loads((project / "pyproject.toml").read_text())["project"]["scripts"])
-    assert (f"{package}-predict" in scripts) == (tasks == "classification")
-    assert (f"{package}-generate" in scripts) == (tasks == "causal_lm")
     # Lint-clean as baked: its own workflow runs ruff on every push (the task conditionals must not
     # leave unused imports or unsorted blocks behind).
     ruff = str(Path(sys.executable).with_name("ruff"))
@@ -244,6 +246,8 @@ def test_single_task_bake_holds_only_its_task_and_its_tests_pass(tasks, default_
         "        hydra.utils.get_object(target)\n"
     )
     run([sys.executable, "-c", check], cwd=project, timeout=300, env=env)
+    verbs = run([sys.executable, "-m", package, "--help"], cwd=project, timeout=300, env=env).stdout.split()
+    assert ("predict" in verbs) == (tasks == "classification") and ("generate" in verbs) == (tasks == "causal_lm")
     # Composition of every config file, the task-agnostic checks of test_no_silent_results.py, and one
     # fast_dev_run of the task (the CI budget; the default bake runs every test of both tasks).
     fast_dev_run = {
@@ -282,12 +286,12 @@ def test_awkward_names_bake_into_working_packages(tmp_path):
         "for package in sys.argv[1:]:\n"
         "    for module in ('train', 'eval', 'predict', 'plan', 'generate', 'export', 'doctor'):\n"
         "        importlib.import_module(f'{package}.{module}')\n"
-        "    validate = importlib.import_module(f'{package}.checks').validate_config\n"
+        "    check = importlib.import_module(f'{package}.tasks').check_config\n"
         "    with initialize_config_module(version_base='1.3', config_module=f'{package}.configs'):\n"
         "        for overrides in ([], ['experiment=demo_classification'], ['experiment=demo_lm_lora']):\n"
         "            cfg = compose('train', overrides + ['paths.output_dir=/tmp/x'])\n"
         "            assert cfg.callbacks.step_log._target_.startswith(package + '.'), cfg.callbacks.step_log\n"
-        "            validate(cfg)\n"
+        "            check(cfg)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(project / "src") for project in projects.values())}
     run([sys.executable, "-c", check, *projects], cwd=tmp_path, timeout=600, env=env)
@@ -358,4 +362,4 @@ def test_cruft_update_brings_a_template_change_into_an_untouched_bake(tasks, tmp
     assert json.loads((project / ".cruft.json").read_text())["commit"] != ""
     if tasks == "classification":  # what the hook removed did not come back
         assert not (project / "tests" / "test_causal_lm.py").exists()
-        assert not (project / "src" / "cruft_test" / "models" / "causal_lm.py").exists()
+        assert not (project / "src" / "cruft_test" / "tasks" / "causal_lm").exists()

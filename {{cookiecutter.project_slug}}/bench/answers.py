@@ -41,8 +41,8 @@ from pathlib import Path
 import hydra
 from hydra import compose, initialize_config_module
 
-from {{ cookiecutter.package_name }}.models.inputs import ModelInputs
-from {{ cookiecutter.package_name }}.tasks import build_module
+from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
+from {{ cookiecutter.package_name }}.core.task import build_module
 from {{ cookiecutter.package_name }}.tasks.causal_lm.answers import exact_match
 
 

@@ -21,7 +21,7 @@ Cases (``--cases``; see ``docs/performance.md``):
   for a SmolLM2-135M-shaped full fine-tune and a GPT-2-124M-shaped pretrain, against a plain
   PyTorch loop on the same batches (same model, bf16 autocast, fused AdamW, clipping).  MFU =
   tokens/s x training FLOPs per token / the GPU's dense bf16 peak (the peak and its source are
-  printed: ``callbacks/throughput.py``'s table).
+  printed: ``core/callbacks/throughput.py``'s table).
 - ``host_syncs``: CUDA synchronisations per optimizer step of ``train`` (counted with
   ``torch.cuda.set_sync_debug_mode("warn")`` over ten steps).
 - ``sparse_2_4``: a 2:4 semi-structured sparse Linear (``torch.sparse.to_sparse_semi_structured``)
@@ -35,7 +35,7 @@ Cases (``--cases``; see ``docs/performance.md``):
   gradients are bit-identical (the copies are exact).
 - ``flex_packed``: packed rows under ``flex_attention`` against SDPA with its dense mask: the
   largest relative gradient difference (bf16) and tokens/s.
-- ``step_time``: the step-time roofline (``memory/steptime.py``) calibrated on this GPU: its peaks
+- ``step_time``: the step-time roofline (``core/memory/steptime.py``) calibrated on this GPU: its peaks
   measured (``measure_peaks("cuda")``, what ``doctor --measure`` prints), then predicted vs
   measured ms per step (the median of 5 after 2 warm-up steps) for the ``planner`` recipes, with
   the measured peaks and with the ``hardware=rtx4090_24gb`` figures.
@@ -59,6 +59,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from {{ cookiecutter.package_name }}.tasks import task_of
 
 CUDA_ONLY_LINE = "gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); run it on a machine with one"
 DEFAULT_CASES = [
@@ -218,17 +220,17 @@ def case_planner(name: str) -> list[dict]:
     """Predicted (``plan``) vs measured peak allocated memory, per recipe."""
     import torch
 
-    from {{ cookiecutter.package_name }}.memory.planner import architecture, plan_memory, training_step
+    from {{ cookiecutter.package_name }}.core.memory.planner import architecture, plan_memory, training_step
 
     rows = []
     for recipe in PLANNER_RECIPES[name]:
         cfg = compose([f"experiment={recipe}", "logger=none"])
         config = architecture(cfg)
         micro_batch = cfg.batch.micro_batch_size
-        plan = plan_memory(cfg, micro_batch=micro_batch, search=False)
+        plan = plan_memory(cfg, task_of(cfg), micro_batch=micro_batch, search=False)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        setup = training_step(cfg, config, micro_batch, device="cuda")
+        setup = training_step(cfg, task_of(cfg), config, micro_batch, device="cuda")
         for _ in range(3):
             setup.step()
         torch.cuda.synchronize()
@@ -244,8 +246,8 @@ def case_step_time(name: str) -> list[dict]:
     import torch
     from omegaconf import open_dict
 
-    from {{ cookiecutter.package_name }}.memory.planner import architecture, step_cost, training_step
-    from {{ cookiecutter.package_name }}.memory.steptime import Peaks, measure_peaks, predict
+    from {{ cookiecutter.package_name }}.core.memory.planner import architecture, step_cost, training_step
+    from {{ cookiecutter.package_name }}.core.memory.steptime import Peaks, measure_peaks, predict
 
     measured_peaks = measure_peaks("cuda")
     rows = [row(name, f"peaks: {key}", value) for key, value in measured_peaks.items()]
@@ -253,12 +255,12 @@ def case_step_time(name: str) -> list[dict]:
         cfg = compose([f"experiment={recipe}", "logger=none", "batch.global_batch_size=${batch.micro_batch_size}"])
         config = architecture(cfg)
         micro_batch = cfg.batch.micro_batch_size
-        cost, _ = step_cost(cfg, config, micro_batch)
+        cost, _ = step_cost(cfg, task_of(cfg), config, micro_batch)
         card = predict(cost, Peaks.of(cfg.hardware), 1, micro_batch * cfg.data.max_length).total_ms
         with open_dict(cfg):
             cfg.hardware.update(measured_peaks)
         here = predict(cost, Peaks.of(cfg.hardware), 1, micro_batch * cfg.data.max_length).total_ms
-        setup = training_step(cfg, config, micro_batch, device="cuda")
+        setup = training_step(cfg, task_of(cfg), config, micro_batch, device="cuda")
         measured = cuda_time(setup.step, warmup=2, repeats=5)
         note = (
             f"4090 figures: {card:.1f} ms ({error_pct(card, measured):+.1f} %); this GPU's peaks: error {error_pct(here, measured):+.1f} %"
@@ -276,13 +278,13 @@ def case_checkpoint_write(name: str) -> list[dict]:
 
     import torch
 
-    from {{ cookiecutter.package_name }}.memory.planner import architecture, plan_memory, training_step
-    from {{ cookiecutter.package_name }}.models.levers import pinned_block
-    from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import AtomicCheckpointIO
+    from {{ cookiecutter.package_name }}.core.memory.planner import architecture, plan_memory, training_step
+    from {{ cookiecutter.package_name }}.core.models.levers import pinned_block
 
     recipe = PLANNER_RECIPES["planner"][-1]
     cfg = compose([f"experiment={recipe}", "logger=none", "batch.global_batch_size=${batch.micro_batch_size}"])
-    setup = training_step(cfg, architecture(cfg), cfg.batch.micro_batch_size, device="cuda")
+    setup = training_step(cfg, task_of(cfg), architecture(cfg), cfg.batch.micro_batch_size, device="cuda")
     model = setup.loss
     for _ in range(2):
         setup.step()
@@ -320,7 +322,8 @@ def case_checkpoint_write(name: str) -> list[dict]:
         during_ms = 1000 * (time.perf_counter() - start) / count
         io.flush()
         staged = sum(pinned_block(size) for size in io.stager.held_sizes())
-    planned = plan_memory(compose([f"experiment={recipe}", "hardware=rtx4090_24gb"]), search=False).host_staging
+    recipe_cfg = compose([f"experiment={recipe}", "hardware=rtx4090_24gb"])
+    planned = plan_memory(recipe_cfg, task_of(recipe_cfg), search=False).host_staging
     mb = 2**20
     return [
         row(name, f"{recipe}: synchronous save", sync_ms, "ms"),
@@ -397,7 +400,7 @@ def case_throughput(name: str, steps: int = 30) -> list[dict]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from {{ cookiecutter.package_name }}.callbacks.throughput import PEAK_BF16_TFLOPS, architecture, flops_per_token, peak_tflops_for
+    from {{ cookiecutter.package_name }}.core.callbacks.throughput import PEAK_BF16_TFLOPS, architecture, flops_per_token, peak_tflops_for
 
     device_name = torch.cuda.get_device_name()
     peak = peak_tflops_for(device_name)
@@ -597,7 +600,7 @@ def case_offload(name: str) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from {{ cookiecutter.package_name }}.models.levers import apply_memory_levers
+    from {{ cookiecutter.package_name }}.core.models.levers import apply_memory_levers
 
     length = 8192
     ids = torch.randint(0, 32000, (1, length), device="cuda", generator=torch.Generator("cuda").manual_seed(0))

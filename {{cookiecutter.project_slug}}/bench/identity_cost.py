@@ -1,4 +1,4 @@
-"""What recording and checking a run's identity costs (``utils/identity.py``, ``utils/file_hashes.py``).
+"""What recording and checking a run's identity costs (``core/identity/fingerprint.py``, ``core/identity/hashes.py``).
 
     python bench/identity_cost.py                               # the default config's base model and data
     python bench/identity_cost.py --files models/my_base data/train.csv
@@ -36,7 +36,7 @@ def paths_of_default_config(out: Path) -> tuple[list[Path], object]:
     missing), and the config."""
     from hydra import compose, initialize_config_module
 
-    from {{ cookiecutter.package_name }}.assets import fetch_model_files
+    from {{ cookiecutter.package_name }}.core.assets import fetch_model_files
 
     with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
         cfg = compose("train", [f"paths.output_dir={out}", f"paths.log_dir={out}/logs"])
@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--files", nargs="*", type=Path, help="files or model folders (default: the default config's)")
     args = parser.parse_args()
 
-    from {{ cookiecutter.package_name }}.utils import file_hashes
-    from {{ cookiecutter.package_name }}.utils.identity import config_changes, named_files, plain_config, resume_problems
+    from {{ cookiecutter.package_name }}.core.identity import hashes as file_hashes
+    from {{ cookiecutter.package_name }}.core.identity.fingerprint import config_changes, named_files, plain_config, resume_problems
 
     with tempfile.TemporaryDirectory() as scratch:
         os.environ[file_hashes.CACHE_ENV] = str(Path(scratch) / "file_hashes.json")  # a cold cache, this bench's own

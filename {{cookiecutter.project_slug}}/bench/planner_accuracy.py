@@ -7,7 +7,7 @@ half of the peak: weight-dominated cases are plain arithmetic and prove little),
 
 - predicts the peak allocated bytes with the planner (fake tensors, no real memory), and
 - measures a real step in a fresh subprocess: the same model, optimizer and loss built by
-  ``memory.planner.training_step`` with real tensors, two steps (the first allocates the optimizer
+  ``core.memory.planner.training_step`` with real tensors, two steps (the first allocates the optimizer
   state), and the process's peak resident memory (``ru_maxrss``) above its resident memory just
   before the model is built.  This is independent of the memory tracker the planner uses.
 
@@ -29,7 +29,8 @@ import sys
 from hydra import compose, initialize_config_module
 
 import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
-from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, plan_memory, training_step
+from {{ cookiecutter.package_name }}.core.memory.planner import GIB, architecture, plan_memory, training_step
+from {{ cookiecutter.package_name }}.tasks import task_of
 
 COMMON = ["hardware=cpu", "logger=none", "trainer=cpu"]
 # One case a line, as written (the lists differ by task, so the formatter's layout would too).
@@ -76,7 +77,7 @@ def measure(overrides: list[str]) -> int:
     cfg = compose_case(overrides)
     config = architecture(cfg)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    setup = training_step(cfg, config, cfg.batch.micro_batch_size)
+    setup = training_step(cfg, task_of(cfg), config, cfg.batch.micro_batch_size)
     setup.step()
     setup.step()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
@@ -93,7 +94,8 @@ def main() -> None:
         return
     errors = []
     for name in args.cases:
-        plan = plan_memory(compose_case(CASES[name] + args.overrides), search=False)
+        cfg = compose_case(CASES[name] + args.overrides)
+        plan = plan_memory(cfg, task_of(cfg), search=False)
         command = [sys.executable, __file__, "--measure", name, "--overrides", *args.overrides]
         child = subprocess.run(command, capture_output=True, text=True, env=MEASURE_ENV)
         if child.returncode:

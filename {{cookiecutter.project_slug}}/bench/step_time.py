@@ -4,14 +4,14 @@
 
 For each case (a random-weight Llama in fp32, full fine-tune with AdamW, built from its config), it
 
-- counts the step's kernels on fake tensors (``memory.planner.step_cost``), then ``--steps`` times:
-  measures this machine's peaks (``memory.steptime.measure_peaks``, what ``doctor --measure``
+- counts the step's kernels on fake tensors (``core.memory.planner.step_cost``), then ``--steps`` times:
+  measures this machine's peaks (``core.memory.steptime.measure_peaks``, what ``doctor --measure``
   prints: fp32 matmul TFLOP/s, STREAM-triad bandwidth, µs per kernel of a tiny training step) and
   the case's per-step overhead (its own code on near-empty tensors, less their kernels' share:
   :func:`step_overhead_ms`), predicts the step with
-  them (the roofline of ``memory.steptime.predict``; a CPU runs kernels one after another:
+  them (the roofline of ``core.memory.steptime.predict``; a CPU runs kernels one after another:
   ``kernels_overlap=false``), and times one real step of the same model, optimizer and loss
-  (``memory.planner.training_step`` with real tensors, after one warm-up step).  Peaks and step
+  (``core.memory.planner.training_step`` with real tensors, after one warm-up step).  Peaks and step
   are measured side by side because a shared 2-core machine's speed drifts by up to 2x within
   minutes; the error reported is the median of the rounds' errors.
 
@@ -29,8 +29,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
 import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
-from {{ cookiecutter.package_name }}.memory.planner import architecture, step_cost, training_step
-from {{ cookiecutter.package_name }}.memory.steptime import Peaks, measure_peaks, predict
+from {{ cookiecutter.package_name }}.core.memory.planner import architecture, step_cost, training_step
+from {{ cookiecutter.package_name }}.core.memory.steptime import Peaks, measure_peaks, predict
+from {{ cookiecutter.package_name }}.tasks import task_of
 
 # optimizer.fused=false: torch's CPU fused AdamW does its per-value arithmetic in scalar code (about
 # 2 GB/s here, a tenth of the bandwidth), where the for-each AdamW's kernels are the memory-bound
@@ -98,8 +99,8 @@ def step_overhead_ms(overrides: list[str], peaks: dict) -> float:
     cfg = compose_case(empty(overrides))
     with open_dict(cfg):
         cfg.hardware.update(peaks)
-    cost, _ = step_cost(cfg, architecture(cfg), 1)
-    setup = training_step(cfg, architecture(cfg), 1)
+    cost, _ = step_cost(cfg, task_of(cfg), architecture(cfg), 1)
+    setup = training_step(cfg, task_of(cfg), architecture(cfg), 1)
     setup.step()
     times = []
     for _ in range(20):
@@ -112,7 +113,7 @@ def step_overhead_ms(overrides: list[str], peaks: dict) -> float:
 def rounds(cfg, cost, steps: int, overrides: list[str]) -> list[tuple[dict, float, float]]:
     """``steps`` rounds of (peaks, predicted ms, measured ms), each round's peaks and per-step
     overhead measured just before its step."""
-    setup = training_step(cfg, architecture(cfg), cfg.batch.micro_batch_size)
+    setup = training_step(cfg, task_of(cfg), architecture(cfg), cfg.batch.micro_batch_size)
     setup.step()  # warm-up
     out = []
     for _ in range(steps):
@@ -138,7 +139,7 @@ def main() -> None:
     errors = []
     for name in args.cases:
         cfg = compose_case(CASES[name] + args.overrides)
-        cost, _ = step_cost(cfg, architecture(cfg), cfg.batch.micro_batch_size)
+        cost, _ = step_cost(cfg, task_of(cfg), architecture(cfg), cfg.batch.micro_batch_size)
         measured = rounds(cfg, cost, args.steps, CASES[name] + args.overrides)
         round_errors = [100 * (p.total_ms - ms) / ms for _, p, ms in measured]
         error = statistics.median(round_errors)

@@ -30,9 +30,9 @@ from pathlib import Path
 import datasets
 from hydra import compose, initialize_config_module
 
-from {{ cookiecutter.package_name }}.assets.gguf import fetch_gguf_model
-from {{ cookiecutter.package_name }}.assets.shakespeare import fetch_shakespeare
-from {{ cookiecutter.package_name }}.data.tokenization import load_tokenizer
+from {{ cookiecutter.package_name }}.core.assets.gguf import fetch_gguf_model
+from {{ cookiecutter.package_name }}.core.assets.shakespeare import fetch_shakespeare
+from {{ cookiecutter.package_name }}.core.data.tokenization import load_tokenizer
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import TextDataModule
 
 

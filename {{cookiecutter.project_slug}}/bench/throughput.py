@@ -65,9 +65,9 @@ from omegaconf import OmegaConf, open_dict
 from torch.utils.data import DataLoader
 from transformers import BertTokenizerFast, Trainer, TrainerCallback, TrainingArguments
 
-from {{ cookiecutter.package_name }}.callbacks import lr_factor
-from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier
-from {{ cookiecutter.package_name }}.optim import build_optimizer, lightning_allows_fused
+from {{ cookiecutter.package_name }}.core.callbacks import lr_factor
+from {{ cookiecutter.package_name }}.core.models.builder import build_sequence_classifier
+from {{ cookiecutter.package_name }}.core.optim import build_optimizer, lightning_allows_fused
 from {{ cookiecutter.package_name }}.train import train
 
 WORKLOADS = {

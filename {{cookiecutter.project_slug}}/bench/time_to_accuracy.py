@@ -64,7 +64,7 @@ from omegaconf import OmegaConf, open_dict
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier
+from {{ cookiecutter.package_name }}.core.models.builder import build_sequence_classifier
 from {{ cookiecutter.package_name }}.train import train
 
 

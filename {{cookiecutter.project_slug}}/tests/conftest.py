@@ -54,6 +54,13 @@ def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
         return compose(config_name=config_name, overrides=overrides)
 
 
+def with_task(cfg: DictConfig) -> tuple[DictConfig, object]:
+    """``(cfg, its task)``: the first two arguments of the planner's functions, as the entry points pass them."""
+    from {{ cookiecutter.package_name }}.tasks import task_of
+
+    return cfg, task_of(cfg)
+
+
 class RecordingLogger(Logger):
     """A Lightning logger for callback tests: keeps every ``log_metrics`` call as ``(step, metrics)``."""
 

@@ -13,7 +13,7 @@ import time
 import lightning as L
 import torch
 
-from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+from {{ cookiecutter.package_name }}.core.checkpoints.io import AtomicCheckpointIO
 
 
 def _micro_batch_of_step(trainer: L.Trainer, batch_idx: int) -> int:

@@ -12,8 +12,8 @@ from pathlib import Path
 import matplotlib.image
 import torch
 
-from {{ cookiecutter.package_name }}.utils.distributed import JOB_ENV
-from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
+from {{ cookiecutter.package_name }}.core.loggers.metrics_csv import read_metrics
+from {{ cookiecutter.package_name }}.core.run.distributed import JOB_ENV
 
 TESTS = Path(__file__).parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.identity import hashes as file_hashes
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils import file_hashes
 
 from .conftest import compose_config, lm_overrides
 from .test_run_identity import own_hash_cache  # noqa: F401 (an autouse fixture)
@@ -88,7 +88,7 @@ def test_an_adapter_checkpoint_on_a_replaced_base_is_refused_naming_both(
     saved = Path(shutil.copytree(lora.base, tmp_path / "saved_base"))
     shutil.rmtree(lora.base)
     other_base(pretrained_lm_dir, lora.base, seed=2)
-    import {{ cookiecutter.package_name }}.utils.checkpoints as checkpoints
+    import {{ cookiecutter.package_name }}.core.checkpoints.io as checkpoints
 
     try:
         with pytest.raises(ConfigError) as error:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from {{ cookiecutter.package_name }}.assets import pypi, vader
+from {{ cookiecutter.package_name }}.core.assets import pypi, vader
 
 
 def test_ground_truth_parsing_takes_the_sign_and_drops_zeros():

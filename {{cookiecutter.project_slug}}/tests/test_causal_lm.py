@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.models.inputs import ConnectData
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.export import export
 from {{ cookiecutter.package_name }}.generate import generate, read_prompts
-from {{ cookiecutter.package_name }}.models.inputs import ConnectData
 from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule, token_loss_sum
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import TextDataModule
 from {{ cookiecutter.package_name }}.train import train
@@ -197,7 +197,7 @@ def test_batched_generation_sorts_by_length_and_gives_each_prompt_its_own_greedy
 def test_a_failing_sample_generation_is_a_warning_not_the_end_of_the_run(tmp_path):
     from types import SimpleNamespace
 
-    from {{ cookiecutter.package_name }}.callbacks.sample_generation import SampleGeneration
+    from {{ cookiecutter.package_name }}.tasks.causal_lm.sample_generation import SampleGeneration
 
     def broken(prompts, **generation):
         raise IndexError("index out of range in self")
@@ -381,10 +381,10 @@ def test_bad_peft_values_are_listed_together(make_lm_cfg):
 
 
 def test_a_misspelt_generation_option_is_refused_before_loading(tmp_path):
-    from {{ cookiecutter.package_name }}.checks import validate_config
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     from .conftest import compose_config
 
     cfg = compose_config("generate", [f"paths.output_dir={tmp_path}", "ckpt_path=null", "+generation.max_new_token=8"])
     with pytest.raises(ConfigError, match=r"generation.max_new_token is not a key of generation: did you mean generation.max_new_tokens\?"):
-        validate_config(cfg)
+        check_config(cfg)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
-from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
+from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.models.levers import enable_activation_checkpointing
 from {{ cookiecutter.package_name }}.tasks.causal_lm.answers import exact_match, normalize_answer
 from {{ cookiecutter.package_name }}.tasks.causal_lm.chat import (
     ChatCollator,
@@ -434,7 +434,7 @@ def per_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_packed_rows_have_the_loss_of_the_same_rows_unpacked(tokenizer, chat_data, attention, checkpointing):
-    from {{ cookiecutter.package_name }}.models.causal import model_arguments
+    from {{ cookiecutter.package_name }}.tasks.causal_lm.loss import model_arguments
 
     rows = [label_row(tokenizer, row, train_on="all") for row in chat_rows(5, seed=7)]
     model = tiny_llama(tokenizer, attention).train()  # train mode: activation checkpointing is active
@@ -670,14 +670,14 @@ def test_a_mix_that_does_not_add_up_is_refused_with_the_field_and_the_fix(tokeni
 def test_a_mix_is_checked_before_weights_load_and_each_file_is_part_of_the_runs_identity(
     chat_tokenizer_dir, chat_pretrained, two_files, tmp_path
 ):
-    from {{ cookiecutter.package_name }}.checks import validate_config
-    from {{ cookiecutter.package_name }}.utils.config import to_plain
-    from {{ cookiecutter.package_name }}.utils.identity import named_files
+    from {{ cookiecutter.package_name }}.core.config.groups import to_plain
+    from {{ cookiecutter.package_name }}.core.identity.fingerprint import named_files
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     overrides = chat_overrides(chat_tokenizer_dir, {"validation": two_files["validation"]}, chat_pretrained, tmp_path / "run")
     listed = f"data.splits.train=[{','.join(two_files['train'])}]"
     with pytest.raises(ConfigError, match=r"data.mix_ratios=\[0.7, 0.7\] sums to 1.4"):
-        validate_config(compose_config("train", [*overrides, listed, "data.mix_ratios=[0.7,0.7]"]))
+        check_config(compose_config("train", [*overrides, listed, "data.mix_ratios=[0.7,0.7]"]))
     files = named_files(to_plain(compose_config("train", [*overrides, listed])))
     assert [files[f"data.splits.train[{i}]"]["given"] for i in (0, 1)] == two_files["train"]
     assert files["data.splits.train[0]"]["sha256"] != files["data.splits.train[1]"]["sha256"]

@@ -1,4 +1,4 @@
-"""Background checkpoint writes (utils/checkpoint_writer.py through AtomicCheckpointIO): the file
+"""Background checkpoint writes (core/checkpoints/writer.py through AtomicCheckpointIO): the file
 holds the state at the moment of the save, whatever training does after; best and last of one
 state are one file's bytes; errors reach the training thread; no stage that does not fit."""
 
@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.errors import DiskFull
-from {{ cookiecutter.package_name }}.utils import checkpoint_writer
-from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
+from {{ cookiecutter.package_name }}.core.checkpoints import writer as checkpoint_writer
+from {{ cookiecutter.package_name }}.core.checkpoints.io import AtomicCheckpointIO
+from {{ cookiecutter.package_name }}.core.errors import DiskFull
 
 
 def a_checkpoint(step: int = 1) -> dict:
@@ -183,7 +183,7 @@ def test_teardown_waits_for_the_write_and_keeps_its_error_for_the_next_flush(tmp
 
 def test_a_checkpoint_that_does_not_fit_in_host_memory_is_written_synchronously(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(checkpoint_writer, "host_available", lambda: checkpoint_writer.HOST_RESERVE + 10)
-    monkeypatch.setattr("{{ cookiecutter.package_name }}.utils.checkpoints.host_available", checkpoint_writer.host_available)
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.core.checkpoints.io.host_available", checkpoint_writer.host_available)
     io = AtomicCheckpointIO(background=True)
     threads = []
     write = io.write
@@ -207,8 +207,8 @@ def test_the_writer_thread_does_the_write(tmp_path):
 
 
 def test_in_a_real_fit_last_ckpt_after_a_validation_is_not_written_again(make_cfg, tmp_path):
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import trained_checkpoint
     from {{ cookiecutter.package_name }}.train import train
-    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
 
     writes = []
     write = AtomicCheckpointIO.write
@@ -235,8 +235,8 @@ def test_in_a_real_fit_last_ckpt_after_a_validation_is_not_written_again(make_cf
 
 
 def test_in_a_real_fit_a_step_checkpoint_at_a_validation_step_is_written_once(make_cfg, tmp_path):
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import trained_checkpoint
     from {{ cookiecutter.package_name }}.train import train
-    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
 
     writes = []
     write = AtomicCheckpointIO.write

@@ -11,12 +11,10 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }}.checks import validate_config
-from {{ cookiecutter.package_name }}.errors import ConfigError
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.core.config.groups import to_plain
+{% endif %}from {{ cookiecutter.package_name }}.core.errors import ConfigError
 from {{ cookiecutter.package_name }}.eval import evaluate
-{%- if cookiecutter.tasks != "causal_lm" %}
-from {{ cookiecutter.package_name }}.utils.config import to_plain
-{%- endif %}
+from {{ cookiecutter.package_name }}.tasks import check_config
 
 from .conftest import compose_config
 
@@ -126,11 +124,11 @@ def test_every_config_file_composes_and_resolves(group, option, tmp_path):
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         if refused_here:  # must be refused in every context, with the install/GPU message in one
             with pytest.raises(ConfigError) as error:
-                validate_config(cfg)
+                check_config(cfg)
             problems.append(str(error.value))
             continue
         try:
-            validate_config(cfg)
+            check_config(cfg)
             return
         except ConfigError as error:
             problems.append(f"{context}: {error}")
@@ -155,7 +153,7 @@ def test_entry_configs_compose(config_name, tmp_path):
     }
     cfg = compose_config(config_name, [f"paths.output_dir={tmp_path}", *required[config_name]])
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    validate_config(cfg, required=tuple(o.split("=")[0] for o in required[config_name]))
+    check_config(cfg, required=tuple(o.split("=")[0] for o in required[config_name]))
     assert cfg.task_name == config_name
 
 
@@ -166,7 +164,7 @@ def test_eval_requires_a_checkpoint(tmp_path):
 
 
 def test_the_default_precision_follows_the_machine_and_a_named_one_wins(tmp_path, monkeypatch):
-    from {{ cookiecutter.package_name }}.memory.planner import for_the_card
+    from {{ cookiecutter.package_name }}.core.memory.planner import for_the_card
 
     def precision(*overrides):
         return compose_config("train", [f"paths.output_dir={tmp_path}", *overrides]).trainer.precision
@@ -209,7 +207,7 @@ def test_a_derived_batch_key_set_by_hand_is_refused_with_the_batch_setting_it_me
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "batch.global_batch_size=16", "batch.micro_batch_size=16", override])
     key, value = override.split("=")
     with pytest.raises(ConfigError, match=rf"{key}={value} is derived by the batch group .* fix: drop it and set {fix}"):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +233,7 @@ def test_a_derived_batch_key_set_by_hand_is_refused_with_the_batch_setting_it_me
 def test_every_out_of_range_value_is_refused_naming_field_value_and_a_fix(tmp_path, override):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *override.split()])
     with pytest.raises(ConfigError) as error:
-        validate_config(cfg)
+        check_config(cfg)
     (line,) = [line for line in str(error.value).splitlines() if override.split()[-1].split("=")[0] in line]
     assert override.split()[-1].split("=")[1] in line and ("fix:" in line or "e.g." in line), line
 
@@ -243,7 +241,7 @@ def test_every_out_of_range_value_is_refused_naming_field_value_and_a_fix(tmp_pa
 def test_indivisible_global_batch_names_both_fields_and_a_fix(tmp_path):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "batch.global_batch_size=30", "batch.micro_batch_size=8"])
     with pytest.raises(ConfigError) as error:
-        validate_config(cfg)
+        check_config(cfg)
     message = str(error.value)
     assert "batch.global_batch_size=30" in message and "batch.micro_batch_size=8" in message
     assert "batch.micro_batch_size=6" in message  # the suggested fix: the largest divisor <= 8
@@ -262,7 +260,7 @@ def test_validate_collects_every_problem_at_once(tmp_path):
         ],
     )
     with pytest.raises(ConfigError) as error:
-        validate_config(cfg)
+        check_config(cfg)
     message = str(error.value)
     for field in ("batch.micro_batch_size", "optimizer.lr", "lr_schedule.warmup_ratio", "data.text_column", "seed"):
         assert field in message
@@ -270,7 +268,7 @@ def test_validate_collects_every_problem_at_once(tmp_path):
 
 def test_seed_zero_is_a_seed(tmp_path):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "seed=0"])
-    validate_config(cfg)
+    check_config(cfg)
     assert cfg.seed == 0
 
 
@@ -294,7 +292,7 @@ def test_unknown_key_is_rejected_by_name(tmp_path):
 def test_a_misspelt_key_added_with_plus_names_itself_the_node_and_the_valid_keys(tmp_path, override, key, valid):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", override])
     with pytest.raises(ConfigError) as error:
-        validate_config(cfg)
+        check_config(cfg)
     line = next(line for line in str(error.value).splitlines() if key in line)
     assert f"{key} is not a key of" in line and valid in line, line
 
@@ -320,7 +318,7 @@ def test_a_misspelt_field_of_a_transformers_config_is_refused(tmp_path, override
     """transformers' config classes keep any attribute: a misspelt one would be silently unused."""
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *overrides])
     with pytest.raises(ConfigError) as error:
-        validate_config(cfg)
+        check_config(cfg)
     line = next(line for line in str(error.value).splitlines() if key in line)
     assert f"{key} is not a key of" in line and "did you mean" in line and valid in line, line
 
@@ -357,7 +355,7 @@ def test_a_misspelt_field_of_a_transformers_config_is_refused(tmp_path, override
 def test_stray_and_missing_keys_are_named_with_the_fix(tmp_path, config_name, override, expected):
     cfg = compose_config(config_name, [f"paths.output_dir={tmp_path}", override])
     with pytest.raises(ConfigError) as error:
-        validate_config(cfg)
+        check_config(cfg)
     assert expected in str(error.value), str(error.value)
 
 
@@ -367,7 +365,7 @@ def test_a_misspelt_key_in_an_experiment_file_is_refused(tmp_path):
     (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\noptimizer:\n  weight_decy: 0.1\n")
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo"])
     with pytest.raises(ConfigError, match=r"optimizer.weight_decy is not a key of optimizer: did you mean optimizer.weight_decay\?"):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_an_old_group_name_selects_the_renamed_group_and_says_so(tmp_path):
@@ -376,7 +374,7 @@ def test_an_old_group_name_selects_the_renamed_group_and_says_so(tmp_path):
     and train/plan warn with the new spelling."""
     from hydra.core.hydra_config import HydraConfig
 
-    from {{ cookiecutter.package_name }}.utils.config import config_warnings
+    from {{ cookiecutter.package_name }}.core.config.groups import config_warnings
 
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text(
@@ -395,7 +393,7 @@ def test_an_old_group_name_selects_the_renamed_group_and_says_so(tmp_path):
         assert "checkpointing=full is the deprecated name of activation_checkpointing=full" in " ".join(warnings), warnings
         assert "scheduler=cosine_warmup is the deprecated name of lr_schedule=cosine_warmup" in " ".join(warnings), warnings
         del cfg.hydra
-        validate_config(cfg)
+        check_config(cfg)
     default = compose_config("train", [f"paths.output_dir={tmp_path}"])
     assert default.activation_checkpointing.mode == "none" and default.lr_schedule.decay == "linear"
 
@@ -403,7 +401,7 @@ def test_an_old_group_name_selects_the_renamed_group_and_says_so(tmp_path):
 def test_a_key_under_an_old_group_name_is_refused_naming_the_new_key(tmp_path):
     """Hydra cannot forward ``scheduler.warmup_ratio=0.1`` to ``lr_schedule``: refused before
     anything composes (the command line) or loads (a ``scheduler:`` node in a YAML file)."""
-    from {{ cookiecutter.package_name }}.utils.run import command_line_problems
+    from {{ cookiecutter.package_name }}.core.run.entry import command_line_problems
 
     problems = command_line_problems(["scheduler.warmup_ratio=0.1", "+checkpointing.mode=full", "scheduler=constant"])
     assert len(problems) == 2, problems
@@ -416,13 +414,13 @@ def test_a_key_under_an_old_group_name_is_refused_naming_the_new_key(tmp_path):
     with pytest.raises(
         ConfigError, match=r"scheduler.warmup_ratio: the scheduler group is now named lr_schedule.*fix: lr_schedule.warmup_ratio"
     ):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_an_unknown_task_name_is_refused_with_the_tasks_there_are(tmp_path):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task.name=regression"])
     with pytest.raises(ConfigError, match=r"task.name='regression' is not one of this project's tasks \[.*\]; fix: task="):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_every_target_in_every_config_file_has_its_keys_checked():
@@ -433,8 +431,8 @@ def test_every_target_in_every_config_file_has_its_keys_checked():
 
     import yaml
 
-    from {{ cookiecutter.package_name }}.utils.config_keys import NAMED_NODES, accepted_keys
-    from {{ cookiecutter.package_name }}.utils.named import class_path_of
+    from {{ cookiecutter.package_name }}.core.config.keys import NAMED_NODES, accepted_keys
+    from {{ cookiecutter.package_name }}.core.config.named import class_path_of
 
     def targets(node):
         if isinstance(node, dict):
@@ -467,10 +465,10 @@ def test_lm_data_with_the_classification_task_or_the_reverse_is_refused(tmp_path
     {%- if cookiecutter.tasks == "both" %}
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task=classification", f"data={data}"])
     with pytest.raises(ConfigError, match=r"data._target_=.*(TextDataModule|ChatDataModule).* is not a data module of task=classification"):
-        validate_config(cfg)
+        check_config(cfg)
     {%- endif %}
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "task=causal_lm", f"data={data}", "peft=lora"])
-    validate_config(cfg)  # the right pairing passes
+    check_config(cfg)  # the right pairing passes
 {%- endif %}
 {%- if cookiecutter.tasks != "causal_lm" %}
 
@@ -478,10 +476,10 @@ def test_lm_data_with_the_classification_task_or_the_reverse_is_refused(tmp_path
 def test_peft_with_the_classification_task_is_accepted_and_its_values_checked(tmp_path):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "experiment=demo_classification", "peft=lora"])
     assert "peft" in cfg.task.module_args
-    validate_config(cfg)
+    check_config(cfg)
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "experiment=demo_classification", "peft=lora", "peft.r=0"])
     with pytest.raises(ConfigError, match=r"peft.r=0 must be a positive integer"):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_sst2_recipe_maps_the_labelled_validation_split_to_test(tmp_path):

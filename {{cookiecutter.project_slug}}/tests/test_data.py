@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from {{ cookiecutter.package_name }}.data.loading import load_split
-from {{ cookiecutter.package_name }}.errors import DataError
+from {{ cookiecutter.package_name }}.core.data.loading import load_split
+from {{ cookiecutter.package_name }}.core.errors import DataError
 from {{ cookiecutter.package_name }}.tasks.classification.data import ClassificationDataModule, build_label_map, label_key
 
 from .conftest import toy_rows, write_csv
@@ -157,7 +157,7 @@ def test_a_row_with_more_cells_than_the_header_is_refused_naming_its_line(tmp_pa
 @pytest.mark.parametrize("rows, ranks", [(5, 2), (41, 2), (7, 3), (2, 4), (8, 2), (1, 1)])
 @pytest.mark.parametrize("ordered", [False, True])
 def test_each_rank_evaluates_its_own_rows_and_every_row_once(rows, ranks, ordered):
-    from {{ cookiecutter.package_name }}.data.sampling import EvaluationShardSampler
+    from {{ cookiecutter.package_name }}.core.data.sampling import EvaluationShardSampler
 
     order = sorted(range(rows), key=lambda row: -(row * 7 % 5)) if ordered else None  # (a length order)
     shards = [list(EvaluationShardSampler(rows, ranks, rank, order)) for rank in range(ranks)]

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.config.groups import to_plain
+from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.models.adapters import target_modules, wrap_with_lora
+from {{ cookiecutter.package_name }}.core.models.builder import build_sequence_classifier, linear_layer_names
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.models.adapters import target_modules, wrap_with_lora
-from {{ cookiecutter.package_name }}.models.builder import build_sequence_classifier, linear_layer_names
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import to_plain
 
 from .conftest import NEGATIVE, NEUTRAL, POSITIVE, byte_level_bpe, compose_config, tiny_llama_config, tiny_overrides, write_csv
 
@@ -163,7 +163,7 @@ def test_lora_trains_only_the_adapters_and_the_head_and_round_trips(llama_lora_r
     _, metrics = llama_lora_run
     checkpoint = torch.load(metrics["best_checkpoint"], map_location="cpu", weights_only=True)
     saved = [key for key in checkpoint["state_dict"] if key.startswith("model.")]
-    # adapters, the trained head, and the head as drawn before training (not in the base files: saved, see models/base.py)
+    # adapters, the trained head, and the head as drawn before training (not in the base files: saved, see core/models/base.py)
     assert saved and all("lora_" in key or ".score.modules_to_save." in key or ".score.original_module." in key for key in saved), saved
     assert any(".score." in key for key in saved) and checkpoint["hyper_parameters"]["peft"]["method"] == "lora"
     # The adapters' B matrices start at zero: a non-zero one was trained.

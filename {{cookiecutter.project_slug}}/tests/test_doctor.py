@@ -88,7 +88,7 @@ def test_runs_on_this_machine(tmp_path):
 
 
 def test_measure_prints_the_peaks_as_overrides_the_step_time_model_takes(capsys, tmp_path):
-    from {{ cookiecutter.package_name }}.memory.steptime import Peaks
+    from {{ cookiecutter.package_name }}.core.memory.steptime import Peaks
 
     from .test_planner import plan_cfg
 
@@ -219,7 +219,7 @@ def test_every_dependency_is_required_and_no_extra_is_a_dependency():
 
 def test_the_tested_versions_writer_keeps_the_direct_dependencies():
     """nvidia-ml-py (NVML) is a direct dependency, pinned like the others; torch and its CUDA runtime are not."""
-    from {{ cookiecutter.package_name }}.utils import versions
+    from {{ cookiecutter.package_name }}.core.run import versions
 
     for name in ("nvidia-ml-py", "wandb", "bitsandbytes"):
         assert not versions.NOT_PINNED.match(name), name
@@ -300,7 +300,7 @@ def test_without_rich_the_report_prints_plainly_and_fails(monkeypatch, capsys):
 
 
 def test_version_differences_name_each_changed_and_each_untested_package():
-    from {{ cookiecutter.package_name }}.utils.versions import version_differences
+    from {{ cookiecutter.package_name }}.core.run.versions import version_differences
 
     tested = {"lightning": "2.6.6", "datasets": "5.2.0", "wandb": "0.31.0"}
     installed = {"lightning": "2.7.0", "datasets": "5.2.0", "newdep": "1.0"}  # wandb not installed: not a difference
@@ -311,7 +311,7 @@ def test_version_differences_name_each_changed_and_each_untested_package():
 
 
 def test_a_tested_versions_line_that_is_not_a_pin_names_its_line(tmp_path):
-    from {{ cookiecutter.package_name }}.utils.versions import read_tested_versions
+    from {{ cookiecutter.package_name }}.core.run.versions import read_tested_versions
 
     path = tmp_path / "tested_versions.txt"
     path.write_text("# header\nHydra_Core==1.3.8\n\nlightning>=2.5\n")
@@ -325,7 +325,7 @@ def test_the_shipped_tested_set_pins_the_dependencies_and_not_torch():
     """tested_versions.txt names every direct dependency and leaves the torch build to the user.
     (That it is exactly the set CI installed is checked by the template's own CI, which installs
     with it: here the tests pass inside pyproject's ranges too.)"""
-    from {{ cookiecutter.package_name }}.utils import versions
+    from {{ cookiecutter.package_name }}.core.run import versions
 
     tested = versions.read_tested_versions()
     assert {"lightning", "transformers", "hydra-core", "pytest", "ruff", "nvidia-ml-py"} <= set(tested)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from {{ cookiecutter.package_name }}.callbacks import gpu_stats
-from {{ cookiecutter.package_name }}.callbacks.gpu_stats import GIB, GPUStats, memory_stats, nvml_stats
+from {{ cookiecutter.package_name }}.core.callbacks import gpu_stats
+from {{ cookiecutter.package_name }}.core.callbacks.gpu_stats import GIB, GPUStats, memory_stats, nvml_stats
 
 from .conftest import RecordingLogger
 

@@ -19,7 +19,7 @@ PRIVATE = [
 
 
 def listed_modules() -> set[str]:
-    """The ``src/`` modules that ``pyproject.toml`` exempts from SLF001, as ``*/memory/tracer.py`` paths."""
+    """The ``src/`` modules that ``pyproject.toml`` exempts from SLF001, as ``*/core/memory/tracer.py`` paths."""
     ignores = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["per-file-ignores"]
     return {pattern for pattern, rules in ignores.items() if pattern.startswith("src/") and "SLF001" in rules}
 

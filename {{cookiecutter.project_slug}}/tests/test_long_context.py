@@ -10,17 +10,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from {{ cookiecutter.package_name }}.checks import validate_config
-from {{ cookiecutter.package_name }}.errors import ConfigError
-from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, plan_memory, training_step
-from {{ cookiecutter.package_name }}.models.levers import (
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.memory.planner import GIB, architecture, plan_memory, training_step
+from {{ cookiecutter.package_name }}.core.models.levers import (
     ActivationOffload,
     enable_activation_checkpointing,
     enable_activation_offloading,
     enable_tiled_mlp,
 )
+from {{ cookiecutter.package_name }}.tasks import check_config, task_of
 from {{ cookiecutter.package_name }}.train import train
 
+from .conftest import with_task
 from .test_planner import TINY_LM, plan_cfg
 
 ONE_STEP = ("batch.micro_batch_size=2", "batch.global_batch_size=2")
@@ -29,7 +30,7 @@ OFFLOAD = ("activation_checkpointing=offload", "activation_checkpointing.offload
 
 def _loss_and_grads(cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor], ActivationOffload | None]:
     torch.manual_seed(0)  # the same random weights and batch for every config
-    setup = training_step(cfg, architecture(cfg), cfg.batch.micro_batch_size)
+    setup = training_step(cfg, task_of(cfg), architecture(cfg), cfg.batch.micro_batch_size)
     loss = setup.loss()
     loss.backward()
     grads = {name: p.grad.clone() for name, p in setup.loss.model.named_parameters() if p.grad is not None}
@@ -46,7 +47,7 @@ def test_offloading_moves_what_the_plan_counts_and_changes_no_bit(precision):
     # What went to the host and back: both layers' inputs and what the final norm saves, real copies.
     layers = offloaded.model.config.num_hidden_layers
     assert offload.tensors >= layers and offload.restored == offload.tensors, vars(offload)
-    plan = plan_memory(offloaded, search=False)
+    plan = plan_memory(offloaded, task_of(offloaded), search=False)
     assert (plan.offloaded_tensors, plan.offloaded_bytes) == (offload.tensors, offload.bytes)
     assert plan.host_pinned == offload.pinned >= offload.bytes
     assert plan.as_json()["host_fits"] is True
@@ -95,15 +96,15 @@ def test_offloading_lowers_the_planned_gpu_peak_and_plans_the_host():
     # and the peak is at the end of backward, where nothing is left to offload: 4 layers of
     # intermediate 1024 put it there, by a few hundred KiB either way.)
     base = (*LONG_ROWS, "model.config.num_hidden_layers=12", "model.config.intermediate_size=128")
-    checkpointed = plan_memory(plan_cfg(*base, "activation_checkpointing=full"), search=False)
-    offloaded = plan_memory(plan_cfg(*base, *OFFLOAD), search=False)
+    checkpointed = plan_memory(*with_task(plan_cfg(*base, "activation_checkpointing=full")), search=False)
+    offloaded = plan_memory(*with_task(plan_cfg(*base, *OFFLOAD)), search=False)
     layer_input = 2 * 1024 * 64 * 4  # (B, T, d) fp32: 512 KiB
     assert offloaded.offloaded_tensors >= 4 and offloaded.offloaded_bytes >= 4 * layer_input
     assert offloaded.total <= checkpointed.total - 4 * layer_input, (offloaded.total, checkpointed.total)
     assert offloaded.activations < checkpointed.activations
     assert "Host memory" in offloaded.table("cpu") and offloaded.host_pinned >= offloaded.offloaded_bytes
     # A host budget the offloaded activations exceed: no micro-batch fits, the advice names the host.
-    small = plan_memory(plan_cfg(*base, *OFFLOAD, f"hardware.host_budget_gib={layer_input / GIB}"))
+    small = plan_memory(*with_task(plan_cfg(*base, *OFFLOAD, f"hardware.host_budget_gib={layer_input / GIB}")))
     assert not small.fits and not small.as_json()["host_fits"] and small.max_micro_batch == 0
     assert any("hardware.host_budget_gib" in advice for advice in small.advice), small.advice
     assert "does NOT fit in the host budget" in small.table("cpu")
@@ -112,8 +113,8 @@ def test_offloading_lowers_the_planned_gpu_peak_and_plans_the_host():
 @pytest.mark.parametrize("attention", ["flex_attention", "flash_attention_2"])
 def test_packed_rows_without_a_dense_mask_plan_no_square_mask(attention):
     base = (*LONG_ROWS, "model.config.intermediate_size=256", "data=chat", "data.mode=pack_rows", "activation_checkpointing=full")
-    dense = plan_memory(plan_cfg(*base, "attention=sdpa"), search=False)
-    mask_free = plan_memory(plan_cfg(*base, f"attention={attention}"), search=False)
+    dense = plan_memory(*with_task(plan_cfg(*base, "attention=sdpa")), search=False)
+    mask_free = plan_memory(*with_task(plan_cfg(*base, f"attention={attention}")), search=False)
     square = 2 * 1024 * 1024  # (B, 1, T, T) booleans
     assert mask_free.total <= dense.total - square, (mask_free.total, dense.total)
 
@@ -173,8 +174,8 @@ def test_tiled_mlp_gives_the_untiled_outputs_and_gradients(checkpointing):
 
 def test_tiled_mlp_lowers_the_planned_peak():
     base = (*LONG_ROWS, "model.config.intermediate_size=8192", "activation_checkpointing=full")
-    plain = plan_memory(plan_cfg(*base), search=False)
-    tiled = plan_memory(plan_cfg(*base, "activation_checkpointing.mlp_tiles=8"), search=False)
+    plain = plan_memory(*with_task(plan_cfg(*base)), search=False)
+    tiled = plan_memory(*with_task(plan_cfg(*base, "activation_checkpointing.mlp_tiles=8")), search=False)
     intermediate = 2 * 1024 * 8192 * 4  # one (B, T, d_ff) fp32 MLP activation: 64 MiB
     assert tiled.total <= plain.total - 2 * intermediate, (tiled.total, plain.total)
 
@@ -204,7 +205,7 @@ def test_flex_attention_on_a_torch_without_it_names_the_fix(make_lm_cfg, monkeyp
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.endswith("flex_attention") else real(name, *a))
     with pytest.raises(ConfigError, match="needs torch.nn.attention.flex_attention"):
-        validate_config(make_lm_cfg("attention=flex_attention"))
+        check_config(make_lm_cfg("attention=flex_attention"))
 
 
 def test_train_with_offloading_and_tiles_logs_the_losses_of_checkpointing_alone(make_lm_cfg, monkeypatch, tmp_path):

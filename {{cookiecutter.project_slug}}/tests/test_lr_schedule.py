@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from {{ cookiecutter.package_name }}.callbacks import WarmupDecayLR, lr_factor
+from {{ cookiecutter.package_name }}.core.callbacks import WarmupDecayLR, lr_factor
 
 from .conftest import RecordingLogger
 

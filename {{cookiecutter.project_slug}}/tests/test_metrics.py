@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }}.optim import build_optimizer, optimizer_factory, param_groups
+from {{ cookiecutter.package_name }}.core.optim import build_optimizer, optimizer_factory, param_groups
 from {{ cookiecutter.package_name }}.tasks.classification.module import PendingUpdates, classification_metrics
 
 
@@ -108,8 +108,8 @@ def test_a_mixed_precision_run_that_clips_gets_a_for_each_optimizer_lightning_ac
 
 
 def test_fused_true_with_mixed_precision_and_clipping_is_refused_before_anything_loads(make_cfg):
-    from {{ cookiecutter.package_name }}.checks import validate_config
-    from {{ cookiecutter.package_name }}.errors import ConfigError
+    from {{ cookiecutter.package_name }}.core.errors import ConfigError
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     with pytest.raises(ConfigError, match=r"optimizer\.fused=true with precision=bf16-mixed .*fix: optimizer\.fused=null"):
-        validate_config(make_cfg("precision=bf16-mixed", "optimizer.fused=true"))
+        check_config(make_cfg("precision=bf16-mixed", "optimizer.fused=true"))

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }} import configs
-from {{ cookiecutter.package_name }}.checks import validate_config
-from {{ cookiecutter.package_name }}.data.loading import load_split
-from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.config.groups import stopping_problems
+from {{ cookiecutter.package_name }}.core.data.loading import load_split
+from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.run.entry import command_line_problems
+from {{ cookiecutter.package_name }}.tasks import check_config
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.config import stopping_problems
-from {{ cookiecutter.package_name }}.utils.run import command_line_problems
 
 from .conftest import compose_config
 from .processes import run_module
@@ -39,7 +39,7 @@ def test_max_steps_binds_past_the_default_epochs(tiny_cfg, tmp_path):
     """2 batches an epoch, the default 3 epochs: 6 steps; ``trainer.max_steps=8`` runs 8 (Lightning
     alone stops at whichever limit comes first, and exited 0 after 6)."""
     cfg = tiny_cfg("trainer.limit_train_batches=2", "trainer.max_steps=8", "test_after_fit=false", "callbacks.progress_bar=null")
-    validate_config(cfg)
+    check_config(cfg)
     assert cfg.trainer.max_epochs == -1
     train(cfg)
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -61,27 +61,27 @@ def test_without_max_steps_the_default_epochs_end_the_run(tiny_cfg):
 )
 def test_max_steps_and_max_epochs_both_set_are_refused_naming_both_and_the_fix_runs(tiny_cfg, overrides):
     with pytest.raises(ConfigError) as error:
-        validate_config(tiny_cfg(*overrides))
+        check_config(tiny_cfg(*overrides))
     (line,) = [line for line in str(error.value).splitlines() if "max_steps" in line]
     assert "trainer.max_epochs=" in line and "fix:" in line
     steps = next(o for o in overrides if o.startswith("trainer.max_steps="))
     for fix in ("trainer.max_epochs=-1", "trainer.max_steps=-1"):  # both fixes the line names are accepted
         assert fix in line
         cfg = tiny_cfg(*overrides, fix)
-        validate_config(cfg)
+        check_config(cfg)
         if fix == "trainer.max_epochs=-1":  # exactly the asked steps, no epoch limit
             assert (f"trainer.max_steps={cfg.trainer.max_steps}", cfg.trainer.max_epochs) == (steps, -1)
 
 
 @pytest.mark.parametrize("epochs", ["-1", "null"])
 def test_max_steps_with_no_epoch_limit_set_by_hand_is_accepted(tiny_cfg, epochs):
-    validate_config(tiny_cfg("trainer.max_steps=30", f"trainer.max_epochs={epochs}"))
+    check_config(tiny_cfg("trainer.max_steps=30", f"trainer.max_epochs={epochs}"))
 
 
 @pytest.mark.parametrize("epochs", ["-1", "null", "0"])
 def test_no_step_limit_needs_a_positive_number_of_epochs(tiny_cfg, epochs):
     with pytest.raises(ConfigError, match=rf"trainer.max_epochs={'None' if epochs == 'null' else epochs} must be a positive number"):
-        validate_config(tiny_cfg(f"trainer.max_epochs={epochs}"))
+        check_config(tiny_cfg(f"trainer.max_epochs={epochs}"))
 
 
 def shipped_groups(group: str) -> list[str]:
@@ -121,7 +121,7 @@ def test_a_hub_model_this_machine_cannot_have_is_one_line_before_anything_runs(t
 
 
 def test_a_local_folder_or_a_reachable_hub_is_not_a_problem(tiny_cfg, tmp_path, monkeypatch):
-    from {{ cookiecutter.package_name }}.utils import hub
+    from {{ cookiecutter.package_name }}.core.run import hub
 
     monkeypatch.setattr(hub, "unreachable_reason", lambda: None)
     assert hub.hub_problems(tiny_cfg("model.name_or_path=no-such-org/no-such-model", "model.config=null")) == []
@@ -131,7 +131,7 @@ def test_a_local_folder_or_a_reachable_hub_is_not_a_problem(tiny_cfg, tmp_path, 
 
 # --------------------------------------------------------------------------- the terminal
 def test_the_config_tree_is_saved_always_and_printed_only_with_print_config(tiny_cfg, tmp_path, capsys):
-    from {{ cookiecutter.package_name }}.utils.run import print_config_tree
+    from {{ cookiecutter.package_name }}.core.run.entry import print_config_tree
 
     cfg = tiny_cfg()
     assert cfg.print_config is False
@@ -143,7 +143,7 @@ def test_the_config_tree_is_saved_always_and_printed_only_with_print_config(tiny
 
 
 def test_the_results_show_each_figure_once_with_its_start_and_where_things_are():
-    from {{ cookiecutter.package_name }}.callbacks.terminal import results_lines
+    from {{ cookiecutter.package_name }}.core.callbacks.terminal import results_lines
 
     metrics = {
         "val/loss": 0.5,
@@ -180,7 +180,7 @@ def test_the_importance_plot_has_one_title(tmp_path, monkeypatch):
 
 
 def test_a_plan_table_uses_a_unit_in_which_no_row_reads_zero():
-    from {{ cookiecutter.package_name }}.memory.planner import table_unit
+    from {{ cookiecutter.package_name }}.core.memory.planner import table_unit
 
     assert table_unit([20 * 2**30, 3 * 2**30]) == ("GiB", 2**30)
     assert table_unit([2 * 2**20, 500 * 2**20, 0]) == ("MiB", 2**20)  # a tiny model: 0.00 GiB before
@@ -378,9 +378,9 @@ def test_a_tied_model_exported_after_lora_scores_as_its_checkpoint(make_lm_cfg, 
     """Adapters on the other layers of a tied model: the merged export gives the checkpoint's logits."""
     from transformers import AutoModelForCausalLM
 
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import load_trained_module
     from {{ cookiecutter.package_name }}.export import export
     from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule
-    from {{ cookiecutter.package_name }}.utils.checkpoints import load_trained_module
 
     lora = [f"model.name_or_path={tied_lm_dir}", "model.config=null", "peft=lora", "peft.r=4", "callbacks.progress_bar=null"]
     train(make_lm_cfg(*lora, "trainer.max_steps=4", "optimizer.lr=1e-2", "callbacks.sample_generation=null"))

@@ -15,10 +15,10 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from {{ cookiecutter.package_name }}.checks import validate_config
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.models.adapters import wrap_with_lora
 from {{ cookiecutter.package_name }}.export import export
-from {{ cookiecutter.package_name }}.models.adapters import wrap_with_lora
+from {{ cookiecutter.package_name }}.tasks import check_config
 from {{ cookiecutter.package_name }}.tasks.causal_lm.module import CausalLMModule
 from {{ cookiecutter.package_name }}.train import train
 
@@ -113,7 +113,7 @@ def test_each_variant_trains_two_steps_and_round_trips_through_the_checkpoint_an
 def test_a_peft_option_of_the_wrong_kind_is_refused_with_the_field_and_the_fix(override, message, make_lm_cfg, pretrained_lm_dir):
     cfg = make_lm_cfg(f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", override)
     with pytest.raises(ConfigError, match=message):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def run_data_overrides(make_lm_cfg) -> dict[str, str]:
@@ -247,4 +247,4 @@ def test_a_pissa_run_resumed_continues_bit_identically(make_lm_cfg, pretrained_l
 def test_a_base_rewriting_init_is_refused_where_a_load_or_the_reference_could_not_be_right(overrides, message, tmp_path):
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *overrides])
     with pytest.raises(ConfigError, match=message):
-        validate_config(cfg, runs_here=False)
+        check_config(cfg, runs_here=False)

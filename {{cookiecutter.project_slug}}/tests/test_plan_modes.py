@@ -13,14 +13,16 @@ import torch
 from omegaconf import open_dict
 {%- endif %}
 
-from {{ cookiecutter.package_name }}.errors import ConfigError
-from {{ cookiecutter.package_name }}.memory import modes, tracer
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.memory import modes, tracer
 {%- if cookiecutter.tasks != "classification" %}
-from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, plan_memory, step_cost
+from {{ cookiecutter.package_name }}.core.memory.planner import GIB, architecture, plan_memory, step_cost
 {%- endif %}
-from {{ cookiecutter.package_name }}.memory.steptime import Peaks, StepCost, predict
+from {{ cookiecutter.package_name }}.core.memory.steptime import Peaks, StepCost, predict
 {%- if cookiecutter.tasks != "classification" %}
+from {{ cookiecutter.package_name }}.tasks import task_of
 
+from .conftest import with_task
 from .test_planner import TINY_LM, plan_cfg
 {%- else %}
 
@@ -104,15 +106,17 @@ def test_run_steps_from_max_steps_or_examples():
 
 def test_counter_changes_nothing_the_memory_trace_sees():
     cfg = plan_cfg(*TINY_LM, "activation_checkpointing=full", "batch.micro_batch_size=4", "batch.global_batch_size=4")
-    plain, counted = plan_memory(cfg, search=False), plan_memory(cfg, search=False, count=True)
+    plain, counted = plan_memory(cfg, task_of(cfg), search=False), plan_memory(cfg, task_of(cfg), search=False, count=True)
     assert plain.cost is None and counted.cost is not None and len(counted.cost.micro) > 100
     assert (plain.total, plain.activations, plain.temporaries) == (counted.total, counted.activations, counted.temporaries)
     assert counted.cost.host_bytes == 0
     offloaded = plan_memory(
-        plan_cfg(*TINY_LM, "activation_checkpointing=offload", "activation_checkpointing.offload_min_bytes=0"), search=False, count=True
+        *with_task(plan_cfg(*TINY_LM, "activation_checkpointing=offload", "activation_checkpointing.offload_min_bytes=0")),
+        search=False,
+        count=True,
     )
     assert offloaded.cost.host_bytes == offloaded.offloaded_bytes > 0
-    cost, trainable = step_cost(cfg, architecture(cfg), 4)
+    cost, trainable = step_cost(cfg, task_of(cfg), architecture(cfg), 4)
     assert cost.flops == counted.cost.flops and len(cost.micro) == len(counted.cost.micro)
     assert len(cost.optimizer) > 0  # the optimizer's kernels (in-place foreach ops return nothing: still counted)
     assert sum(numel for numel, _ in trainable) == counted.counts["trainable"]
@@ -133,10 +137,10 @@ def _budgeted(*overrides, budget_bytes: int | None = None):
 def test_longest_context_equals_a_brute_force_scan():
     step, bound = 16, 96
     search = (f"plan.length_step={step}", f"plan.max_length={bound}")
-    totals = {n: plan_memory(_budgeted(f"data.max_length={n}"), search=False).total for n in range(step, bound + 1, step)}
+    totals = {n: plan_memory(*with_task(_budgeted(f"data.max_length={n}")), search=False).total for n in range(step, bound + 1, step)}
     for budget in ((totals[32] + totals[48]) // 2, totals[96] + 1):
         cfg = _budgeted(*search, budget_bytes=budget)
-        found = modes.longest_context(cfg, architecture(cfg))
+        found = modes.longest_context(cfg, task_of(cfg), architecture(cfg))
         expected = max(n for n, total in totals.items() if total <= budget)
         assert found.length == expected, (budget, totals)
         assert found.plan.total == totals[expected] and found.plan.fits
@@ -147,15 +151,15 @@ def test_longest_context_equals_a_brute_force_scan():
             assert "search bound" in found.above
     with pytest.raises(ConfigError, match=r"no data\.max_length fits; the shortest planned, 16 tokens"):
         cfg = _budgeted(*search, budget_bytes=totals[16] - 1)
-        modes.longest_context(cfg, architecture(cfg))
+        modes.longest_context(cfg, task_of(cfg), architecture(cfg))
 
 
 def test_host_bound_arithmetic_matches_the_traces():
     offload = ("activation_checkpointing=offload", "activation_checkpointing.offload_min_bytes=0")
-    first = plan_memory(_budgeted(*offload, "data.max_length=32"), search=False)
+    first = plan_memory(*with_task(_budgeted(*offload, "data.max_length=32")), search=False)
     assert first.offloaded_sizes and sum(first.offloaded_sizes) == first.offloaded_bytes
     for length in (16, 48, 96):
-        traced = plan_memory(_budgeted(*offload, f"data.max_length={length}"), search=False)
+        traced = plan_memory(*with_task(_budgeted(*offload, f"data.max_length={length}")), search=False)
         for budget in (traced.host_pinned - 1, traced.host_pinned):
             assert modes._fits_host(first.offloaded_sizes, length, 32, budget) == (traced.host_pinned <= budget), length
 
@@ -163,34 +167,34 @@ def test_host_bound_arithmetic_matches_the_traces():
 def test_longest_context_refuses_a_bound_above_the_positions():
     cfg = _budgeted("plan.max_length=4096", "model.config.max_position_embeddings=1024")
     with pytest.raises(ConfigError, match=r"plan\.max_length=4096 is above the model's 1024 positions.*plan\.max_length<=1024"):
-        modes.longest_context(cfg, architecture(cfg))
+        modes.longest_context(cfg, task_of(cfg), architecture(cfg))
     with pytest.raises(ConfigError, match=r"plan\.length_step=0"):
         cfg = _budgeted("plan.length_step=0")
-        modes.longest_context(cfg, architecture(cfg))
+        modes.longest_context(cfg, task_of(cfg), architecture(cfg))
 
 
 def test_fastest_lever_sets_are_ranked_and_their_overrides_give_their_plans():
     cfg = plan_cfg(*TINY_LM, *GPU_PEAKS, "data.max_length=64", "batch.micro_batch_size=1", "batch.global_batch_size=2", "plan.top=2")
-    ranked, traced, closest = modes.fastest_levers(cfg, architecture(cfg))
+    ranked, traced, closest = modes.fastest_levers(cfg, task_of(cfg), architecture(cfg))
     assert len(ranked) == 2 and not closest and traced >= 4 and ranked[0].overrides != ranked[1].overrides
     times = [c.time.total_ms for c in ranked]
     assert times == sorted(times)
     for candidate in ranked:  # the printed overrides, applied to the config, plan the printed memory
         assert candidate.confirmed and candidate.micro_batch * candidate.accumulate == 2
         trial = plan_cfg(*TINY_LM, *GPU_PEAKS, "data.max_length=64", "batch.global_batch_size=2", *candidate.overrides)
-        plan = plan_memory(trial, search=False)
+        plan = plan_memory(trial, task_of(trial), search=False)
         if "optimizer=adamw_8bit" not in candidate.overrides:
             assert plan.total == candidate.total, candidate.overrides
     # Nothing fits: the closest lever set, named
     with open_dict(cfg):
         cfg.hardware.budget_gib = 0.001
-    ranked, _, closest = modes.fastest_levers(cfg, architecture(cfg))
+    ranked, _, closest = modes.fastest_levers(cfg, task_of(cfg), architecture(cfg))
     assert ranked == [] and closest.startswith("no lever set fits 0.001 GiB; the closest is")
 
 
 def test_time_to_end_is_steps_times_the_predicted_step():
     cfg = plan_cfg(*TINY_LM, *GPU_PEAKS, "trainer.max_steps=300", "batch.micro_batch_size=2", "batch.global_batch_size=8")
-    end = modes.time_to_end(cfg, architecture(cfg))
+    end = modes.time_to_end(cfg, task_of(cfg), architecture(cfg))
     assert end.steps == 300 and end.plan.accumulate == 4
     assert end.hours == pytest.approx(300 * end.time.total_ms / 3.6e6)
     again = predict(end.plan.cost, Peaks.of(cfg.hardware), 4, 2 * cfg.data.max_length)
@@ -199,8 +203,8 @@ def test_time_to_end_is_steps_times_the_predicted_step():
 
 
 def test_train_logs_the_measured_step_time_beside_the_prediction(make_lm_cfg, tmp_path, caplog):
+    from {{ cookiecutter.package_name }}.core.loggers.metrics_csv import read_metrics
     from {{ cookiecutter.package_name }}.train import train
-    from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
     peaks = (
         "hardware=cpu",
@@ -212,7 +216,7 @@ def test_train_logs_the_measured_step_time_beside_the_prediction(make_lm_cfg, tm
     cfg = make_lm_cfg(
         *peaks, "trainer.max_steps=8", "trainer.log_every_n_steps=1", "callbacks.sample_generation=null", "test_after_fit=false"
     )
-    predicted = modes.predicted_step_ms(cfg, None)
+    predicted = modes.predicted_step_ms(cfg, task_of(cfg), None)
     with caplog.at_level("INFO"):
         train(cfg)
     rows = [row for row in read_metrics(tmp_path / "run" / "csv") if row.get("time/step_ms")]
@@ -221,6 +225,6 @@ def test_train_logs_the_measured_step_time_beside_the_prediction(make_lm_cfg, tm
     assert 0 < measured < 60_000
     assert f"measured {measured:.1f} ms, predicted {predicted:.1f} ms" in caplog.text
     # No prediction without the peaks (hardware=cpu as shipped), nor from a GPU's figures for a CPU run
-    assert modes.predicted_step_ms(make_lm_cfg("hardware=cpu"), None) is None
-    assert modes.predicted_step_ms(make_lm_cfg("hardware=rtx4090_24gb"), None) is None
+    assert modes.predicted_step_ms(*with_task(make_lm_cfg("hardware=cpu")), None) is None
+    assert modes.predicted_step_ms(*with_task(make_lm_cfg("hardware=rtx4090_24gb")), None) is None
 {%- endif %}

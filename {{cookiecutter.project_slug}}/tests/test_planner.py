@@ -12,15 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from {{ cookiecutter.package_name }}.errors import ConfigError
-{% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.memory import planner
-from {{ cookiecutter.package_name }}.memory.planner import GIB, architecture, nf4_bytes, optimizer_state_bytes, plan_memory
-{% else %}from {{ cookiecutter.package_name }}.memory.planner import architecture
-{% endif %}from {{ cookiecutter.package_name }}.memory.tracer import CudaAutocastEmulation
-{% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.models.precision import compute_dtype, weights_dtype
-{% endif %}
-from .conftest import compose_config
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+{% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.core.memory import planner
+from {{ cookiecutter.package_name }}.core.memory.planner import GIB, architecture, nf4_bytes, optimizer_state_bytes, plan_memory
+{% else %}from {{ cookiecutter.package_name }}.core.memory.planner import architecture
+{% endif %}from {{ cookiecutter.package_name }}.core.memory.tracer import CudaAutocastEmulation
+{% if cookiecutter.tasks != "classification" %}from {{ cookiecutter.package_name }}.core.models.precision import compute_dtype, weights_dtype
+from {{ cookiecutter.package_name }}.tasks import task_of
 
+from .conftest import compose_config, with_task
+{% else %}
+from .conftest import compose_config
+{% endif %}
 EXPERIMENTS = resources.files("{{ cookiecutter.package_name }}") / "configs" / "experiment"
 HEADER = re.compile(r"planner: ([0-9.]+) GiB")
 
@@ -64,7 +67,7 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact():
     real_params = sum(p.numel() * p.element_size() for p in model.parameters())
     real_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     real_state = sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values())
-    plan = plan_memory(cfg, search=False)
+    plan = plan_memory(cfg, task_of(cfg), search=False)
     assert plan.counts["param_bytes"] == real_params and plan.counts["grad_bytes"] == real_grads
     assert plan.counts["optimizer_bytes"] == real_state
     # The trace sees the same: all parameters and the whole (steady-state) optimizer state are
@@ -77,17 +80,17 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact():
 def test_checkpoint_staging_is_the_pinned_blocks_of_a_real_checkpoint():
     """plan.json's host_staging against what the background writer stages for a real model's
     checkpoint after a real AdamW step (each tensor in a power-of-two pinned block)."""
-    from {{ cookiecutter.package_name }}.models.levers import pinned_block
-    from {{ cookiecutter.package_name }}.utils.checkpoint_writer import Stager, tensor_bytes, unique_tensors
+    from {{ cookiecutter.package_name }}.core.checkpoints.writer import Stager, tensor_bytes, unique_tensors
+    from {{ cookiecutter.package_name }}.core.models.levers import pinned_block
 
     cfg = plan_cfg(*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
     model, optimizer = _stepped_model(cfg)
     staged = Stager(pin_memory=False).stage({"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]})
     real = sum(pinned_block(tensor_bytes(t)) for t in unique_tensors(staged).values())
-    plan = plan_memory(cfg, search=False)
+    plan = plan_memory(cfg, task_of(cfg), search=False)
     assert plan.host_staging == real
     assert "staging each checkpoint" in plan.table("cpu") and plan.as_json()["host_staging_gib"] >= 0
-    assert plan_memory(plan_cfg(*TINY_LM, "trainer.plugins.0.background=false"), search=False).host_staging == 0
+    assert plan_memory(*with_task(plan_cfg(*TINY_LM, "trainer.plugins.0.background=false")), search=False).host_staging == 0
 
 
 @pytest.mark.parametrize(
@@ -118,7 +121,9 @@ def test_plan_builds_the_model_with_the_modules_own_builder(monkeypatch):
         return model
 
     monkeypatch.setattr(CausalLMModule, "build_model", recording)
-    plan_memory(plan_cfg(*TINY_LM, "precision=bf16-true", "batch.micro_batch_size=1", "batch.global_batch_size=1"), search=False)
+    plan_memory(
+        *with_task(plan_cfg(*TINY_LM, "precision=bf16-true", "batch.micro_batch_size=1", "batch.global_batch_size=1")), search=False
+    )
     assert built == [("bf16-true", 16, False, {torch.bfloat16})]
 
 
@@ -131,7 +136,7 @@ def test_step_in_backward_plans_no_full_gradient_set():
         "trainer.gradient_clip_val=null",
     )
     n = sum(p.numel() for p in _real_model(cfg).parameters())
-    plan = plan_memory(cfg, search=False)
+    plan = plan_memory(cfg, task_of(cfg), search=False)
     assert plan.grads < 4 * n / 2, plan  # gradients are stepped and freed one tensor at a time
 
 
@@ -165,9 +170,9 @@ def test_nf4_bytes_are_what_bitsandbytes_stores(double_quant):
 
 def test_autofit_picks_the_largest_divisor_that_fits_and_keeps_the_global_batch():
     base = (*TINY_LM, "data.max_length=64", "batch.global_batch_size=12")
-    sizes = {mb: plan_memory(plan_cfg(*base, f"batch.micro_batch_size={mb}"), search=False).total for mb in (3, 4)}
+    sizes = {mb: plan_memory(*with_task(plan_cfg(*base, f"batch.micro_batch_size={mb}")), search=False).total for mb in (3, 4)}
     budget_gib = (sizes[3] + sizes[4]) / 2 / GIB  # 3 fits, 4 does not
-    plan = plan_memory(plan_cfg(*base, "batch.micro_batch_size=12", f"hardware.budget_gib={budget_gib}"))
+    plan = plan_memory(*with_task(plan_cfg(*base, "batch.micro_batch_size=12", f"hardware.budget_gib={budget_gib}")))
     assert not plan.fits
     assert plan.max_micro_batch == 3 and plan.max_micro_batch_accumulate == 4
     assert plan.advice == []  # a smaller micro-batch is the fix
@@ -177,31 +182,33 @@ def test_several_processes_are_planned_per_process():
     """trainer=ddp trainer.devices=2: each GPU holds one process, with micro-batches of
     batch.device_batch_size and half the global batch; the plan, its search and the OOM advice
     are that process's."""
-    from {{ cookiecutter.package_name }}.memory.oom import suggest_batch
+    from {{ cookiecutter.package_name }}.core.memory.oom import suggest_batch
 
     base = (*TINY_LM, "batch.global_batch_size=16", "batch.micro_batch_size=16")
-    one = plan_memory(plan_cfg(*base), search=False)
+    one = plan_memory(*with_task(plan_cfg(*base)), search=False)
     cfg = plan_cfg(*base, "trainer=ddp", "trainer.devices=2")
-    two = plan_memory(cfg)
+    two = plan_memory(cfg, task_of(cfg))
     assert (two.micro_batch, two.accumulate, two.processes) == (8, 1, 2)
     assert two.total < one.total  # half the activations of the one-process plan
     assert (two.max_micro_batch, two.max_micro_batch_accumulate) == (8, 1)  # the whole share fits
     assert "Memory plan per process (2 processes, one GPU each): micro-batch 8" in two.table("rtx4090_24gb")
-    assert suggest_batch(cfg)[0] == 4  # below the 8 that ran out of memory, a divisor of the share
+    assert suggest_batch(cfg, task_of(cfg))[0] == 4  # below the 8 that ran out of memory, a divisor of the share
 
 
 def test_advice_lists_only_levers_that_lower_the_plan():
     base = (*TINY_LM, "data.max_length=256", "batch.micro_batch_size=1", "batch.global_batch_size=1")
-    plain = plan_memory(plan_cfg(*base), search=False).total
-    checkpointed = plan_memory(plan_cfg(*base, "activation_checkpointing=full"), search=False).total
+    plain = plan_memory(*with_task(plan_cfg(*base)), search=False).total
+    checkpointed = plan_memory(*with_task(plan_cfg(*base, "activation_checkpointing=full")), search=False).total
     assert checkpointed < plain
-    plan = plan_memory(plan_cfg(*base, f"hardware.budget_gib={(plain + checkpointed) / 2 / GIB}"))
+    plan = plan_memory(*with_task(plan_cfg(*base, f"hardware.budget_gib={(plain + checkpointed) / 2 / GIB}")))
     assert plan.max_micro_batch == 0
     levers = [advice for advice in plan.advice if "GiB)" in advice]
     assert any(advice.startswith("activation_checkpointing=full (-") for advice in levers), plan.advice
     # step_in_backward saves nothing when the peak comes before any gradient exists: not advised
     # unless its own plan is lower.
-    in_backward = plan_memory(plan_cfg(*base, "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"), search=False).total
+    in_backward = plan_memory(
+        *with_task(plan_cfg(*base, "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null")), search=False
+    ).total
     assert any("step_in_backward" in advice for advice in levers) == (in_backward < plain)
 
 
@@ -209,9 +216,11 @@ def test_advice_leaves_out_levers_the_config_refuses():
     # Weights dominate (hidden 512, 16 tokens): stepping in backward saves the gradients, but qat
     # cannot step in backward, so with qat it is not advised.
     base = (*TINY_LM, "model.config.hidden_size=512", "model.config.intermediate_size=1024", "hardware.budget_gib=0.001")
-    plain = plan_memory(plan_cfg(*base, "batch.micro_batch_size=1", "batch.global_batch_size=1"))
+    plain = plan_memory(*with_task(plan_cfg(*base, "batch.micro_batch_size=1", "batch.global_batch_size=1")))
     assert any("step_in_backward" in advice for advice in plain.advice), plain.advice
-    quantization_aware = plan_memory(plan_cfg(*base, "batch.micro_batch_size=1", "batch.global_batch_size=1", "qat=int8a_int4w"))
+    quantization_aware = plan_memory(
+        *with_task(plan_cfg(*base, "batch.micro_batch_size=1", "batch.global_batch_size=1", "qat=int8a_int4w"))
+    )
     assert quantization_aware.advice and not any("step_in_backward" in advice for advice in quantization_aware.advice)
 
 
@@ -219,10 +228,10 @@ def test_train_refuses_a_gpu_run_that_will_not_fit(tmp_path, monkeypatch):
     cfg = plan_cfg(*TINY_LM, "hardware.budget_gib=0.01")
     monkeypatch.setattr(planner, "uses_cuda", lambda cfg: True)
     with pytest.raises(ConfigError, match="will not fit"):
-        planner.check_memory_plan(cfg, tmp_path)
+        planner.check_memory_plan(cfg, task_of(cfg), tmp_path)
     assert json.loads((tmp_path / "plan.json").read_text())["fits"] is False
     cfg.plan_before_fit = False
-    planner.check_memory_plan(cfg, tmp_path / "skipped")
+    planner.check_memory_plan(cfg, task_of(cfg), tmp_path / "skipped")
     assert not (tmp_path / "skipped").exists()
 
 
@@ -230,8 +239,8 @@ def test_pruning_counts_its_masks_and_recomputed_weights_and_a_run_that_no_longe
     from torch.nn.utils import prune
 
     base = (*TINY_LM, "batch.micro_batch_size=1", "batch.global_batch_size=1")
-    plain = plan_memory(plan_cfg(*base), search=False)
-    pruned = plan_memory(plan_cfg(*base, "pruning=magnitude"), search=False)
+    plain = plan_memory(*with_task(plan_cfg(*base)), search=False)
+    pruned = plan_memory(*with_task(plan_cfg(*base, "pruning=magnitude")), search=False)
     # What torch's pruning really adds on a real model: the mask buffers and the recomputed weights.
     model = _real_model(plan_cfg(*base))
     linears = [(m, "weight") for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
@@ -244,21 +253,21 @@ def test_pruning_counts_its_masks_and_recomputed_weights_and_a_run_that_no_longe
     assert any(note.startswith("pruning=magnitude: +") for note in pruned.corrections)
     monkeypatch.setattr(planner, "uses_cuda", lambda cfg: True)
     budget = f"hardware.budget_gib={(plain.total + pruned.total) / 2 / GIB}"
-    planner.check_memory_plan(plan_cfg(*base, budget), tmp_path / "plain")  # fits without pruning ...
+    planner.check_memory_plan(*with_task(plan_cfg(*base, budget)), tmp_path / "plain")  # fits without pruning ...
     with pytest.raises(ConfigError, match="will not fit"):  # ... not with it
-        planner.check_memory_plan(plan_cfg(*base, budget, "pruning=magnitude"), tmp_path / "pruned")
+        planner.check_memory_plan(*with_task(plan_cfg(*base, budget, "pruning=magnitude")), tmp_path / "pruned")
     assert any(advice.startswith("pruning=none (-") for advice in json.loads((tmp_path / "pruned" / "plan.json").read_text())["advice"])
 
 
 def test_an_encoder_is_refused_for_the_causal_lm_task():
     with pytest.raises(ConfigError, match="needs a decoder"):
-        plan_memory(plan_cfg(*TINY_LM, "model.config.model_type=bert"), search=False)
+        plan_memory(*with_task(plan_cfg(*TINY_LM, "model.config.model_type=bert")), search=False)
 
 
 def test_chunked_loss_plans_less_memory_for_a_large_vocabulary():
     common = (*TINY_LM, "data.max_length=256", "batch.micro_batch_size=4", "batch.global_batch_size=4")
-    plain = plan_memory(plan_cfg(*common), search=False)
-    chunked = plan_memory(plan_cfg(*common, "loss=chunked", "loss.chunk_size=64"), search=False)
+    plain = plan_memory(*with_task(plan_cfg(*common)), search=False)
+    chunked = plan_memory(*with_task(plan_cfg(*common, "loss=chunked", "loss.chunk_size=64")), search=False)
     logits_bytes = 4 * 256 * 49152 * 4  # fp32 (B, T, V)
     assert plain.peak_allocated - chunked.peak_allocated > logits_bytes, (plain.peak_allocated, chunked.peak_allocated)
 {%- endif %}

@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
-from {{ cookiecutter.package_name }}.callbacks.reference_logps import reference_table
-from {{ cookiecutter.package_name }}.errors import DataError
+from {{ cookiecutter.package_name }}.core.errors import DataError
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import IGNORE_INDEX
 from {{ cookiecutter.package_name }}.tasks.preference.data import PairCollator, PreferenceDataModule, pair_fingerprint, tokenize_pairs
 from {{ cookiecutter.package_name }}.tasks.preference.module import PreferenceModule, disable_dropout
 from {{ cookiecutter.package_name }}.tasks.preference.objectives import completion_logps, dpo, orpo, simpo
+from {{ cookiecutter.package_name }}.tasks.preference.reference_logps import reference_table
 
 from .conftest import common_overrides, compose_config, tiny_llama_config
 from .test_chat_data import CHATML, END, chat_tokenizer_dir  # noqa: F401  (a fixture)
@@ -230,7 +230,7 @@ def tiny_llama(vocab_size: int) -> torch.nn.Module:
 
 
 def preference_module(folder: Path, peft: str, tokenizer) -> PreferenceModule:
-    from {{ cookiecutter.package_name }}.models.inputs import ModelInputs
+    from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
 
     peft_cfg = (
         {"method": "none"}
@@ -374,7 +374,7 @@ def test_a_short_preference_run_reports_its_pair_metrics(pretrained_folder, pair
     for name in ("loss", "reward_accuracy", "reward_margin"):
         assert again[f"test/{name}"] == pytest.approx(metrics[f"test/{name}"], abs=1e-6), name
     if peft == "none" and objective == "dpo":  # other test pairs: their reference is not in the checkpoint
-        from {{ cookiecutter.package_name }}.errors import ConfigError
+        from {{ cookiecutter.package_name }}.core.errors import ConfigError
 
         other = write_jsonl(tmp_path / "other_test.jsonl", pair_rows(6, seed=99))
         with pytest.raises(ConfigError, match="test pairs are not the ones this run's reference log-probs were computed for"):
@@ -489,11 +489,11 @@ def test_the_planners_static_slice_gives_the_gathered_logps():
     ],
 )
 def test_a_bad_objective_is_refused_before_anything_loads(pretrained_folder, pair_files, tmp_path, overrides, message):
-    from {{ cookiecutter.package_name }}.checks import validate_config
-    from {{ cookiecutter.package_name }}.errors import ConfigError
+    from {{ cookiecutter.package_name }}.core.errors import ConfigError
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     with pytest.raises(ConfigError, match=message):
-        validate_config(compose_config("train", preference_overrides(pretrained_folder, pair_files, tmp_path / "run", *overrides)))
+        check_config(compose_config("train", preference_overrides(pretrained_folder, pair_files, tmp_path / "run", *overrides)))
 
 
 def test_sample_prompts_without_a_prompt_are_refused(tokenizer, tmp_path):

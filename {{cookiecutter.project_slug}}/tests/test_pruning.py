@@ -1,4 +1,4 @@
-"""Pruning during training (compress/pruning.py, callbacks/pruning.py): the schedule, the masks of
+"""Pruning during training (core/compress/pruning.py, core/callbacks/pruning.py): the schedule, the masks of
 each method, checkpoints and resume, shrinking the FFN, and the refusals.  Tiny random models."""
 
 from __future__ import annotations
@@ -10,11 +10,8 @@ from torch import nn
 from torch.nn.utils import prune
 from transformers import BertConfig, BertForSequenceClassification, LlamaForCausalLM
 
-from {{ cookiecutter.package_name }}.callbacks.pruning import Pruning
-{%- if cookiecutter.tasks != "causal_lm" %}
-from {{ cookiecutter.package_name }}.checks import validate_config
-{%- endif %}
-from {{ cookiecutter.package_name }}.compress.pruning import (
+from {{ cookiecutter.package_name }}.core.callbacks.pruning import Pruning
+from {{ cookiecutter.package_name }}.core.compress.pruning import (
     block_linears,
     ffn_blocks,
     is_two_four,
@@ -23,7 +20,10 @@ from {{ cookiecutter.package_name }}.compress.pruning import (
     shrink_ffn,
     to_semi_structured_sparse,
 )
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+{%- if cookiecutter.tasks != "causal_lm" %}
+from {{ cookiecutter.package_name }}.tasks import check_config
+{%- endif %}
 
 from .conftest import tiny_llama_config
 
@@ -230,7 +230,7 @@ def test_the_config_is_refused_before_weights_load(make_cfg):
         (["pruning=structured", "model.config.model_type=gpt2", "~model.config.intermediate_size"], "model_type='gpt2'"),
     ]:
         with pytest.raises(ConfigError, match=expected):
-            validate_config(make_cfg(*overrides))
+            check_config(make_cfg(*overrides))
     for name in ("train", "eval", "predict", "plan"):
         cfg = make_cfg("pruning=magnitude", config_name=name)  # the groups compose with every entry point
         assert cfg.pruning.method == "magnitude"
@@ -238,9 +238,9 @@ def test_the_config_is_refused_before_weights_load(make_cfg):
 
 # --------------------------------------------------------------------------- train
 def test_train_logs_the_sparsity_in_each_steps_row_and_saves_a_plain_pruned_model(make_cfg, tmp_path):
+    from {{ cookiecutter.package_name }}.core.loggers.metrics_csv import read_metrics
     from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
     from {{ cookiecutter.package_name }}.train import train
-    from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
     cfg = make_cfg(
         "pruning=magnitude",

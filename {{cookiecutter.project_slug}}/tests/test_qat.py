@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.compress.qat import convert_qat, prepare_qat, qat_problems
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.compress.qat import convert_qat, prepare_qat, qat_problems
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
 {%- if cookiecutter.tasks != "causal_lm" %}
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
@@ -131,13 +131,13 @@ def test_a_causal_lm_trains_with_qat(make_lm_cfg):
 
 @pytest.mark.parametrize("lever", ["qat=int8a_int4w", "pruning=magnitude", "pruning=semi_structured_2_4"])
 def test_levers_of_linear_layers_refuse_gpt2s_conv1d_blocks_before_anything_loads(lm_tokenizer_dir, lm_text, tmp_path, lever):
-    from {{ cookiecutter.package_name }}.checks import validate_config
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     from .conftest import compose_config, lm_overrides
 
     cfg = compose_config("train", [*lm_overrides(lm_tokenizer_dir, lm_text, tmp_path / "run", model="tiny_gpt2"), lever])
     with pytest.raises(ConfigError, match=rf"{lever} acts on nn.Linear layers, and model_type='gpt2' builds .* Conv1D; fix: "):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 @pytest.mark.parametrize(("overrides", "message"), CONFLICTS)

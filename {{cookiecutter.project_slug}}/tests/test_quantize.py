@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.compress.report import Measurement, build_report, latency_summary, markdown_report, ratio, weight_bytes
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.compress.report import Measurement, build_report, latency_summary, markdown_report, ratio, weight_bytes
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
 from {{ cookiecutter.package_name }}.quantize import quantize
 from {{ cookiecutter.package_name }}.train import train
 
@@ -221,7 +221,7 @@ def test_a_structured_pruned_checkpoint_is_quantized_without_its_dead_neurons(to
 
 
 def test_plot_draws_the_metric_against_size_and_latency(classifier_report, tmp_path):
-    from {{ cookiecutter.package_name }}.errors import NothingToPlot
+    from {{ cookiecutter.package_name }}.core.errors import NothingToPlot
     from {{ cookiecutter.package_name }}.plot import plot
 
     out = Path(classifier_report["variants"][0]["path"]).parent

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.errors import EXIT_NON_FINITE_LOSS, RunStopped
-from {{ cookiecutter.package_name }}.train import train
-{% endif %}from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO
-from {{ cookiecutter.package_name }}.utils.csv_log import ResumableCSVLogger
-from {{ cookiecutter.package_name }}.utils.metrics_csv import launch_files, read_metrics
-{% if cookiecutter.tasks != "causal_lm" %}
+from {{ cookiecutter.package_name }}.core.checkpoints.io import AtomicCheckpointIO
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.core.errors import EXIT_NON_FINITE_LOSS, RunStopped
+{% endif %}from {{ cookiecutter.package_name }}.core.loggers.csv_log import ResumableCSVLogger
+from {{ cookiecutter.package_name }}.core.loggers.metrics_csv import launch_files, read_metrics
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.train import train
+
 from .processes import step_losses
 {% endif %}
 
@@ -118,7 +118,7 @@ def test_ctrl_c_and_slurms_signal_finish_the_step_save_and_keep_a_requeue_handle
 
 
 def test_stop_on_signal_puts_the_previous_handlers_back_at_teardown(tmp_path):
-    from {{ cookiecutter.package_name }}.callbacks.guards import StopOnSignal
+    from {{ cookiecutter.package_name }}.core.callbacks.guards import StopOnSignal
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     stopper = StopOnSignal(str(tmp_path), ["SIGTERM", "SIGINT"])
@@ -216,8 +216,8 @@ def test_each_launch_of_a_resumed_run_is_its_own_wandb_run_in_one_group_on_the_g
 
 
 def test_a_wandb_run_starts_without_a_warning_of_our_own_making(make_cfg, capfd, monkeypatch):
-    from {{ cookiecutter.package_name }}.utils.instantiate import instantiate_loggers
-    from {{ cookiecutter.package_name }}.utils.run import close_loggers
+    from {{ cookiecutter.package_name }}.core.config.instantiate import instantiate_loggers
+    from {{ cookiecutter.package_name }}.core.run.entry import close_loggers
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_SILENT", raising=False)

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.identity import hashes as file_hashes
+from {{ cookiecutter.package_name }}.core.identity.fingerprint import IDENTITY_FILE
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils import file_hashes
-from {{ cookiecutter.package_name }}.utils.identity import IDENTITY_FILE
 
 from .conftest import compose_config, tiny_overrides, toy_rows, write_csv
 from .processes import step_losses

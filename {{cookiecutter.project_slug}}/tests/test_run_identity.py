@@ -1,4 +1,4 @@
-"""Run identity (utils/identity.py, utils/file_hashes.py): the classes of docs/reliability.md's
+"""Run identity (core/identity/fingerprint.py, core/identity/hashes.py): the classes of docs/reliability.md's
 "Run identity" table, content hashes and their cache, and the datasets cache keyed by content.
 The resumes, evals and exports that use them: tests/test_resume_identity.py (classification) and
 tests/test_adapter_base.py (causal LM); the sweep row: tests/test_sweeps.py ("fixed overrides").
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from {{ cookiecutter.package_name }}.core.identity import hashes as file_hashes
+from {{ cookiecutter.package_name }}.core.identity.fingerprint import command_line_value, resume_class
 from {{ cookiecutter.package_name }}.tasks import tasks
-from {{ cookiecutter.package_name }}.utils import file_hashes
-from {{ cookiecutter.package_name }}.utils.identity import command_line_value, resume_class
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +86,7 @@ def test_the_command_line_value_is_read_from_hydras_overrides():
 # ------------------------------------------------------------------ hashing and the datasets cache
 def test_a_file_rewritten_with_its_mtime_kept_is_read_as_its_new_rows(tmp_path):
     """``cp -p``/``rsync -t`` keep the mtime: datasets' cache (path + mtime) served the old rows."""
-    from {{ cookiecutter.package_name }}.data.loading import load_split
+    from {{ cookiecutter.package_name }}.core.data.loading import load_split
 
     path = tmp_path / "train.csv"
     path.write_text("text,label\n" + "a good film,positive\n" * 64)
@@ -115,7 +115,7 @@ def test_an_unchanged_file_is_hashed_once_across_processes_and_a_rewritten_one_a
 
 
 def test_a_folder_whose_files_changed_is_named_with_the_differing_files(tmp_path):
-    from {{ cookiecutter.package_name }}.utils.identity import file_changes, path_entry
+    from {{ cookiecutter.package_name }}.core.identity.fingerprint import file_changes, path_entry
 
     folder = tmp_path / "train"
     folder.mkdir()

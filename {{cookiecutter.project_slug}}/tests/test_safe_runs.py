@@ -22,12 +22,12 @@ import pytest
 import torch
 from packaging.version import Version
 
-from {{ cookiecutter.package_name }}.data.tokenization import cut_for_tokens, piece_chars, splits_at_whitespace, text_pieces, tokenize_in_pieces
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.checkpoints.stored import is_bare_name
+from {{ cookiecutter.package_name }}.core.data.tokenization import cut_for_tokens, piece_chars, splits_at_whitespace, text_pieces, tokenize_in_pieces
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.run.folder import run_lock
+from {{ cookiecutter.package_name }}.core.run.outputs import staging_folder
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.outputs import staging_folder
-from {{ cookiecutter.package_name }}.utils.run_folder import run_lock
-from {{ cookiecutter.package_name }}.utils.stored import is_bare_name
 
 from .conftest import compose_config
 
@@ -130,7 +130,7 @@ def test_is_bare_name():
 def test_a_wheel_member_that_would_leave_its_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch, member):
     import zipfile
 
-    from {{ cookiecutter.package_name }}.assets import pypi
+    from {{ cookiecutter.package_name }}.core.assets import pypi
 
     wheel = tmp_path / "evil-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
@@ -144,7 +144,7 @@ def test_a_wheel_member_that_would_leave_its_folder_is_refused_before_anything_i
 
 def test_the_lock_goes_with_its_process(tmp_path):
     """A process holding the lock is killed: the kernel releases it, the next launch takes it."""
-    script = "from {{ cookiecutter.package_name }}.utils.run_folder import run_lock; from pathlib import Path; import time\n"
+    script = "from {{ cookiecutter.package_name }}.core.run.folder import run_lock; from pathlib import Path; import time\n"
     script += f"with run_lock(Path({str(tmp_path)!r})):\n    print('locked', flush=True); time.sleep(60)"
     holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
@@ -225,8 +225,8 @@ def test_a_checkpoint_of_the_previous_format_is_migrated_and_evaluates_as_main_d
     ``optimizer._target_: torch.optim.AdamW`` and ``model.fetch._target_: ...fetch_wheel_folder``.
     It is read as ``optimizer.name: adamw`` and ``model.fetch.kind: wheel_folder``, its stored fetch
     is not run, and eval gives the test loss main's own eval gave (0.693153977394104)."""
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import trained_checkpoint
     from {{ cookiecutter.package_name }}.eval import evaluate
-    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
 
     from .conftest import tiny_overrides
 
@@ -248,8 +248,8 @@ def test_a_checkpoint_written_before_the_group_renames_loads_and_evaluates_as_ma
     read), before the groups became ``activation_checkpointing`` and ``lr_schedule``.  Its stored
     ``checkpointing`` is read as ``activation_checkpointing`` (the file is not changed), and eval
     gives the test loss main's own eval gave (0.6940954327583313)."""
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import trained_checkpoint
     from {{ cookiecutter.package_name }}.eval import evaluate
-    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
 
     from .conftest import tiny_overrides
 
@@ -276,8 +276,8 @@ def test_a_fresh_train_into_a_folder_that_holds_a_run_is_refused_and_the_run_kep
 
 
 def test_ckpt_path_last_with_no_run_names_the_folder_and_auto_starts_then_resumes(make_cfg, tmp_path):
-    from {{ cookiecutter.package_name }}.utils.checkpoints import trained_checkpoint
-    from {{ cookiecutter.package_name }}.utils.run_folder import LOCK_FILE
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import trained_checkpoint
+    from {{ cookiecutter.package_name }}.core.run.folder import LOCK_FILE
 
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match=rf"ckpt_path=last: no run to resume in hydra.run.dir='{run_dir}'.*fix: hydra.run.dir="):
@@ -344,7 +344,7 @@ def test_predict_never_writes_over_its_input_or_a_checkpoint(classifier_ckpt, to
                 run(source, output, *more)
     assert {path: path.read_bytes() for path in untouched} == untouched
     # The rules under the suffix check, for any output a command names (predict's can no longer be a .ckpt):
-    from {{ cookiecutter.package_name }}.utils.outputs import output_problems
+    from {{ cookiecutter.package_name }}.core.run.outputs import output_problems
 
     inputs = {"input": csv_input, "ckpt_path": ckpt}
     assert "is the input ckpt_path=" in output_problems({"output": ckpt}, inputs, tmp_path / "mine", overwrite=True)[0]
@@ -379,28 +379,28 @@ def test_eval_into_a_folder_that_holds_a_run_refuses_to_replace_its_metrics(clas
     ["+logger.wandb.api_key=sk-typed-1234", "+model.config.my_password=hunter2hunter2", "+logger.wandb.settings.secret=abcdefgh"],
 )
 def test_a_credential_typed_into_the_config_is_refused_with_the_fix(make_cfg, override):
-    from {{ cookiecutter.package_name }}.checks import validate_config
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     key = override[1:].split("=")[0]
     with pytest.raises(ConfigError) as refusal:
-        validate_config(make_cfg(override))
+        check_config(make_cfg(override))
     message = str(refusal.value)
     assert f"{key}=*** is a credential typed into the config" in message and "WANDB_API_KEY" in message
     assert override.split("=")[1] not in message
 
 
 def test_a_url_password_is_refused_typed_and_masked_when_read_from_the_environment(make_cfg, monkeypatch):
-    from {{ cookiecutter.package_name }}.checks import validate_config
-    from {{ cookiecutter.package_name }}.utils import secrets
+    from {{ cookiecutter.package_name }}.core.run import secrets
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     with pytest.raises(ConfigError, match=r"carries a password in its URL"):
-        validate_config(make_cfg("+logger.wandb.notes=postgresql://me:s3cretpw@db.example/optuna"))
+        check_config(make_cfg("+logger.wandb.notes=postgresql://me:s3cretpw@db.example/optuna"))
     assert secrets.mask_url_passwords("postgresql://me:s3cretpw@db/x and sqlite:///a.db") == "postgresql://me:***@db/x and sqlite:///a.db"
 
 
 def test_secrets_read_from_the_environment_are_masked_in_every_file_and_line(make_cfg, tmp_path, monkeypatch, capsys):
     """The config tree, hparams.yaml and the checkpoints hold no secret; a key named like a tokenizer is untouched."""
-    from {{ cookiecutter.package_name }}.utils import secrets
+    from {{ cookiecutter.package_name }}.core.run import secrets
 
     secret = f"sk-{uuid.uuid4().hex}"
     monkeypatch.setenv("MY_SERVICE_API_KEY", secret)
@@ -465,8 +465,8 @@ def test_pieces_give_the_ids_of_the_whole_text_for_wordpiece(tokenizer_dir):
 def test_a_full_disk_during_a_checkpoint_write_stops_with_the_bytes_and_the_resume_command(make_cfg, tmp_path, monkeypatch):
     import errno
 
-    from {{ cookiecutter.package_name }}.errors import EXIT_DISK_FULL, RunStopped
-    from {{ cookiecutter.package_name }}.utils.checkpoints import AtomicCheckpointIO, trained_checkpoint
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import AtomicCheckpointIO, trained_checkpoint
+    from {{ cookiecutter.package_name }}.core.errors import EXIT_DISK_FULL, RunStopped
 
     write = AtomicCheckpointIO.write
     calls = []
@@ -533,7 +533,7 @@ def test_crafted_lm_checkpoints_are_refused_by_every_entry_point(lora_lm, tmp_pa
 def test_a_stored_fetch_never_runs(lora_lm, tmp_path, monkeypatch):
     """A checkpoint may name one of our fetchers with its own arguments: loading it runs none (the
     base comes from the user's config), so no package is downloaded and nothing is written there."""
-    from {{ cookiecutter.package_name }}.assets import pypi
+    from {{ cookiecutter.package_name }}.core.assets import pypi
     from {{ cookiecutter.package_name }}.generate import generate
 
     source, _ = lora_lm

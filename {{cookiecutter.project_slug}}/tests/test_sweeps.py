@@ -14,11 +14,11 @@ import torch
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }}.checks import validate_config
-from {{ cookiecutter.package_name }}.data.sampling import ResumableSampler
-from {{ cookiecutter.package_name }}.errors import ConfigError, MetricNotLogged, TrialFailed
-from {{ cookiecutter.package_name }}.utils.config import config_warnings
-from {{ cookiecutter.package_name }}.utils.distributed import JOB_ENV, ddp_child_argv
+from {{ cookiecutter.package_name }}.core.config.groups import config_warnings
+from {{ cookiecutter.package_name }}.core.data.sampling import ResumableSampler
+from {{ cookiecutter.package_name }}.core.errors import ConfigError, MetricNotLogged, TrialFailed
+from {{ cookiecutter.package_name }}.core.run.distributed import JOB_ENV, ddp_child_argv
+from {{ cookiecutter.package_name }}.tasks import check_config
 
 from .conftest import METRIC, TASK, compose_config
 
@@ -76,7 +76,7 @@ def test_a_failed_trial_leaves_nothing_of_its_model_behind(tmp_path):
     before the next trial (on a GPU, its memory too: torch.cuda.empty_cache follows)."""
     import weakref
 
-    from {{ cookiecutter.package_name }}.utils.sweeps import run_multirun_job
+    from {{ cookiecutter.package_name }}.core.run.sweeps import run_multirun_job
 
     alive = []
 
@@ -239,18 +239,18 @@ def test_the_global_batch_is_kept_on_more_devices():
     # A one-GPU recipe (32 = 32 x 1) on 2 processes: micro-batches of 16, said out loud.
     cfg = compose_config("train", ["trainer=ddp_cpu", "batch.global_batch_size=32", "batch.micro_batch_size=32"])
     assert (cfg.batch.device_batch_size, cfg.batch.accumulate_grad_batches, cfg.data.batch_size) == (16, 1, 16)
-    validate_config(cfg)
+    check_config(cfg)
     assert any("each process runs micro-batches of 16" in warning for warning in config_warnings(cfg))
     cfg = compose_config("train", ["trainer=ddp_cpu", "batch.global_batch_size=33", "batch.micro_batch_size=11"])
     with pytest.raises(ConfigError, match=r"global_batch_size=33 cannot be split over 2 processes.*multiple of 2"):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_ddp_inside_a_submitit_local_job_is_refused_before_anything_loads(monkeypatch):
     monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "123")  # what submitit's local executor sets in its jobs
     cfg = compose_config("train", ["trainer=ddp_cpu"])
     with pytest.raises(ConfigError, match="launcher=local runs each job as one process.*fix: drop launcher=local"):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_fsdp_on_a_machine_without_cuda_is_refused_before_anything_loads():
@@ -258,7 +258,7 @@ def test_fsdp_on_a_machine_without_cuda_is_refused_before_anything_loads():
         pytest.skip("this machine has CUDA: trainer=fsdp is allowed here")
     cfg = compose_config("train", ["trainer=fsdp", "precision=32-true"])
     with pytest.raises(ConfigError, match="trainer=fsdp shards the model over CUDA GPUs.*fix: trainer=ddp_cpu"):
-        validate_config(cfg)
+        check_config(cfg)
 
 
 def test_run_and_sweep_folders_carry_the_process_id():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from {{ cookiecutter.package_name }}.errors import DataError
+from {{ cookiecutter.package_name }}.core.errors import DataError
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import CausalLMCollator, TextDataModule, pack_documents
 
 

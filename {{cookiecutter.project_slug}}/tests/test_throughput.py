@@ -15,8 +15,8 @@ from peft import LoraConfig, get_peft_model  # a dependency of causal-LM project
 from torch.utils.data import DataLoader
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
-from {{ cookiecutter.package_name }}.callbacks import throughput
-from {{ cookiecutter.package_name }}.callbacks.throughput import (
+from {{ cookiecutter.package_name }}.core.callbacks import throughput
+from {{ cookiecutter.package_name }}.core.callbacks.throughput import (
     TokenThroughput,
     architecture,
     count_parameters,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.tasks.token_classification.data import read_conll
 from {{ cookiecutter.package_name }}.tasks.token_classification.spans import EntityScores, entity_spans
 
-from .conftest import common_overrides, compose_config
+from .conftest import common_overrides, compose_config, with_task
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PEOPLE = ["alice", "bob", "carol", "dave"]
@@ -277,12 +277,12 @@ def test_a_hub_data_sets_class_id_tags_are_read_as_their_names(ner_tokenizer_dir
 
 
 def test_config_checks_name_the_field(make_ner_cfg):
-    from {{ cookiecutter.package_name }}.checks import validate_config
+    from {{ cookiecutter.package_name }}.tasks import check_config
 
     with pytest.raises(ConfigError) as error:
-        validate_config(make_ner_cfg("data.scheme=IOBES", "data.conll_tag_column=last"))
+        check_config(make_ner_cfg("data.scheme=IOBES", "data.conll_tag_column=last"))
     with pytest.raises(ConfigError, match=r"data.strict=true has no meaning for data.scheme=IOB1"):
-        validate_config(make_ner_cfg("data.scheme=IOB1", "data.strict=true"))
+        check_config(make_ner_cfg("data.scheme=IOB1", "data.strict=true"))
     assert "data.scheme='IOBES' must be one of ['IOB2', 'BIO', 'IOB1', 'BIOES', 'none']" in str(error.value)
     assert "data.conll_tag_column='last' must be an integer" in str(error.value)
 
@@ -382,8 +382,8 @@ def test_lora_trains_the_adapters_and_the_head_and_eval_reproduces_its_test_scor
 
 
 def test_a_checkpoint_is_scored_by_its_stored_tag_scheme(ner_ckpt, make_ner_cfg, tmp_path):
-    from {{ cookiecutter.package_name }}.tasks import module_class
-    from {{ cookiecutter.package_name }}.utils.checkpoints import load_trained_module
+    from {{ cookiecutter.package_name }}.core.checkpoints.io import load_trained_module
+    from {{ cookiecutter.package_name }}.core.task import module_class
 
     checkpoint = torch.load(ner_ckpt[0], weights_only=True)
     checkpoint["model_inputs"]["task_facts"] = {"scheme": "IOB2", "strict": True}
@@ -400,7 +400,7 @@ def test_a_checkpoint_is_scored_by_its_stored_tag_scheme(ner_ckpt, make_ner_cfg,
 
 
 def test_the_planner_traces_the_tasks_batch(make_ner_cfg):
-    from {{ cookiecutter.package_name }}.memory.planner import plan_memory
+    from {{ cookiecutter.package_name }}.core.memory.planner import plan_memory
 
-    plan = plan_memory(make_ner_cfg(config_name="plan"))
+    plan = plan_memory(*with_task(make_ner_cfg(config_name="plan")))
     assert plan.total > 0 and plan.activations > 0

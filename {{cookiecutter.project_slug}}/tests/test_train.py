@@ -16,14 +16,14 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from {{ cookiecutter.package_name }}.callbacks.terminal import ProgressBar
-from {{ cookiecutter.package_name }}.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.callbacks.terminal import ProgressBar
+from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
+from {{ cookiecutter.package_name }}.core.loggers.metrics_csv import read_metrics
+from {{ cookiecutter.package_name }}.core.models import builder
+from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
 from {{ cookiecutter.package_name }}.eval import evaluate
-from {{ cookiecutter.package_name }}.models import builder
-from {{ cookiecutter.package_name }}.models.inputs import ModelInputs
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.train import train
-from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
 
 
 def logged(run_dir: Path, key: str) -> list[float]:
@@ -122,15 +122,15 @@ def test_the_module_is_handed_the_configs_facts_then_the_datas_and_refuses_to_ru
     up; a trainer without it stops with the fix before any weights are built."""
     import lightning as L
 
-    from {{ cookiecutter.package_name }}.models.inputs import ConnectData
-    from {{ cookiecutter.package_name }}.tasks import build_module
+    from {{ cookiecutter.package_name }}.core.models.inputs import ConnectData
+    from {{ cookiecutter.package_name }}.core.task import build_module
 
     cfg = make_cfg("data.max_length=24", "batch.global_batch_size=8", "batch.micro_batch_size=4")
     module = build_module(cfg)
     assert (module.inputs.precision, module.inputs.max_length, module.inputs.micro_batch_size) == ("32-true", 24, 4)
     assert module.inputs.tokenizer is None and module.tokenizer is None
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    with pytest.raises(RuntimeError, match=r"was not handed its data's facts .*add models.inputs.ConnectData\(\)"):
+    with pytest.raises(RuntimeError, match=r"was not handed its data's facts .*add core.models.inputs.ConnectData\(\)"):
         trainer.fit(module, datamodule=hydra.utils.instantiate(cfg.data))
     assert module.model is None
     trainer = L.Trainer(
@@ -279,7 +279,7 @@ def test_each_optimizer_steps_row_reaches_the_loggers_once_at_their_pace(make_cf
 def test_the_training_bar_draws_by_time_once_per_redraw_with_the_count_and_the_shown_metrics(monkeypatch):
     # Lightning's bar draws the count, then the postfix (two terminal writes per refresh); ours
     # draws once, at the first batch, then at most every refresh_seconds, and at the last batch.
-    from {{ cookiecutter.package_name }}.callbacks import terminal
+    from {{ cookiecutter.package_name }}.core.callbacks import terminal
 
     clock = iter([0.0, 0.2, 0.45, 0.5, 0.9, 1.05, 1.1])  # time.monotonic() at each batch's end
     monkeypatch.setattr(terminal, "time", SimpleNamespace(monotonic=lambda: next(clock)))
@@ -300,7 +300,7 @@ def test_the_trainer_wraps_each_hook_in_a_free_context_unless_a_profiler_is_aske
     from lightning.pytorch.profilers import SimpleProfiler
     from omegaconf import open_dict
 
-    from {{ cookiecutter.package_name }}.utils.instantiate import NoProfiler, instantiate_trainer
+    from {{ cookiecutter.package_name }}.core.config.instantiate import NoProfiler, instantiate_trainer
 
     cfg = make_cfg()
     profiler = instantiate_trainer(cfg, [], []).profiler

@@ -11,11 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from {{ cookiecutter.package_name }}.callbacks.ema import EMA
-from {{ cookiecutter.package_name }}.callbacks.neftune import NEFTune, row_lengths
-from {{ cookiecutter.package_name }}.checks import validate_config
-from {{ cookiecutter.package_name }}.errors import ConfigError
+from {{ cookiecutter.package_name }}.core.callbacks.ema import EMA
+from {{ cookiecutter.package_name }}.core.errors import ConfigError
+from {{ cookiecutter.package_name }}.tasks import check_config
+from {{ cookiecutter.package_name }}.tasks.causal_lm.neftune import NEFTune, row_lengths
 from {{ cookiecutter.package_name }}.train import train
+
+from .conftest import with_task
 
 
 def test_row_lengths_are_each_rows_own_padded_or_packed():
@@ -91,10 +93,11 @@ def test_early_stopping_stops_after_patience_validations_and_its_counters_surviv
     ("overrides", "message"),
     [
         (
-            ("callbacks=neftune", "callbacks.neftune.alpha=-1"),
+            ("experiment=demo_lm_lora", "callbacks=neftune", "callbacks.neftune.alpha=-1"),
             r"callbacks.neftune.alpha=-1 must be a positive number .*fix: callbacks.neftune.alpha=5",
         ),
-        (("callbacks=neftune", "compile=default"), r"callbacks=neftune with compile=default: .*fix: compile=off"),
+        (("experiment=demo_lm_lora", "callbacks=neftune", "compile=default"), r"callbacks=neftune with compile=default: .*fix: compile=off"),
+        (("callbacks=neftune",), r"callbacks=neftune with task=classification: .*fix: callbacks=default"),
         (("callbacks=neftune", "experiment=demo_dpo_sentiment"), r"callbacks=neftune with task=preference: .*fix: callbacks=default"),
     ],
 )
@@ -103,7 +106,7 @@ def test_neftune_settings_it_cannot_take_are_refused_before_anything_loads(overr
 
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", *overrides])
     with pytest.raises(ConfigError, match=message):
-        validate_config(cfg, runs_here=False)
+        check_config(cfg, runs_here=False)
 
 
 def test_ema_follows_its_recurrence_once_per_optimizer_step():
@@ -161,13 +164,13 @@ def test_ema_is_what_checkpoints_hold_and_a_resume_continues_both_weight_sets_bi
 
 
 def test_the_planner_counts_the_average_of_the_trained_weights(tmp_path):
-    from {{ cookiecutter.package_name }}.memory.planner import plan_memory
+    from {{ cookiecutter.package_name }}.core.memory.planner import plan_memory
 
     from .test_planner import TINY_LM, plan_cfg
 
     one = ("batch.micro_batch_size=1", "batch.global_batch_size=1", f"paths.output_dir={tmp_path}")
-    without = plan_memory(plan_cfg(*TINY_LM, *one), search=False)
-    with_ema = plan_memory(plan_cfg(*TINY_LM, *one, "callbacks=ema"), search=False)
+    without = plan_memory(*with_task(plan_cfg(*TINY_LM, *one)), search=False)
+    with_ema = plan_memory(*with_task(plan_cfg(*TINY_LM, *one, "callbacks=ema")), search=False)
     assert with_ema.counts["ema_bytes"] == 4 * with_ema.counts["trainable"] > 0
     assert with_ema.optimizer - without.optimizer == with_ema.counts["ema_bytes"]
 
@@ -187,4 +190,4 @@ def test_ema_settings_it_cannot_take_are_refused_before_anything_loads(overrides
 
     cfg = compose_config("train", [f"paths.output_dir={tmp_path}", "callbacks=ema", *overrides])
     with pytest.raises(ConfigError, match=message):
-        validate_config(cfg, runs_here=False)
+        check_config(cfg, runs_here=False)

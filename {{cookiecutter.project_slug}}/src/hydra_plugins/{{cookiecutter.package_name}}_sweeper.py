@@ -264,22 +264,22 @@ def override(name: str, value: Any) -> str:
 
 
 def project_module(name: str) -> Any:
-    """A module of this project (``utils.secrets``...); the plugin file is named after the package
+    """A module of this project (``core.run.secrets``...); the plugin file is named after the package
     (``<package>_sweeper.py``)."""
     return importlib.import_module(f"{__name__.rsplit('.', 1)[-1].removesuffix('_sweeper')}.{name}")
 
 
 def project_secrets() -> Any:
-    """This project's :mod:`utils.secrets` (credentials refused, secrets masked)."""
-    return project_module("utils.secrets")
+    """This project's :mod:`core.run.secrets` (credentials refused, secrets masked)."""
+    return project_module("core.run.secrets")
 
 
 def study_files(config: DictConfig) -> dict[str, str]:
     """``{key: sha256}`` of the data, base-model and tokenizer files the sweep's config names
     (``data.splits.*``, ``model.name_or_path``, ``model.tokenizer``: the project's
-    ``utils.identity.named_files``, hashes cached), of those there now (a file a trial fetches
+    ``core.identity.fingerprint.named_files``, hashes cached), of those there now (a file a trial fetches
     appears at a later launch); a Hub name as ``hub:<name>``."""
-    identity = project_module("utils.identity")
+    identity = project_module("core.identity.fingerprint")
 
     def pick(key: str) -> Any:
         node = OmegaConf.select(config, key, default=None)

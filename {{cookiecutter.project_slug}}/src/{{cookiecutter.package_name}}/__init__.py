@@ -4,6 +4,6 @@ Importing the package registers the OmegaConf resolvers the configs use (``${acc
 so ``hydra.compose`` works in tests and notebooks as it does in the entry points.
 """
 
-from .utils.config import register_resolvers
+from .core.config.groups import register_resolvers
 
 register_resolvers()

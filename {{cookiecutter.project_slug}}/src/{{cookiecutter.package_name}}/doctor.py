@@ -137,9 +137,9 @@ def collect() -> dict:
 
 
 def tested_version_differences() -> list[str] | None:
-    """How the installed dependencies differ from ``tested_versions.txt`` (:mod:`.utils.versions`);
+    """How the installed dependencies differ from ``tested_versions.txt`` (:mod:`.core.run.versions`);
     ``None`` when that cannot be told (the project is not installed, or the file is missing)."""
-    from .utils import versions
+    from .core.run import versions
 
     try:
         installed = versions.dependency_versions(versions.project_distribution())
@@ -431,7 +431,7 @@ def render(report: dict, found: list[str], advice: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console script / ``python -m`` entry; returns 1 when :func:`problems` finds any, else 0."""
-    parser = argparse.ArgumentParser(prog=f"{PACKAGE}-doctor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"{PACKAGE} doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report (and its problems) as JSON")
     parser.add_argument(
         "--write-tested-versions",
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.write_tested_versions is not None:
-        from .utils import versions
+        from .core.run import versions
 
         installed = versions.dependency_versions(versions.project_distribution())
         versions.write_tested_versions(args.write_tested_versions, installed, PACKAGE)
@@ -458,13 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     found, advice = problems(report), notes(report)
     render(report, found, advice)
     if args.measure and report["torch"] is not None:
-        from .memory.steptime import measure_peaks
+        from .core.memory.steptime import measure_peaks
 
         device = "cuda" if report["gpus"] else "cpu"
         report["measured_peaks"] = {"device": device, **measure_peaks(device)}
         overrides = " ".join(f"hardware.{key}={value}" for key, value in report["measured_peaks"].items() if key != "device")
         kind = "" if device == "cuda" else " hardware.kernels_overlap=false"
-        print(f"\nMeasured peaks ({device}; the step-time model's, memory/steptime.py):\n  {overrides}{kind}")
+        print(f"\nMeasured peaks ({device}; the step-time model's, core/memory/steptime.py):\n  {overrides}{kind}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**report, "problems": found, "notes": advice}, indent=2) + "\n")

@@ -17,15 +17,15 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from .checks import validate_config
-from .errors import ConfigError
-from .models.inputs import ConnectData
-from .tasks import build_module, module_class, task_of
-from .utils.checkpoints import load_trained_module
-from .utils.config import to_plain
-from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
-from .utils.outputs import claim_outputs
-from .utils.run import close_loggers, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree, write_metrics
+from .core.checkpoints.io import load_trained_module
+from .core.config.groups import to_plain
+from .core.config.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
+from .core.errors import ConfigError
+from .core.models.inputs import ConnectData
+from .core.run.entry import close_loggers, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree, write_metrics
+from .core.run.outputs import claim_outputs
+from .core.task import build_module, module_class
+from .tasks import check_config, task_of
 
 
 def full_precision_overrides(hparams: dict) -> dict:
@@ -78,9 +78,9 @@ def evaluate(cfg: DictConfig) -> dict:
 
     Raises:
         ConfigError: invalid config, a missing or refused checkpoint, an output that may not be
-            written (:mod:`.utils.outputs`: it exists, without ``overwrite=true``).  DataError: bad test data.
+            written (:mod:`.core.run.outputs`: it exists, without ``overwrite=true``).  DataError: bad test data.
     """
-    validate_config(cfg, resumes=False)
+    check_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<folder written by export>")
     run_dir = Path(cfg.paths.output_dir)

@@ -34,18 +34,17 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from .checks import validate_config
-from .compress.pruning import pruned_with, shrink_ffn
-from .compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
-from .errors import ConfigError
+from .core.checkpoints.io import load_trained_module, trained_checkpoint
+from .core.compress.pruning import pruned_with, shrink_ffn
+from .core.compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
+from .core.errors import ConfigError
+from .core.models.adapters import save_adapter, uses_peft
+from .core.models.precision import compute_dtype
+from .core.run.entry import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
+from .core.run.outputs import claim_outputs, replace_folder, staging_folder
 from .eval import full_precision_overrides
-from .models.adapters import save_adapter, uses_peft
-from .models.precision import compute_dtype
-from .tasks import task_of
+from .tasks import check_config, task_of
 from .tasks.causal_lm.module import CHAT_FILE, causal_module_class
-from .utils.checkpoints import load_trained_module, trained_checkpoint
-from .utils.outputs import claim_outputs, replace_folder, staging_folder
-from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_FOLDER = "adapter"  # output_dir/adapter: the LoRA/QLoRA adapter alone (peft's save_pretrained)
@@ -63,7 +62,7 @@ def export(cfg: DictConfig) -> Path:
             that exists (without ``overwrite=true``; with it, only a folder export wrote is
             replaced) or that lies inside another run's folder.
     """
-    validate_config(cfg, required=("ckpt_path",), resumes=False)
+    check_config(cfg, required=("ckpt_path",), resumes=False)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ConfigError(
             f"dtype={cfg.dtype!r} is not one of {DTYPES} (the saved weights' floating-point type; null = the run's compute "

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from .checks import validate_config
-from .errors import ConfigError
-from .utils.config import to_plain
-from .utils.outputs import claim_outputs
-from .utils.run import atomic_write_path, exit_on_bad_input, hydra_main
+from .core.config.groups import to_plain
+from .core.errors import ConfigError
+from .core.run.entry import atomic_write_path, exit_on_bad_input, hydra_main
+from .core.run.outputs import claim_outputs
+from .tasks import check_config
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
@@ -72,12 +72,12 @@ def generation_problems(generation: DictConfig) -> list[str]:
 def load_generator(cfg: DictConfig):
     """The config's causal-LM task module from ``ckpt_path``, or a :class:`CausalLMModule` wrapping
     the HF folder ``model_dir``."""
-    from .models.builder import config_to_dict
-    from .models.inputs import ModelInputs
+    from .core.models.builder import config_to_dict
+    from .core.models.inputs import ModelInputs
     from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule, causal_module_class
 
     if cfg.ckpt_path is not None:
-        from .utils.checkpoints import load_trained_module
+        from .core.checkpoints.io import load_trained_module
 
         return load_trained_module(causal_module_class(cfg), cfg, cfg.ckpt_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,7 +102,7 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
             bad ``generation`` settings (:func:`generation_problems`), a
             refused checkpoint, an ``output`` that is an input or that exists without ``overwrite=true``.
     """
-    validate_config(cfg, resumes=False)
+    check_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):
         raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<exported folder>")
     if cfg.model_dir is not None and not Path(cfg.model_dir, "config.json").is_file():

@@ -27,11 +27,11 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.text import Text
 
-from .checks import validate_config
-from .errors import ConfigError
+from .core.errors import ConfigError
+from .core.run.entry import exit_on_bad_input, hydra_main
+from .tasks import check_config
 from .tasks.causal_lm.chat import ChatDataModule
 from .tasks.causal_lm.text import IGNORE_INDEX
-from .utils.run import exit_on_bad_input, hydra_main
 
 EXIT_ROWS_DROPPED = 2
 OPEN, CLOSE = "[[", "]]"  # around trained tokens when there is no colour
@@ -65,7 +65,7 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
         ConfigError: a data config that is not chat data, or an unknown ``split``/``color``.
         DataError: the data module's errors (a malformed row, a template whose spans cannot be found).
     """
-    validate_config(cfg)
+    check_config(cfg)
     if cfg.color not in ("auto", "always", "never"):
         raise ConfigError(f"color={cfg.color!r} is not one of auto, always, never; fix: color=auto")
     if not isinstance(cfg.rows, int) or cfg.rows < 0 or not isinstance(cfg.first_row, int) or cfg.first_row < 0:

@@ -7,8 +7,8 @@
 ``plan.mode=fit`` (the default) prints a table (parameters, gradients, optimizer state,
 activations, temporaries, total, in GiB) against ``hardware.budget_gib``, the verdict and the
 largest micro-batch that fits; ``longest``, ``fastest`` and ``time`` answer the questions of
-:mod:`.memory.modes`.  Writes ``plan.json`` and ``plan.txt`` into the run directory.  Reads no
-weights and no data; see :mod:`.memory.planner` for the method and its corrections.
+:mod:`.core.memory.modes`.  Writes ``plan.json`` and ``plan.txt`` into the run directory.  Reads no
+weights and no data; see :mod:`.core.memory.planner` for the method and its corrections.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
-from .checks import validate_config
-from .memory import modes
-from .memory.planner import architecture, for_the_card, plan_memory, write_plan
-from .utils.config import config_warnings
-from .utils.outputs import claim_outputs
-from .utils.run import exit_on_bad_input, hydra_main
+from .core.config.groups import config_warnings
+from .core.memory import modes
+from .core.memory.planner import architecture, for_the_card, plan_memory, write_plan
+from .core.run.entry import exit_on_bad_input, hydra_main
+from .core.run.outputs import claim_outputs
+from .tasks import check_config
 
 
 @hydra_main("plan")
@@ -32,7 +32,7 @@ def main(cfg: DictConfig) -> None:
     """Console script / ``python -m`` entry."""
     with exit_on_bad_input():
         cfg = for_the_card(cfg)  # precision=auto: the card's, not this machine's
-        validate_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
+        task = check_config(cfg, runs_here=False)  # planned for cfg.hardware, not for this machine
         for warning in config_warnings(cfg):
             rank_zero_warn(warning)
         mode = modes.check_mode(cfg)  # (before any trace)
@@ -42,18 +42,18 @@ def main(cfg: DictConfig) -> None:
         run_dir = Path(cfg.paths.output_dir)
         hardware = cfg.hardware.name
         if mode == "fit":
-            plan = plan_memory(cfg, config=config)
+            plan = plan_memory(cfg, task, config=config)
             text, extra = plan.table(hardware), {}
         elif mode == "longest":
-            found = modes.longest_context(cfg, config)
+            found = modes.longest_context(cfg, task, config)
             plan, text = found.plan, found.text(hardware)
             extra = {"longest_max_length": found.length, "length_step": found.step, "above": found.above, "traces": found.traces}
         elif mode == "fastest":
-            ranked, traced, closest = modes.fastest_levers(cfg, config)
+            ranked, traced, closest = modes.fastest_levers(cfg, task, config)
             plan, text = None, modes.fastest_text(cfg, ranked, traced, closest)
             extra = {"fastest": [modes.candidate_json(c) for c in ranked], "closest": closest, "traces": traced}
         else:
-            end = modes.time_to_end(cfg, config)
+            end = modes.time_to_end(cfg, task, config)
             plan, text = end.plan, end.text(hardware)
             extra = {"steps": end.steps, "hours": round(end.hours, 3), "step_time": modes.time_json(end.time)}
     write_plan(plan, run_dir, hardware, text, {"mode": mode, **extra})

@@ -37,8 +37,8 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from .errors import NothingToPlot  # noqa: E402
-from .utils.metrics_csv import launch_files, read_metrics  # noqa: E402
+from .core.errors import NothingToPlot  # noqa: E402
+from .core.loggers.metrics_csv import launch_files, read_metrics  # noqa: E402
 
 # Panel file -> (title, y label, the columns it draws: exact names or a prefix ending in "*").
 RUN_PANELS = {
@@ -49,7 +49,7 @@ RUN_PANELS = {
 }
 
 
-COMPRESS_REPORT = "compress_report.json"  # written by quantize (compress/report.py)
+COMPRESS_REPORT = "compress_report.json"  # written by quantize (core/compress/report.py)
 RUNTIME_MARKERS = {"pytorch": "o", "onnxruntime": "s"}
 
 
@@ -90,7 +90,7 @@ def plot_compression(report_path: Path, out_dir: Path) -> list[Path]:
 
 def read_curves(csv_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """``column -> [(step, value), ...]`` from a run's CSV log (its launches merged, see
-    :func:`.utils.metrics_csv.read_metrics`), blank cells skipped."""
+    :func:`.core.loggers.metrics_csv.read_metrics`), blank cells skipped."""
     curves: dict[str, list[tuple[int, float]]] = {}
     for row in read_metrics(csv_dir):
         step = int(float(row["step"]))

@@ -17,14 +17,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from .checks import validate_config
-from .errors import ConfigError
-from .tasks import module_class, task_of
-from .utils.checkpoints import load_trained_module
-from .utils.config import to_plain, world_size
-from .utils.instantiate import instantiate_trainer
-from .utils.outputs import claim_outputs
-from .utils.run import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
+from .core.checkpoints.io import load_trained_module
+from .core.config.groups import to_plain, world_size
+from .core.config.instantiate import instantiate_trainer
+from .core.errors import ConfigError
+from .core.run.entry import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
+from .core.run.outputs import claim_outputs
+from .core.task import module_class
+from .tasks import check_config
 
 
 def output_path(cfg: DictConfig, suffix: str) -> Path:
@@ -51,11 +51,10 @@ def predict(cfg: DictConfig) -> Path:
     Raises:
         ConfigError: invalid config, missing checkpoint/input, a refused checkpoint, an ``output``
             that is the input or a checkpoint, or that exists without ``overwrite=true``
-            (:mod:`.utils.outputs`), an ``output`` of another file type than the task writes, a
+            (:mod:`.core.run.outputs`), an ``output`` of another file type than the task writes, a
             task without ``predict``.  DataError: bad input columns.
     """
-    validate_config(cfg, required=("ckpt_path", "input"), resumes=False)
-    task = task_of(cfg)
+    task = check_config(cfg, required=("ckpt_path", "input"), resumes=False)
     if not task.prediction_suffix:
         raise ConfigError(f"task={task.name} writes no predictions file; fix: eval for its metrics (a causal LM: generate for its text)")
     if not Path(cfg.input).is_file():  # after validate_config: input is set

@@ -8,7 +8,7 @@ it, the data from the config) or a causal-LM folder written by ``export``.  Writ
 (it must not exist unless ``overwrite=true``; built in ``.quantize-staging-<host>-<pid>-*`` and
 renamed, so it is complete or absent; a dead quantize's staging folder is removed at start): one
 subfolder per variant (``fp32``, torchao int8/int4, ``nf4``, ONNX fp32/int8; see
-:mod:`.compress.quantization` and docs/compression.md), each loading with one line of Python,
+:mod:`.core.compress.quantization` and docs/compression.md), each loading with one line of Python,
 and ``compress_report.json`` / ``compress_report.md``: per variant the weight files' size, the
 task metric on the test split (a causal LM without one: the validation split, named in the report)
 and the forward latency (p50/p90 over ``latency.repeats`` batches after ``latency.warmup``), each
@@ -34,10 +34,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, open_dict
 
-from .checks import validate_config
-from .compress import CONV1D_MODEL_TYPES, conv1d_refusal
-from .compress.pruning import pruned_with, shrink_ffn
-from .compress.quantization import (
+from .core.checkpoints.io import load_trained_module, trained_checkpoint
+from .core.compress import CONV1D_MODEL_TYPES, conv1d_refusal
+from .core.compress.pruning import pruned_with, shrink_ffn
+from .core.compress.quantization import (
     INT4_VARIANTS,
     ONNX_FILE,
     ONNXRUNTIME,
@@ -53,14 +53,13 @@ from .compress.quantization import (
     unavailable,
     variant_problems,
 )
-from .compress.report import REPORT_JSON, Measurement, build_report, markdown_table, weight_bytes, write_report
-from .errors import ConfigError
+from .core.compress.report import REPORT_JSON, Measurement, build_report, markdown_table, weight_bytes, write_report
+from .core.errors import ConfigError
+from .core.run.entry import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree
+from .core.run.outputs import claim_outputs, replace_folder, staging_folder
+from .core.task import Task, module_class, to_device
 from .eval import exported_folder_problem, full_precision_overrides
-from .tasks import Task, module_class, task_of
-from .tasks.base import to_device
-from .utils.checkpoints import load_trained_module, trained_checkpoint
-from .utils.outputs import claim_outputs, replace_folder, staging_folder
-from .utils.run import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree
+from .tasks import check_config, task_of
 
 UNAVAILABLE = ("skip", "error")
 DEVICES = ("auto", "cpu", "cuda")
@@ -75,8 +74,7 @@ def quantize(cfg: DictConfig) -> dict:
             variant that cannot run here with ``unavailable=error``), before any weights load.
         DataError: bad evaluation data.
     """
-    validate_config(cfg, resumes=False)
-    task = task_of(cfg)
+    task = check_config(cfg, resumes=False)
     cfg = with_task_defaults(cfg, task)
     hparams, architecture = read_source(cfg)
     qat = hparams.get("qat") or {"scheme": "none"}  # (checkpoints written before the qat group have none)
@@ -202,14 +200,14 @@ def run_device(choice: str) -> str:
 
 def plan_variants(cfg: DictConfig, task: Task, device: str, qat_scheme: str, architecture) -> tuple[list[str], list[dict]]:
     """The variants to make, in order, and the refusals (``{"variant", "reason", "fix"}``) of
-    those this machine or checkpoint cannot make (:func:`.compress.quantization.unavailable`).
+    those this machine or checkpoint cannot make (:func:`.core.compress.quantization.unavailable`).
 
     Raises:
         ConfigError: every problem of the config at once (unknown variants, an existing
             ``output_dir``, latency settings, a classifier without a test split, and the
             refusals themselves with ``unavailable=error``).
     """
-    from .models.builder import max_positions
+    from .core.models.builder import max_positions
 
     if not isinstance(cfg.variants, ListConfig):
         listed = "fp32" if str(cfg.variants) == "fp32" else f"fp32,{cfg.variants}"

@@ -5,7 +5,7 @@
     python -m <package>.train experiment=demo_lm_scratch trainer.max_steps=300
 
 Writes ``metrics.json``, ``config_tree.log``, ``identity.json`` (what the run is made of:
-:mod:`.utils.identity`) and ``checkpoints/`` into the run directory (``hydra.run.dir=DIR`` sets
+:mod:`.core.identity.fingerprint`) and ``checkpoints/`` into the run directory (``hydra.run.dir=DIR`` sets
 it).  ``ckpt_path=last`` (same ``hydra.run.dir``) resumes a killed or stopped run exactly where its
 ``last.ckpt`` left it, with the same config, data and model (``resume.allow_changed=[key,...]``
 for what may knowingly change).
@@ -16,9 +16,9 @@ during a checkpoint write (the message gives the bytes needed and the resume com
 stopped by signal N (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), with ``last.ckpt`` saved.
 
 In a multirun (``-m``, ``hparams_search=...``) a failed job does not exit: it is recorded as a
-failed trial and the sweep goes on (see :mod:`.utils.sweeps`); each job returns
+failed trial and the sweep goes on (see :mod:`.core.run.sweeps`); each job returns
 ``optimized_metric`` to the sweeper.  ``trainer=ddp``/``ddp_cpu``/``fsdp`` run several processes,
-in a multirun too (see :mod:`.utils.distributed`).
+in a multirun too (see :mod:`.core.run.distributed`).
 """
 
 from __future__ import annotations
@@ -35,30 +35,30 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
-from .callbacks.build import instantiate_callbacks
-from .callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, StopOnSignal, signals_stop_the_run
-from .callbacks.pruning import Pruning
-from .callbacks.run_identity import RunIdentity
-from .callbacks.step_time import StepTimeCheck
-from .callbacks.terminal import RunHeader, print_results
-from .checks import validate_config
-from .errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
-from .memory.modes import predicted_step_ms
-from .memory.oom import write_oom_report
-from .memory.planner import check_memory_plan
-from .memory.steptime import has_peaks
-from .models.inputs import ConnectData
-from .tasks import build_module, task_of
-from .utils.checkpoints import flush_checkpoints, last_checkpoint, save_final_checkpoint, trained_checkpoint
-from .utils.config import config_warnings, precision_is_auto, to_plain, world_size
-from .utils.distributed import ddp_child_argv, ddp_job_env, finish_ranks
-from .utils.hub import hub_problems
-from .utils.identity import check_resume_config
-from .utils.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
-from .utils.run import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
-from .utils.run_folder import owned_run_folder
-from .utils.secrets import mask
-from .utils.sweeps import is_multirun, objective, run_multirun_job
+from .core.callbacks.build import instantiate_callbacks
+from .core.callbacks.guards import EXIT_OUT_OF_MEMORY, OutOfMemoryGuard, StopOnSignal, signals_stop_the_run
+from .core.callbacks.pruning import Pruning
+from .core.callbacks.run_identity import RunIdentity
+from .core.callbacks.step_time import StepTimeCheck
+from .core.callbacks.terminal import RunHeader, print_results
+from .core.checkpoints.io import flush_checkpoints, last_checkpoint, save_final_checkpoint, trained_checkpoint
+from .core.config.groups import config_warnings, precision_is_auto, to_plain, world_size
+from .core.config.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
+from .core.errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
+from .core.identity.fingerprint import check_resume_config
+from .core.memory.modes import predicted_step_ms
+from .core.memory.oom import write_oom_report
+from .core.memory.planner import check_memory_plan
+from .core.memory.steptime import has_peaks
+from .core.models.inputs import ConnectData
+from .core.run.distributed import ddp_child_argv, ddp_job_env, finish_ranks
+from .core.run.entry import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
+from .core.run.folder import owned_run_folder
+from .core.run.hub import hub_problems
+from .core.run.secrets import mask
+from .core.run.sweeps import is_multirun, objective, run_multirun_job
+from .core.task import build_module
+from .tasks import check_config, task_of
 
 
 def train(cfg: DictConfig) -> dict:
@@ -66,15 +66,15 @@ def train(cfg: DictConfig) -> dict:
 
     Raises:
         ConfigError: the config is invalid, the run folder is not this launch's to write
-            (:mod:`.utils.run_folder`: it holds another run, or another launch holds its lock), or
+            (:mod:`.core.run.folder`: it holds another run, or another launch holds its lock), or
             ``ckpt_path`` names no checkpoint to resume or one that is refused, or a resume changes
-            what the run is made of (:mod:`.utils.identity`: its config before any data loads, its
+            what the run is made of (:mod:`.core.identity.fingerprint`: its config before any data loads, its
             data, model and tokenizer files before any weights load).
         DataError: the data does not match the config (raised before any weights load).
         RunStopped: a signal, a CUDA out-of-memory error or non-finite losses stopped training
             (``exit_code`` says which; a checkpoint to resume from is saved where it is safe).
     """
-    validate_config(cfg)
+    check_config(cfg)
     unreachable = hub_problems(cfg)  # (a Hub id on a machine that cannot fetch it: one line, not a traceback later)
     if unreachable:
         raise ConfigError("\n".join(unreachable))
@@ -87,7 +87,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     """The body of :func:`train`, in a run folder this launch owns; ``ckpt_path``: the checkpoint to
     resume from (``None``: a fresh start)."""
     # One read of the checkpoint before anything loads: a damaged or crafted file fails here, with
-    # its name, and so does a resume whose config differs from the run's (utils/identity.py).
+    # its name, and so does a resume whose config differs from the run's (core/identity/fingerprint.py).
     task = task_of(cfg)
     resumed = trained_checkpoint(ckpt_path) if ckpt_path else None
     where = f"ckpt_path={str(ckpt_path)!r}"
@@ -102,8 +102,8 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     if main_process:
         save_run_config(cfg, run_dir)
         print_config_tree(cfg, save_to=run_dir / "config_tree.log", show=bool(cfg.get("print_config")))
-        plan, memory_plan = check_memory_plan(cfg, run_dir, count=has_peaks(cfg.hardware))
-        predicted_ms = predicted_step_ms(cfg, memory_plan)
+        plan, memory_plan = check_memory_plan(cfg, task, run_dir, count=has_peaks(cfg.hardware))
+        predicted_ms = predicted_step_ms(cfg, task, memory_plan)
     if cfg.hardware.tf32:
         torch.set_float32_matmul_precision("high")  # fp32 matmuls (32-true, the fp32 parts of *-mixed) on TF32 tensor cores
     if cfg.seed is not None:
@@ -118,7 +118,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     timing = [StepTimeCheck(predicted_ms)] if predicted_ms else []  # (the roofline beside the measured step)
     trainer = instantiate_trainer(cfg, [ConnectData(), identity, *instantiate_callbacks(cfg), header, *timing], loggers)
     for logger in loggers:
-        logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: utils/secrets.py)
+        logger.log_hyperparams(to_plain(cfg))  # (our loggers mask secrets: core/run/secrets.py)
 
     stopper = next((c for c in trainer.callbacks if isinstance(c, StopOnSignal)), None)
     failed = True
@@ -139,7 +139,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
             except torch.OutOfMemoryError as error:
                 guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
-                text = write_oom_report(cfg, run_dir, guard.report if guard else None, error)
+                text = write_oom_report(cfg, task, run_dir, guard.report if guard else None, error)
                 raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
             # *_start (restored from the checkpoint on a resume), the last step's train/loss (and the
             # task's other per-step metrics), train/* of the epoch, val/* of the last validation
@@ -262,7 +262,7 @@ def disk_full_message(cfg: DictConfig, error: DiskFull) -> str:
 def run(cfg: DictConfig) -> float | None:
     """One Hydra job: train, return ``optimized_metric`` (for sweeps).  Alone, bad input exits 1
     with its message and a :class:`RunStopped` with its exit code (see the module docstring); in
-    a multirun, a failure is a failed trial (:func:`.utils.sweeps.run_multirun_job`)."""
+    a multirun, a failure is a failed trial (:func:`.core.run.sweeps.run_multirun_job`)."""
     if is_multirun():
         job = HydraConfig.get()
         with ddp_job_env(list(job.overrides.task), job.runtime.output_dir):
@@ -277,7 +277,7 @@ def run(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     """Console script / ``python -m`` entry.  A DDP rank that Lightning started for a multirun
-    job runs that job alone (:func:`.utils.distributed.ddp_child_argv`)."""
+    job runs that job alone (:func:`.core.run.distributed.ddp_child_argv`)."""
     child_argv = ddp_child_argv(sys.argv)
     if child_argv is not None:
         sys.argv = child_argv

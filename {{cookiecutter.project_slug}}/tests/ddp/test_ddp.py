@@ -10,7 +10,7 @@ import os
 {% if cookiecutter.tasks != "causal_lm" %}import pytest
 {% endif %}import torch
 
-from {{ cookiecutter.package_name }}.utils.metrics_csv import read_metrics
+from {{ cookiecutter.package_name }}.core.loggers.metrics_csv import read_metrics
 
 {% if cookiecutter.tasks != "causal_lm" %}from ..conftest import toy_rows, write_csv
 {% endif %}from ..processes import WITHOUT_FAULT, ok, run_module

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from {{ cookiecutter.package_name }}.callbacks.guards import EXIT_OUT_OF_MEMORY
+from {{ cookiecutter.package_name }}.core.callbacks.guards import EXIT_OUT_OF_MEMORY
 
 from ..conftest import tiny_overrides
 from ..processes import run_train, without_output_dir

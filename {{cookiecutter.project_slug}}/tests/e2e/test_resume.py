@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.utils.metrics_csv import launch_files, read_metrics
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.core.loggers.metrics_csv import launch_files, read_metrics
 
 {% endif %}from ..processes import WITHOUT_FAULT, checkpoint_step, run_train, step_losses, without_output_dir
 

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from {{ cookiecutter.package_name }}.memory.planner import GIB, plan_memory
+from {{ cookiecutter.package_name }}.core.memory.planner import GIB, plan_memory
+from {{ cookiecutter.package_name }}.tasks import task_of
 from {{ cookiecutter.package_name }}.train import train
 
 
@@ -16,7 +17,7 @@ def test_a_bf16_mixed_fit_on_the_gpu_stays_under_its_memory_plan(make_lm_cfg):
     """A few bf16-mixed steps of the tiny Llama on CUDA: finite losses, and the measured peak of
     allocated memory below what the planner (run by train before the fit) predicted."""
     cfg = make_lm_cfg("trainer=gpu", "precision=bf16-mixed", "trainer.max_steps=3", "test_after_fit=false")
-    planned = plan_memory(cfg, search=False).total
+    planned = plan_memory(cfg, task_of(cfg), search=False).total
     torch.cuda.reset_peak_memory_stats()
     metrics = train(cfg)
     measured = torch.cuda.max_memory_allocated()

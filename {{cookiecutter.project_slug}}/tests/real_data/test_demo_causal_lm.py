@@ -29,10 +29,10 @@ def test_lora_demo_cuts_validation_perplexity_by_a_fifth(tmp_path):
     assert "=== step 20 |" in (run_dir / "samples.txt").read_text()
 
     # Each work is one packed document, longer than a piece: tokenised in pieces (bounded memory),
-    # with exactly the ids of the whole text (data/tokenization.py).
+    # with exactly the ids of the whole text (core/data/tokenization.py).
     from transformers import AutoTokenizer
 
-    from {{ cookiecutter.package_name }}.data.tokenization import piece_chars, splits_at_whitespace, tokenize_in_pieces
+    from {{ cookiecutter.package_name }}.core.data.tokenization import piece_chars, splits_at_whitespace, tokenize_in_pieces
 
     tokenizer = AutoTokenizer.from_pretrained(cache / "models" / "SmolLM2-135M-Instruct")
     assert splits_at_whitespace(tokenizer)

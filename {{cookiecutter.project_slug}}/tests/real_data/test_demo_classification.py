@@ -58,7 +58,7 @@ def test_a_long_review_is_cut_before_tokenisation_to_the_same_first_ids(demo):
 
     from transformers import AutoTokenizer
 
-    from {{ cookiecutter.package_name }}.data.tokenization import cut_for_tokens, piece_chars
+    from {{ cookiecutter.package_name }}.core.data.tokenization import cut_for_tokens, piece_chars
 
     _, cache, _ = demo
     tokenizer = AutoTokenizer.from_pretrained(cache / "models" / "all-MiniLM-L6-v2")

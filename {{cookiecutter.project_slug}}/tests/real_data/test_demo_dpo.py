@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 
-from my_4090_project.assets.vader import review_prompts
+from my_4090_project.core.assets.vader import review_prompts
 
 SHORT = [
     "trainer.max_steps=8",

@@ -60,7 +60,7 @@ def test_time_to_accuracy_bench_prints_both_times_and_the_ratio(tokenizer_dir, t
 def test_time_to_accuracy_hands_the_hf_trainer_the_projects_epoch_orders():
     # The HF side's rows, pass after pass, are the project's sampler's epochs 0, 1, ... (a
     # different order each epoch), so both sides train on the same micro-batches in sequence.
-    from {{ cookiecutter.package_name }}.data.sampling import ResumableSampler
+    from {{ cookiecutter.package_name }}.core.data.sampling import ResumableSampler
 
     bench = load_bench("time_to_accuracy")
     lengths = [(7 * i) % 23 + 1 for i in range(100)]

@@ -10,14 +10,11 @@ import importlib
 import pkgutil
 from functools import cache
 
-import hydra
-import lightning as L
 from omegaconf import DictConfig
 
-from ..errors import ConfigError
-from ..models.inputs import ModelInputs
-from ..utils.config import to_plain
-from .base import Task
+from ..core.config.validate import validate_config
+from ..core.errors import ConfigError
+from ..core.task import Task
 
 
 @cache
@@ -44,20 +41,14 @@ def task_of(cfg: DictConfig | str) -> Task:
     return known[name]
 
 
-def module_class(cfg: DictConfig) -> type[L.LightningModule]:
-    """The task's LightningModule class, as the user's config names it (``task.module``; never a
-    checkpoint's)."""
-    return hydra.utils.get_class(cfg.task.module)
+def check_config(cfg: DictConfig, **options: object) -> Task:
+    """The config's task (:func:`task_of`), once the whole config passed
+    :func:`..core.config.validate.validate_config` with it (``options``: its ``required``,
+    ``runs_here``, ``resumes``); every entry point starts here.
 
-
-def build_module(cfg: DictConfig, **replace: dict) -> L.LightningModule:
-    """The task module of a config, as train, plan and eval build it: the class of ``task.module``
-    with each group of ``task.module_args`` as a plain dict (``replace``: groups given instead),
-    handed the facts the config gives before any data is read (``models.inputs.ModelInputs.before_data``:
-    ``trainer.precision``, ``data.max_length``, ``data.batch_size``); the data's follow when it is
-    set up (``models.inputs.ConnectData``)."""
-    args = {group: to_plain(cfg[group]) for group in cfg.task.module_args}
-    module = module_class(cfg)(**{**args, **replace})
-    data = cfg.get("data") or {}
-    module.connect(ModelInputs.before_data(str(cfg.trainer.precision), data.get("max_length"), int(data.get("batch_size") or 1)))
-    return module
+    Raises:
+        ConfigError: an unknown task, or every problem of the config, one per line.
+    """
+    task = task_of(cfg)
+    validate_config(cfg, task, **options)
+    return task

@@ -1,6 +1,6 @@
 """Causal language modelling: pretraining, full fine-tuning, LoRA/QLoRA, on raw text or chat
-rows.  The module is :class:`...tasks.causal_lm.module.CausalLMModule`, the data
-:class:`...tasks.causal_lm.text.TextDataModule` or :class:`...tasks.causal_lm.chat.ChatDataModule`
+rows.  The module is :class:`.module.CausalLMModule`, the data
+:class:`.text.TextDataModule` or :class:`.chat.ChatDataModule`
 (configs/task/causal_lm.yaml)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ...compress.quantization import TORCHAO_VARIANTS
-from ...utils.config import CHAT_MODES, MASK_FREE_ATTENTION, SAMPLE_BY, TEXT_MODES, TRAIN_ON, TRUNCATION
-from ..base import Task, to_device
+from ...core.compress.quantization import TORCHAO_VARIANTS
+from ...core.config.groups import CHAT_MODES, MASK_FREE_ATTENTION, SAMPLE_BY, TEXT_MODES, TRAIN_ON, TRUNCATION
+from ...core.task import Task, to_device
 
 # Positions per chunk the planner suggests for loss=chunked (the loss group's default).
 CHUNKED_LOSS_POSITIONS = 256
@@ -64,6 +64,11 @@ class CausalLM(Task):
             problems.append(f"data.sample_by={data.get('sample_by')!r} is not one of {SAMPLE_BY}")
         return problems
 
+    def config_problems(self, cfg: DictConfig) -> list[str]:
+        from .neftune import neftune_problems
+
+        return neftune_problems(cfg)
+
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
         batch = super().example_batch(cfg, vocab_size, micro_batch)
         attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
@@ -109,7 +114,7 @@ class CausalLM(Task):
     def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str, datamodule) -> dict[str, float]:
         """``perplexity`` = exp(token-mean NLL): the NLL summed over every target token of the
         split and divided by their count."""
-        from ...models.causal import model_arguments, token_loss_sum
+        from .loss import model_arguments, token_loss_sum
 
         total, count = 0.0, 0
         with torch.inference_mode():
@@ -131,7 +136,7 @@ def quantized_weights(model: torch.nn.Module) -> list[int]:
     """Numels of the weights a 4-bit load quantizes: every linear layer but the lm_head
     (transformers keeps the output embedding unquantized).  They are traced in bf16 and
     re-counted as NF4 afterwards; everything else stays in the compute dtype (see
-    ``models.adapters.wrap_with_lora``)."""
+    ``core.models.adapters.wrap_with_lora``)."""
     output = model.get_output_embeddings()
     return [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
 

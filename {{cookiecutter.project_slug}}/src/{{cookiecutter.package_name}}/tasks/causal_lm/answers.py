@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ...utils.run import atomic_write_path
+from ...core.run.entry import atomic_write_path
 
 
 def normalize_answer(text: str) -> str:

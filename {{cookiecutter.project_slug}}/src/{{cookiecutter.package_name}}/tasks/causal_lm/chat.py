@@ -60,11 +60,11 @@ import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...data.batching import TokenizedDataModule
-from ...data.loading import load_split
-from ...data.tokenization import load_tokenizer
-from ...errors import ConfigError, DataError, TemplateError
-from ...utils.config import CHAT_MODES, TRAIN_ON, TRUNCATION
+from ...core.config.groups import CHAT_MODES, TRAIN_ON, TRUNCATION
+from ...core.data.batching import TokenizedDataModule
+from ...core.data.loading import load_split
+from ...core.data.tokenization import load_tokenizer
+from ...core.errors import ConfigError, DataError, TemplateError
 from .text import IGNORE_INDEX, pad_token_id
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 # The fields of every row format conversation() reads (data.columns maps them to a file's names).
 ROW_FIELDS = ("messages", "conversations", "instruction", "input", "output", "system", "prompt", "completion")
 # Named templates shipped with the project (data.chat_template=<name>), for tokenizers without one.
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "assets" / "chat_templates"
+TEMPLATES_DIR = Path(__file__).resolve().parent / "chat_templates"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 # The labelling rule, in the tokenised cache's key (datasets hashes the map function, not the
 # functions it calls): a cache written under an earlier rule is not read back.
@@ -84,7 +84,7 @@ LABEL_RULE = "pieces-at-answer-boundaries-2"
 
 def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
     """The Jinja template to render with: the tokenizer's own (``chat_template=None``), a shipped
-    one by name (``assets/chat_templates/<name>.jinja``) or a ``.jinja`` file.
+    one by name (``tasks/causal_lm/chat_templates/<name>.jinja``) or a ``.jinja`` file.
 
     Raises:
         ConfigError: no template at all, or an unknown name / missing file.

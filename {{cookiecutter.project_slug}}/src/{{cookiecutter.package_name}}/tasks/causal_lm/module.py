@@ -6,11 +6,13 @@ import torch
 from torchmetrics import MeanMetric
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from ...errors import ConfigError
-from ...models.adapters import quantized_loading, uses_peft
-from ...models.base import HFModule
-from ...models.builder import config_to_dict, spec_config
-from ...models.causal import (
+from ...core.errors import ConfigError
+from ...core.models.adapters import quantized_loading, uses_peft
+from ...core.models.base import HFModule
+from ...core.models.builder import config_to_dict, spec_config
+from ...core.models.precision import weights_dtype
+from .generation import TextGeneration
+from .loss import (
     causal_body,
     causal_lm_of,
     check_causal_spec,
@@ -19,8 +21,6 @@ from ...models.causal import (
     model_arguments,
     token_loss_sum,
 )
-from ...models.generation import TextGeneration
-from ...models.precision import weights_dtype
 
 CHAT_FILE = "chat.json"
 
@@ -30,10 +30,10 @@ class CausalLMModule(TextGeneration, HFModule):
     weights (``model.name_or_path``), fully or with LoRA/QLoRA adapters (``peft``).
 
     Batches are dicts of ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)``
-    (see :class:`..tasks.causal_lm.text.CausalLMCollator`); ``forward`` returns logits ``(B, T, V)``.
+    (see :class:`.text.CausalLMCollator`); ``forward`` returns logits ``(B, T, V)``.
 
     **Loss normalisation**: per target token over the whole accumulated batch (see
-    :class:`.base.HFModule`), so micro-batch 1 x accumulation 2 gives the same gradient as
+    :class:`...core.models.base.HFModule`), so micro-batch 1 x accumulation 2 gives the same gradient as
     micro-batch 2, even when the sequences have different lengths (averaging per-micro-batch
     means would weight the tokens of a short sequence more).
 
@@ -46,7 +46,7 @@ class CausalLMModule(TextGeneration, HFModule):
             ``tokenizer``, ``fetch``).
         optimizer: the ``optimizer`` config group as a plain dict.
         peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...).
-        attention, activation_checkpointing, compile: those config groups (see :class:`.base.HFModule`).
+        attention, activation_checkpointing, compile: those config groups (see :class:`...core.models.base.HFModule`).
         loss: the ``loss`` group: ``implementation`` plain (cross-entropy over the full logits),
             chunked (:func:`chunked_token_loss_sum`, ``chunk_size`` positions per chunk) or liger
             (:func:`liger_token_loss_sum`, CUDA only); ``None`` = plain.
@@ -114,7 +114,7 @@ class CausalLMModule(TextGeneration, HFModule):
         self, precision: str, max_length: int | None, config: PretrainedConfig | None = None
     ) -> tuple[PretrainedConfig, list[str]]:
         """The HF config (``config`` given, the planner's; else the checkpoint's, else the spec's)
-        and the LoRA target modules, checked by :func:`..models.causal.check_causal_spec`."""
+        and the LoRA target modules, checked by :func:`.loss.check_causal_spec`."""
         if config is None and self.hparams.hf_config is not None:
             fields = dict(self.hparams.hf_config)
             config = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -128,7 +128,7 @@ class CausalLMModule(TextGeneration, HFModule):
     ) -> torch.nn.Module:
         """The one builder of this task's model (``train``, ``plan``, eval/export all call it):
         check the spec (:meth:`architecture_spec`), then load the pretrained weights or initialise
-        random ones, in the dtype of :func:`.precision.weights_dtype`, and add the LoRA adapters.
+        random ones, in the dtype of :func:`...core.models.precision.weights_dtype`, and add the LoRA adapters.
 
         Args:
             precision: Lightning's precision flag the model will run under.
@@ -265,9 +265,9 @@ def causal_module_class(cfg) -> type[CausalLMModule]:
     """What ``export`` and ``generate`` load a checkpoint into: the config's task module
     (``task.module``) when its task trains a causal LM (causal_lm, preference), else
     :class:`CausalLMModule` (a config left at another default task).  A checkpoint of another task
-    than the class's is then refused by ``utils.checkpoints.load_trained_module``, naming the task
+    than the class's is then refused by ``core.checkpoints.io.load_trained_module``, naming the task
     to give (``task=preference``)."""
-    from .. import module_class
+    from ...core.task import module_class
 
     found = module_class(cfg)
     return found if issubclass(found, CausalLMModule) else CausalLMModule

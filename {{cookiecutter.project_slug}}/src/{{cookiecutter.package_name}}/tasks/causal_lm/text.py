@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...data.batching import TokenizedDataModule
-from ...data.loading import first_non_utf8, load_split, require_column_types, require_columns
-from ...data.tokenization import (  # noqa: F401 (IGNORE_INDEX, pad_token_id: read from here too)
+from ...core.data.batching import TokenizedDataModule
+from ...core.data.loading import first_non_utf8, load_split, require_column_types, require_columns
+from ...core.data.tokenization import (  # noqa: F401 (IGNORE_INDEX, pad_token_id: read from here too)
     IGNORE_INDEX,
     cut_for_tokens,
     load_tokenizer,
@@ -41,8 +41,8 @@ from ...data.tokenization import (  # noqa: F401 (IGNORE_INDEX, pad_token_id: re
     splits_at_whitespace,
     tokenize_in_pieces,
 )
-from ...errors import DataError
-from ...utils.file_hashes import content_cache_dir
+from ...core.errors import DataError
+from ...core.identity.hashes import content_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,11 @@ def tokenize_documents(
     the tokenizer already ended the document with one.  Returns ``input_ids`` and ``length``
     (tokens per row, kept as a column so counts and length grouping never read the ids).
 
-    A document longer than :func:`.tokenization.piece_chars` is never given to the tokenizer whole
-    (the module docstring of :mod:`.tokenization`): with ``max_length`` (``pad`` mode, which keeps
-    that many) it is cut to the pieces that hold them (:func:`.tokenization.cut_for_tokens`); without
+    A document longer than :func:`...core.data.tokenization.piece_chars` is never given to the tokenizer whole
+    (the module docstring of :mod:`...core.data.tokenization`): with ``max_length`` (``pad`` mode, which keeps
+    that many) it is cut to the pieces that hold them (:func:`...core.data.tokenization.cut_for_tokens`); without
     (``pack``, every token kept) it is tokenised piece by piece when ``in_pieces`` (the tokenizer
-    :func:`.tokenization.splits_at_whitespace`), else whole.
+    :func:`...core.data.tokenization.splits_at_whitespace`), else whole.
     """
     size = piece_chars(max_length or 0)
     texts = list(batch[text_column])
@@ -268,7 +268,7 @@ class TextDataModule(TokenizedDataModule):
                     "text",
                     data_files=files,
                     split="train",
-                    cache_dir=content_cache_dir(self.cache_dir, files),  # (by content: see data/loading.py)
+                    cache_dir=content_cache_dir(self.cache_dir, files),  # (by content: see core/data/loading.py)
                     sample_by=self.sample_by,
                     keep_linebreaks=True,
                 )

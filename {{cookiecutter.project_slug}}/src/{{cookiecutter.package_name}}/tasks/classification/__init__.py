@@ -1,6 +1,6 @@
 """Sequence classification: one label per text (or text pair).  The module is
-:class:`...tasks.classification.module.SequenceClassificationModule`, the data
-:class:`...tasks.classification.data.ClassificationDataModule` (configs/task/classification.yaml)."""
+:class:`.module.SequenceClassificationModule`, the data
+:class:`.data.ClassificationDataModule` (configs/task/classification.yaml)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ...compress.quantization import TORCHAO_VARIANTS
-from ...errors import DataError
-from ..base import Task, to_device
+from ...core.compress.quantization import TORCHAO_VARIANTS
+from ...core.errors import DataError
+from ...core.task import Task, to_device
 
 
 class SequenceClassification(Task):
@@ -33,6 +33,14 @@ class SequenceClassification(Task):
             f"data.{field}={data.get(field)!r} must name a column of your data, e.g. data.{field}={example}"
             for field, example in (("text_column", "text"), ("label_column", "label"))
             if not isinstance(data.get(field), str) or not data.get(field)
+        ]
+
+    def config_problems(self, cfg: DictConfig) -> list[str]:
+        if (cfg.get("callbacks") or {}).get("neftune") is None:
+            return []
+        return [
+            f"callbacks=neftune with task={self.name}: NEFTune noises a causal LM's input embeddings for instruction tuning "
+            "(tasks/causal_lm/neftune.py); fix: callbacks=default"
         ]
 
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:

@@ -11,10 +11,10 @@ import datasets
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from ...data.batching import TokenizedDataModule
-from ...data.loading import drop_blank_rows, is_blank, load_split, require_column_types, require_columns
-from ...data.tokenization import load_tokenizer, tokenize_batch, use_eos_as_pad
-from ...errors import DataError
+from ...core.data.batching import TokenizedDataModule
+from ...core.data.loading import drop_blank_rows, is_blank, load_split, require_column_types, require_columns
+from ...core.data.tokenization import load_tokenizer, tokenize_batch, use_eos_as_pad
+from ...core.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class ClassificationDataModule(TokenizedDataModule):
         seed: seeds the training order (with the epoch); ``None`` = one drawn per process.
 
     A tokenizer without a pad token (a decoder's) pads with its EOS token
-    (:func:`.tokenization.use_eos_as_pad`); rows are padded on the right.
+    (:func:`...core.data.tokenization.use_eos_as_pad`); rows are padded on the right.
 
     Raises (from ``setup``, before any model weights load):
         DataError: missing file or column, empty file, unknown label in validation/test, a

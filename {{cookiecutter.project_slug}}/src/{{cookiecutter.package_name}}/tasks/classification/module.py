@@ -8,9 +8,9 @@ from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig
 
-from ...models.adapters import check_adapter_spec, quantized_loading, target_modules
-from ...models.base import HFModule
-from ...models.builder import (
+from ...core.models.adapters import check_adapter_spec, quantized_loading, target_modules
+from ...core.models.base import HFModule
+from ...core.models.builder import (
     build_sequence_classifier,
     check_max_length,
     config_to_dict,
@@ -18,7 +18,7 @@ from ...models.builder import (
     sequence_classifier_from_dict,
     spec_config,
 )
-from ...models.precision import weights_dtype
+from ...core.models.precision import weights_dtype
 
 
 def classification_metrics(num_classes: int, split: str) -> MetricCollection:
@@ -72,11 +72,11 @@ class SequenceClassificationModule(HFModule):
     ``num_labels``/``id2label`` come from the data (their one source).
 
     Args:
-        model: the ``model`` config group as a plain dict (see :mod:`.builder`), including an
+        model: the ``model`` config group as a plain dict (see :mod:`...core.models.builder`), including an
             optional ``fetch`` (called once in ``prepare_data`` to install the weights).
         optimizer: the ``optimizer`` config group as a plain dict (``_target_``, ``lr``, ...).
         attention, activation_checkpointing, compile: those config groups as plain dicts (see
-            :class:`.base.HFModule`).
+            :class:`...core.models.base.HFModule`).
         peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...);
             ``None`` = none.  With LoRA/QLoRA the pretrained model is frozen, adapters train on
             its linear layers and the new head trains in full; checkpoints hold those weights
@@ -137,7 +137,7 @@ class SequenceClassificationModule(HFModule):
                 self.lora_targets(config)
 
     def lora_targets(self, config: PretrainedConfig) -> list[str]:
-        """The LoRA target modules of this architecture (see :func:`.adapters.target_modules`).
+        """The LoRA target modules of this architecture (see :func:`...core.models.adapters.target_modules`).
 
         Raises:
             ConfigError: no target list for the model family, or a name matching no linear layer.
@@ -175,7 +175,7 @@ class SequenceClassificationModule(HFModule):
 
     def build_model(self, precision: str, max_length: int | None = None, config: PretrainedConfig | None = None) -> torch.nn.Module:
         """The one builder of this task's model (``train``, ``plan``, eval/predict all call it), in
-        the dtype of :func:`.precision.weights_dtype`: ``config`` (the planner's: random weights),
+        the dtype of :func:`...core.models.precision.weights_dtype`: ``config`` (the planner's: random weights),
         else the architecture a checkpoint stored (``hf_config``: random weights the checkpoint
         then fills; with LoRA/QLoRA the pretrained base, as the checkpoint holds only the trained
         weights), else the spec with a fresh head of the data's labels (:attr:`inputs`); then the
@@ -246,7 +246,7 @@ class SequenceClassificationModule(HFModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         """The summed cross-entropy of the rows, normalised over the whole accumulated batch
-        (see :class:`.base.HFModule`): each optimizer step follows the mean over its rows."""
+        (see :class:`...core.models.base.HFModule`): each optimizer step follows the mean over its rows."""
         logits = self(batch)  # (B, num_labels)
         self.train_updates.add(logits.detach().argmax(dim=-1), batch["labels"])  # logged at the epoch's end (on_train_epoch_end)
         return self.add_to_window(*self.loss_sum(logits, batch))

@@ -1,7 +1,7 @@
 """Preference tuning of a causal LM: DPO, and the reference-free ORPO and SimPO, on pairs of a
 chosen and a rejected answer.  The module is :class:`.module.PreferenceModule`, the data
 :class:`.data.PreferenceDataModule`, the objectives :mod:`.objectives`, the reference of a full
-fine-tune :mod:`...callbacks.reference_logps` (configs/task/preference.yaml, configs/objective/)."""
+fine-tune :mod:`.reference_logps` (configs/task/preference.yaml, configs/objective/)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ...utils.config import rewrites_base
+from ...core.config.groups import rewrites_base
 from ..causal_lm import CausalLM
 from .objectives import NEEDS_REFERENCE, OBJECTIVES
 
@@ -32,12 +32,12 @@ class Preference(CausalLM):
         return []  # the pair columns are fixed; the rows are checked when read
 
     def config_problems(self, cfg: DictConfig) -> list[str]:
-        """The ``objective`` group's values (field, value, fix)."""
+        """The ``objective`` group's values (field, value, fix), and the causal LM's callbacks."""
         objective = cfg.get("objective") or {}
-        problems = []
+        problems = super().config_problems(cfg)
         name = objective.get("name")
         if name not in OBJECTIVES:
-            return [f"objective.name={name!r} is not one of {OBJECTIVES}; fix: objective=dpo (or orpo, simpo)"]
+            return [*problems, f"objective.name={name!r} is not one of {OBJECTIVES}; fix: objective=dpo (or orpo, simpo)"]
         beta = objective.get("beta")
         if isinstance(beta, bool) or not isinstance(beta, int | float) or beta <= 0:
             problems.append(

@@ -27,7 +27,7 @@ no DDP shard, splits a pair): ``input_ids``, ``labels``, ``attention_mask``, ``t
 each ``(2P, T)``, the chosen sides first, then the rejected ones in the same order, and
 ``pair`` ``(P,)``: each pair's index in its prepared split, and ``pair_fingerprint`` ``(P,)`` its
 checksum (:func:`pair_fingerprint`), for the reference log-probs computed before training
-(:mod:`...callbacks.reference_logps`).
+(:mod:`.reference_logps`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...errors import DataError, TemplateError
+from ...core.errors import DataError, TemplateError
 from ..causal_lm.chat import (
     GENERATION_MARKER,
     ChatCollator,
@@ -186,7 +186,7 @@ def tokenize_pairs(
 
 def pair_fingerprint(pair: dict) -> int:
     """A checksum of a tokenised pair (CRC-32 of both sides' ids and labels): a reference table
-    computed for other pairs is refused, never read for these (:meth:`..module.PreferenceModule.reference_logps`)."""
+    computed for other pairs is refused, never read for these (:meth:`.module.PreferenceModule.reference_logps`)."""
     checksum = 0
     for side in SIDES:
         for key in ("input_ids", "labels"):
@@ -217,14 +217,14 @@ class PreferenceDataModule(ChatDataModule):
     Args: as :class:`..causal_lm.chat.ChatDataModule`, without ``train_on`` (the last assistant
     answer of each side), ``truncation`` (right) and ``mode`` (one row per side, padded); the
     exact-match answers are not generated (``answer_rows`` is not read).  And, for judging what
-    the model writes (:meth:`..Preference.after_test`):
+    the model writes (:meth:`.Preference.after_test`):
 
         sample_prompts: a jsonl file of ``{"prompt": text}`` rows (held-out instructions), or ``None``.
         samples_per_prompt, sample_max_new_tokens, sample_temperature, sample_seed: the samples
             drawn per prompt (the same seed before and after tuning: the same random stream).
         sample_batch_size: samples generated at once (left-padded; the KV cache grows with it).
         judge: scores a list of texts, one ``{metric: value}`` per text (e.g.
-            :func:`...assets.vader.sentiment_scores`); ``None``: no samples are drawn.
+            :func:`...core.assets.vader.sentiment_scores`); ``None``: no samples are drawn.
 
     Raises (from ``setup``, before any model weights load): as chat data, and the pair refusals above.
     """

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torchmetrics import MeanMetric
 
-from ...errors import ConfigError
-from ...models.causal import LOGIT_TRANSFORM_FIELDS, causal_body, causal_lm_of, model_arguments
+from ...core.errors import ConfigError
+from ..causal_lm.loss import LOGIT_TRANSFORM_FIELDS, causal_body, causal_lm_of, model_arguments
 from ..causal_lm.module import CausalLMModule
 from .objectives import NEEDS_REFERENCE, PairTerms, completion_logps, completion_logps_from_hidden, dpo, orpo, simpo
 
@@ -34,7 +34,7 @@ class PreferenceModule(CausalLMModule):
       adapters switched off *is* the starting policy): the reference log-probs are the same
       forward with the adapters off (peft's ``disable_adapter()``), under ``no_grad``;
     - a full fine-tune: read from tables computed once with the starting weights, before the
-      first step (:class:`...callbacks.reference_logps.ReferenceLogProbs`), and stored in every checkpoint, so a
+      first step (:class:`.reference_logps.ReferenceLogProbs`), and stored in every checkpoint, so a
       resumed run and ``eval`` use the starting policy's values, never the tuned one's.
 
     **Dropout is off** in the policy (every ``nn.Dropout`` and attention-dropout probability set to
@@ -42,7 +42,7 @@ class PreferenceModule(CausalLMModule):
     reference are deterministic, and the reference of a full fine-tune equals the policy at step 0.
 
     **Loss normalisation**: the per-pair loss is summed over the micro-batch and divided by the
-    pairs of the whole accumulated batch (:class:`..models.base.HFModule`), so the update follows
+    pairs of the whole accumulated batch (:class:`...core.models.base.HFModule`), so the update follows
     the mean over the global batch's pairs.
 
     Logged per optimizer step and per validation/test pass (means over the pairs):
@@ -131,7 +131,7 @@ class PreferenceModule(CausalLMModule):
         if table is None:
             raise ConfigError(
                 f"objective={self.objective} needs the reference log-probs of the {split} pairs, which are computed from the "
-                "starting weights before the first step (callbacks/reference_logps.ReferenceLogProbs), and this run has "
+                "starting weights before the first step (tasks/preference/reference_logps.ReferenceLogProbs), and this run has "
                 f"none for that split (tables: {sorted(self.reference_tables)}); fix: train with the split in data.splits "
                 "(the callback computes it at step 0), or peft=lora (the reference is the model with its adapters off)"
             )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...data.tokenization import IGNORE_INDEX
+from ...core.data.tokenization import IGNORE_INDEX
 
 # The objectives that compare the policy with a reference model (the others need none).
 NEEDS_REFERENCE = ("dpo",)
@@ -41,7 +41,7 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
         ``(logps, n_tokens)``: ``(N,)`` float32 ``sum_t log p(label_t+1 | ...)`` over the scored
         positions, and ``(N,)`` int64 their count.
     """
-    # Shift the labels left, as the SFT loss does (models.causal.token_loss_sum): the last
+    # Shift the labels left, as the SFT loss does (tasks.causal_lm.loss.token_loss_sum): the last
     # position has no next token and gets -100.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (N, T)
     scored = targets != IGNORE_INDEX

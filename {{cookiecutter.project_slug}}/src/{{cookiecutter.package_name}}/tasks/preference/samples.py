@@ -1,5 +1,5 @@
 """Judge what a preference-tuned model writes: seeded samples for held-out prompts, scored by a
-judge the project did not write (the demo's: VADER's sentiment analyzer, :func:`...assets.vader.sentiment_scores`).
+judge the project did not write (the demo's: VADER's sentiment analyzer, :func:`...core.assets.vader.sentiment_scores`).
 
 The samples of the untuned model (``..._start``) and of the tuned one come from the same prompts
 and the same seed: the same random stream, so the difference is the tuning's.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ...utils.run import atomic_write_path
+from ...core.run.entry import atomic_write_path
 
 
 def judged_samples(module, datamodule, trainer, output: Path, split: str, suffix: str) -> dict[str, float]:

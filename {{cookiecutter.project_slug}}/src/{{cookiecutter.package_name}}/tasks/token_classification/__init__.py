@@ -1,6 +1,6 @@
 """Token classification: one tag per word (named entities, part of speech, chunks).  The module is
-:class:`...tasks.token_classification.module.TokenClassificationModule`, the data
-:class:`...tasks.token_classification.data.TokenTagsDataModule` (configs/task/token_classification.yaml)."""
+:class:`.module.TokenClassificationModule`, the data
+:class:`.data.TokenTagsDataModule` (configs/task/token_classification.yaml)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ...compress.quantization import TORCHAO_VARIANTS
-from ...errors import DataError
-from ..base import to_device
+from ...core.compress.quantization import TORCHAO_VARIANTS
+from ...core.errors import DataError
+from ...core.task import to_device
 from ..classification import SequenceClassification
 from .spans import SCHEMES
 

@@ -11,10 +11,10 @@ import datasets
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorForTokenClassification, PreTrainedTokenizerBase
 
-from ...data.batching import TokenizedDataModule
-from ...data.loading import first_non_utf8, load_split, require_columns, split_field
-from ...data.tokenization import IGNORE_INDEX, load_tokenizer, use_eos_as_pad
-from ...errors import ConfigError, DataError
+from ...core.data.batching import TokenizedDataModule
+from ...core.data.loading import first_non_utf8, load_split, require_columns, split_field
+from ...core.data.tokenization import IGNORE_INDEX, load_tokenizer, use_eos_as_pad
+from ...core.errors import ConfigError, DataError
 from .spans import entity_spans, tag_problem
 
 log = logging.getLogger(__name__)

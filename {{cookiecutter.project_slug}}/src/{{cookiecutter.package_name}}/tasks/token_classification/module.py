@@ -8,11 +8,11 @@ from torchmetrics import SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 from transformers import AutoModelForTokenClassification
 
-from ...data.tokenization import IGNORE_INDEX
+from ...core.data.tokenization import IGNORE_INDEX
 from ..classification.module import SequenceClassificationModule
 from .spans import EntityScores
 
-# What the data module tells the module of its tags when none was stored (models/inputs.ModelInputs.task_facts).
+# What the data module tells the module of its tags when none was stored (core/models/inputs.ModelInputs.task_facts).
 DEFAULT_FACTS = {"scheme": "IOB2", "strict": False}
 
 

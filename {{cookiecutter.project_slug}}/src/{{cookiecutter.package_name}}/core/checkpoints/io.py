@@ -1,0 +1,399 @@
+"""Checkpoint files that survive a kill, and finding the one to resume from.
+
+Lightning's ``TorchCheckpointIO`` serialises a checkpoint in memory and then writes it over the
+target path: a kill during that write leaves a truncated ``last.ckpt``, and the run can no longer
+resume.  :class:`AtomicCheckpointIO` writes to a hidden temporary file next to the target
+(``.last.ckpt.partial``), flushes it to disk and renames it into place (``os.replace``: atomic on POSIX and Windows file
+systems), so ``last.ckpt`` is always either the previous complete checkpoint or the new one.
+With ``background=True`` (the shipped config) the write runs on a background thread
+(:mod:`.writer`), and a ``last.ckpt`` of the same state as the best checkpoint just
+written is a hard link to it, not a second write.  With :class:`..callbacks.checkpoint_writes.HoldStepCheckpoint`
+(the shipped callbacks), a step checkpoint's write also waits until the next training batch: a
+validation at the same step that saves (``best-*.ckpt``, ``last.ckpt``) replaces it, so that
+step's bytes are written once.
+"""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError, DiskFull
+from ..identity.fingerprint import command_line_value, is_local_path
+from ..run.entry import atomic_write_path
+from . import stored
+from .writer import HOST_RESERVE, BackgroundWriter, Stager, fingerprint, host_available, link_into_place, unique_tensors
+
+log = logging.getLogger(__name__)
+
+# The errors of a write that found no room: a full disk (ENOSPC), a full quota (EDQUOT).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def checkpoint_bytes(checkpoint: object) -> int:
+    """The bytes of every tensor in ``checkpoint`` (nested dicts and lists walked; a tensor's
+    storage counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in unique_tensors(checkpoint).values()}
+    return sum(storages.values())
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are all-or-nothing (see the module docstring): written
+    through :func:`..run.entry.atomic_write_path`.  Set through ``trainer.plugins``; remote paths
+    (``s3://``...) fall back to Lightning's save.  A save that finds the disk full raises
+    :class:`DiskFull` (its size and the free bytes; the previous file is intact).
+
+    Args:
+        background: write on a background thread (:mod:`.writer`): the save stages
+            the checkpoint to host memory and returns; the file is written while training goes
+            on.  A save of the same training state as the previous one to another file of the same
+            folder (``last.ckpt`` right after ``best-*.ckpt``, at one validation) hard-links that
+            file into place instead of writing its bytes again.  A checkpoint that does not fit in
+            the available host memory (less a 2 GiB reserve) is written synchronously, with a
+            warning.  An error of a background write (:class:`DiskFull`) is raised at the next
+            save, :meth:`flush` or the end of the fit (``teardown``).
+        pin_memory: pinned staging buffers (``None``: when CUDA is available).
+
+    ``hold_saves`` (set by :class:`..callbacks.checkpoint_writes.HoldStepCheckpoint`, off
+    otherwise): a staged checkpoint is held, not queued, until :meth:`release` (the next training
+    batch), the next save, :meth:`flush` or the end of the fit.  A save of the same optimizer
+    step (``global_step``) to the same folder before then *supersedes* it: the held copy is
+    dropped, the new checkpoint is written, and the held file's name becomes a link to it (the
+    later save holds the same weights, plus what the validation in between recorded).  A kill
+    while a checkpoint is held leaves the previous file of that name, as a kill during its
+    write would.
+    """
+
+    def __init__(self, background: bool = False, pin_memory: bool | None = None) -> None:
+        super().__init__()
+        self.background = background
+        self.stager = Stager(pin_memory)
+        self.writer = BackgroundWriter()
+        self._previous: tuple[Path, object] | None = None  # (file, fingerprint) of the last save queued
+        self._linked: set[Path] = set()  # files already linked to the previous save's
+        self._held: tuple[Path, dict, object] | None = None  # (file, staged checkpoint, global_step) not yet queued
+        self.hold_saves = False
+        self._warned = False
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
+        if not isinstance(get_filesystem(path), type(get_filesystem("."))):
+            self.flush()
+            super().save_checkpoint(checkpoint, path)
+            return
+        path = Path(path)
+        if not self.background:
+            self._write_file(checkpoint, path)
+            return
+        self.writer.raise_failure()
+        state = fingerprint(checkpoint)
+        previous, self._previous = self._previous, (path, state)
+        if previous is not None and previous[1] == state and previous[0] != path and previous[0].parent == path.parent:
+            self._previous = previous
+            if path not in self._linked:
+                self._link(previous[0], path)
+            return
+        superseded = self._supersede(path, checkpoint.get("global_step"))
+        self._linked = set()
+        self.flush()  # one checkpoint staged at a time; its buffers are free again
+        needed, available = self.stager.bytes_to_allocate(checkpoint), host_available()
+        if available is not None and needed > available - HOST_RESERVE:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "checkpoint %s: staging it for the background write needs %.2f GiB of host memory and %.2f GiB is available "
+                    "(less a %.0f GiB reserve): written synchronously instead",
+                    path,
+                    needed / 2**30,
+                    available / 2**30,
+                    HOST_RESERVE / 2**30,
+                )
+            self._previous = None
+            self._write_file(checkpoint, path)
+            if superseded is not None:
+                link_into_place(path, superseded)
+            return
+        staged = self.stager.stage(checkpoint)
+        if superseded is not None:
+            self._queue_write(staged, path)
+            self._link(path, superseded)
+        elif self.hold_saves:
+            self._held = (path, staged, checkpoint.get("global_step"))
+        else:
+            self._queue_write(staged, path)
+
+    def _queue_write(self, staged: dict, path: Path) -> None:
+        def write() -> None:
+            try:
+                self._write_file(staged, path)
+            finally:
+                self.stager.release(staged)
+
+        self.writer.submit(write)
+
+    def _link(self, source: Path, target: Path) -> None:
+        """Queue ``target`` as a second name of ``source`` (after ``source``'s write)."""
+        self.release()
+        self._linked.add(target)
+        self.writer.submit(lambda: link_into_place(source, target))
+
+    def _supersede(self, path: Path, step: object) -> Path | None:
+        """Before a full save to ``path`` at optimizer step ``step``: a held checkpoint of the
+        same step in the same folder is dropped and its file returned (to become a link to
+        ``path``; ``None`` when it is ``path`` itself); any other held checkpoint is queued."""
+        if self._held is not None and step is not None and self._held[2] == step and self._held[0].parent == path.parent:
+            held_path, staged, _ = self._held
+            self._held = None
+            self.stager.release(staged)
+            return None if held_path == path else held_path
+        self.release()
+        return None
+
+    def release(self) -> None:
+        """Queue the held checkpoint's write, if one is held."""
+        if self._held is not None:
+            path, staged, _ = self._held
+            self._held = None
+            self._queue_write(staged, path)
+
+    def _write_file(self, checkpoint: dict[str, Any], path: Path) -> None:
+        try:
+            with atomic_write_path(path) as partial, partial.open("wb") as file:
+                self.write(checkpoint, file)
+        except OSError as error:
+            if error.errno not in NO_SPACE:
+                raise
+            raise DiskFull(path, checkpoint_bytes(checkpoint), shutil.disk_usage(path.parent).free) from error
+
+    def flush(self) -> None:
+        """Write the held checkpoint and wait for every queued write; raises the error of one
+        that failed (:class:`DiskFull`...)."""
+        self.release()
+        self.writer.flush()
+
+    def wait(self) -> None:
+        """:meth:`flush` without raising a write's error (kept for the next :meth:`flush`)."""
+        self.release()
+        self.writer.wait()
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """Lightning's remove (an older best checkpoint, right after a new best is saved): with
+        ``background``, queued after the writes before it (one may be of that file, or link it),
+        so the training thread does not wait for the new best's write."""
+        if not self.background:
+            super().remove_checkpoint(path)
+            return
+        self.release()
+        remove = super().remove_checkpoint
+        self.writer.submit(lambda: remove(path))
+
+    def teardown(self) -> None:
+        """The end of a fit (or of a validate/test), also after an error: the queued writes
+        complete first.  A write's error is not raised here (it would replace the error that
+        ended the fit): the next :meth:`flush` raises it."""
+        self.wait()
+
+    def load_checkpoint(self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's load, always with ``weights_only=True`` (a resume unpickles no code, whatever
+        Lightning or the caller asks; train has checked the file first: :func:`trained_checkpoint`)."""
+        self.flush()
+        placement = {} if map_location is None else {"map_location": map_location}  # (else Lightning's default)
+        return super().load_checkpoint(path, weights_only=True, **placement)
+
+    def write(self, checkpoint: dict[str, Any], file: Any) -> None:
+        """Serialise ``checkpoint`` into the open temporary ``file`` (a seam for fault-injection tests)."""
+        torch.save(checkpoint, file)
+
+
+def flush_checkpoints(trainer: L.Trainer | None, raise_error: bool = True) -> None:
+    """Wait for ``trainer``'s background checkpoint writes (before anything reads a checkpoint
+    of the fit, or the run ends); raises the error of one that failed (unless ``raise_error`` is
+    false: on the way out of a run that failed already).  No-op for other IOs."""
+    io = trainer.strategy.checkpoint_io if trainer is not None else None
+    if isinstance(io, AtomicCheckpointIO):
+        io.flush() if raise_error else io.wait()
+
+
+def last_checkpoint(cfg: DictConfig) -> Path:
+    """Where ``last.ckpt`` of this run lives: the folder of the checkpoint callback that keeps it."""
+    for callback in (cfg.get("callbacks") or {}).values():
+        if callback is not None and callback.get("save_last") and callback.get("dirpath"):
+            return Path(callback.dirpath) / "last.ckpt"
+    return Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+
+
+def save_final_checkpoint(trainer: L.Trainer) -> Path | None:
+    """Write ``last.ckpt`` of the weights a finished fit ended with, unless it holds them already;
+    returns its path (``None`` when no checkpoint callback keeps a ``last.ckpt``).
+
+    ``ModelCheckpoint`` saves ``last.ckpt`` every ``every_n_train_steps``, and at an epoch's end
+    only if it saved in that step, so after the fit it can be up to that many steps old; ``eval``,
+    ``export`` and ``quantize`` of ``last.ckpt`` then read the final weights (and a resume with
+    a larger ``trainer.max_steps`` continues from them).  Every rank calls it (a DDP save is collective).
+    """
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+            path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            flush_checkpoints(trainer)
+            if not path.is_file() or read_checkpoint(path, "global_step") != trainer.global_step:
+                trainer.save_checkpoint(path)
+                flush_checkpoints(trainer)  # on disk when its path is returned
+            return path
+    return None
+
+
+def read_checkpoint(path: Path, key: str) -> Any:
+    """One top-level entry of a checkpoint, read memory-mapped with ``weights_only=True`` (so a
+    multi-GB checkpoint is not read whole, and no pickled code runs).
+
+    Raises:
+        ConfigError: the file is not a complete checkpoint (e.g. cut short by a full disk).
+    """
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # torch raises RuntimeError/UnpicklingError/EOFError for damaged files
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} is not a readable checkpoint ({type(error).__name__}: {error}); "
+            "fix: resume from another checkpoint of the run (RUN/checkpoints/*.ckpt)"
+        ) from error
+    return checkpoint.get(key)
+
+
+def trained_checkpoint(path: str | Path) -> dict:
+    """A checkpoint ``train`` wrote, checked before train (resuming), eval, predict, generate,
+    export or quantize use it: read memory-mapped with ``weights_only=True`` (the weights are not
+    read here), migrated from the previous format and checked as data (:mod:`.stored`: no class
+    path anywhere, bare tokenizer file names, checkpoint-callback paths inside their folder).
+
+    Raises:
+        ConfigError: the file is not a readable torch checkpoint (a CSV, a safetensors file, one
+            cut short), not one of ``train``'s (no ``state_dict``, ``hyper_parameters`` or
+            ``model_inputs``: e.g. a checkpoint of another Lightning project), or it holds what a
+            checkpoint may not (one line, naming every key).
+    """
+    fix = "fix: ckpt_path=RUN/checkpoints/last.ckpt (or a best-*.ckpt next to it) of a run of this project's train"
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as error:  # RuntimeError/UnpicklingError/EOFError/ValueError for what is not a checkpoint
+        raise ConfigError(f"ckpt_path={str(path)!r} is not a readable checkpoint ({type(error).__name__}: {error}); {fix}") from error
+    missing = [
+        key for key in ("state_dict", "hyper_parameters", "model_inputs") if not isinstance(checkpoint, dict) or key not in checkpoint
+    ]
+    if missing:
+        raise ConfigError(f"ckpt_path={str(path)!r} is not a checkpoint written by train (no {', '.join(missing)}); {fix}")
+    for note in stored.migrate(checkpoint):
+        log.info("ckpt_path=%s, written by an earlier version of this project: read as %s", path, note)
+    found = stored.problems(checkpoint)
+    if found:
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} is refused: {'; '.join(found)}. A checkpoint holds plain values only, and this one would "
+            "make us import code or write files outside their folder; nothing was loaded or written. "
+            "fix: a checkpoint written by this project's train (re-train if it came from elsewhere)"
+        )
+    return checkpoint
+
+
+def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, path: str | Path, **overrides: object) -> L.LightningModule:
+    """The module of a checkpoint of ``train`` (for eval, predict, generate, export, quantize),
+    built without instantiating anything the checkpoint names.
+
+    ``module_class`` comes from the caller (the user's config, ``task.module``); its arguments are
+    the checkpoint's stored groups, checked by :func:`trained_checkpoint`, with ``overrides`` on
+    top.  The stored ``model.fetch`` is never run: it is replaced by the user's config's
+    ``model.fetch`` when that config installs the same ``model.name_or_path`` (an adapter
+    checkpoint's frozen base is re-read from there), else by none.  Then, as Lightning's
+    ``load_from_checkpoint`` does: ``configure_model``, ``on_load_checkpoint``, and the weights
+    (``strict``).
+
+    Raises:
+        ConfigError: see :func:`trained_checkpoint`; a checkpoint of another task than
+            ``module_class``'s; an adapter checkpoint whose base model folder is not on this
+            machine and that the config does not install, or whose base holds other files than
+            the run's (:func:`adapter_base` finds it, :func:`..identity.fingerprint.base_problem` compares it,
+            before the base weights load); weights that do not fit the model built (including an
+            adapter checkpoint lacking a weight the base would draw at random).
+    """
+    checkpoint = trained_checkpoint(path)
+    parameters = inspect.signature(module_class.__init__).parameters
+    task, wanted = checkpoint.get("task"), getattr(module_class, "TASK_NAME", "")
+    foreign = sorted(set(checkpoint["hyper_parameters"]) - set(parameters))  # (a checkpoint from before "task" was stored)
+    if (task is not None and task != wanted) or (task is None and foreign):
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} holds a model of task={task or 'another task'} (its stored settings "
+            f"{'name that task' if task else 'include ' + ', '.join(foreign)}), and this config runs task={wanted}; "
+            f"fix: {'task=' + task if task else 'the task'} and the experiment it was trained with (e.g. experiment=...)"
+        )
+    stored = {key: value for key, value in checkpoint["hyper_parameters"].items() if key in parameters}
+    model = dict(stored.get("model") or {})
+    model["fetch"] = fetch_of_same_base(cfg, model)
+    peft = overrides.get("peft", stored.get("peft")) or {}
+    identity = checkpoint.get("identity")
+    if not isinstance(identity, dict):
+        log.warning("ckpt_path=%s was written before checkpoints recorded their run's identity: its base model cannot be checked", path)
+    entry = ((identity or {}).get("files") or {}).get("model.name_or_path")
+    if peft.get("method", "none") != "none" and model.get("name_or_path"):  # an adapter checkpoint: its frozen base is re-read
+        model["name_or_path"] = adapter_base(str(model["name_or_path"]), entry)
+    base = model.get("name_or_path")
+    if peft.get("method", "none") != "none" and model["fetch"] is None and is_local_path(str(base)) and not Path(str(base)).exists():
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} holds LoRA adapters whose frozen base model.name_or_path={base!r} (stored in the checkpoint) "
+            "is not on this machine, and the config does not install it; fix: model.name_or_path=<the folder it is in now> "
+            "on the command line (its files are compared with the run's), the model/experiment config the checkpoint was "
+            "trained with (its model.fetch installs the base), or put the base model folder back there"
+        )
+    module = module_class(**{**stored, "model": model, **overrides})
+    module.restores_weights = True  # the checkpoint sets the weights: no PiSSA/OLoRA initialisation first
+    if entry is not None and peft.get("method", "none") != "none":
+        module.expected_base = (entry, f"ckpt_path={str(path)!r}")  # checked once the base is installed (HFModule.prepare_data)
+    module.configure_model()
+    module.on_load_checkpoint(checkpoint)
+    try:
+        module.load_state_dict(checkpoint["state_dict"], strict=True)
+    except RuntimeError as error:  # torch's size/key mismatch, or an adapter checkpoint's (core/models/base.py)
+        first = " ".join(line.strip() for line in str(error).strip().splitlines()[:2])[:800]
+        raise ConfigError(
+            f"ckpt_path={str(path)!r}: its weights do not fit the model this config builds ({first}); fix: the task, model "
+            "and experiment it was trained with"
+        ) from error
+    return module
+
+
+def adapter_base(stored: str, entry: dict | None) -> str:
+    """Where the frozen base of an adapter checkpoint is read from: ``model.name_or_path`` given on
+    the command line (it wins), else the folder the run resolved its stored path to when it is
+    still there (a relative path is read from any working directory), else the stored path as
+    given.  Its content is compared with the run's when it is installed
+    (:func:`..identity.fingerprint.base_problem`)."""
+    given = command_line_value("model.name_or_path")
+    if given is not None:
+        return given
+    resolved = (entry or {}).get("resolved")
+    if resolved and Path(resolved).exists():
+        return resolved
+    return stored
+
+
+def fetch_of_same_base(cfg: DictConfig, stored_model: dict) -> dict | None:
+    """The user's ``model.fetch`` (plain) when their config's ``model.name_or_path`` is the stored
+    one (the same folder, compared after resolving), else ``None``."""
+    if cfg.get("model") is None or not cfg.model.get("fetch"):
+        return None
+    mine, theirs = cfg.model.get("name_or_path"), stored_model.get("name_or_path")
+    if mine is None or theirs is None:
+        return None
+    same = str(mine) == str(theirs) or (
+        is_local_path(str(mine)) and is_local_path(str(theirs)) and Path(str(mine)).resolve() == Path(str(theirs)).resolve()
+    )
+    return OmegaConf.to_container(cfg.model.fetch, resolve=True) if same else None

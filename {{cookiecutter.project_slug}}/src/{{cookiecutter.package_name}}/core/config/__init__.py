@@ -1,0 +1,1 @@
+"""Config groups: resolvers, each shared group's checks, the key vocabularies, instantiation."""

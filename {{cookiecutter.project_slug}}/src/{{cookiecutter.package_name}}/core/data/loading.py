@@ -1,0 +1,232 @@
+"""Load one split from local files or the Hugging Face Hub, with clear errors on bad input."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+
+import datasets
+
+from ..errors import DataError
+from ..identity.hashes import content_cache_dir
+
+log = logging.getLogger(__name__)
+
+# File suffix -> (datasets builder, extra builder kwargs).  csv/tsv cells are read as written:
+# no missing-value guessing (pandas would take "NA", "null", "None", "n/a", ... for missing),
+# and every column a string (see :func:`csv_as_written`).
+AS_WRITTEN = {"keep_default_na": False, "na_filter": False}
+BUILDERS = {
+    ".csv": ("csv", {"sep": ",", **AS_WRITTEN}),
+    ".tsv": ("csv", {"sep": "\t", **AS_WRITTEN}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".parquet": ("parquet", {}),
+}
+
+
+# What a well-formed file of each kind looks like, for the message when one cannot be parsed.
+FORMAT_HINTS = {
+    "csv": "one header line, then rows with as many fields as the header (quote fields that hold the separator)",
+    "json": "one JSON object per line (jsonl), keys in double quotes",
+    "parquet": "a parquet file as pandas/pyarrow write it",
+}
+
+
+def split_field(split: str) -> str:
+    """The setting a user typed for ``split``, for messages: ``input`` for predict's file,
+    ``data.splits.<split>`` otherwise."""
+    return "input" if split == "predict" else f"data.splits.{split}"
+
+
+def load_split(
+    split: str,
+    source: str,
+    hub_name: str | None,
+    hub_config: str | None,
+    cache_dir: str | None,
+) -> datasets.Dataset:
+    """Load one split as a ``datasets.Dataset`` (cached as Arrow by ``datasets``, a local file
+    under its content hash: :func:`..identity.hashes.content_cache_dir`).
+
+    Args:
+        split: our split name (``train``, ``validation``, ``test``, ``predict``), for messages.
+        source: a local file path, or the hub's split name when ``hub_name`` is set.
+
+    Raises:
+        DataError: the file is missing, has an unknown suffix, is empty, has no rows, is not
+            UTF-8 or cannot be parsed (the reader's message is included).
+    """
+    field = split_field(split)
+    if hub_name is not None:
+        return datasets.load_dataset(hub_name, hub_config, split=source, cache_dir=cache_dir)
+    path = Path(source)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.iterdir() if p.suffix.lower() in BUILDERS)[:3]
+        example = f" (it holds {', '.join(inside)})" if inside else ""
+        raise DataError(f"{field}={source!r} is a folder, not a file; fix: point {field} at one file in it{example}")
+    if path.suffix.lower() not in BUILDERS:
+        raise DataError(f"{field}={source!r}: unknown file type {path.suffix!r}; fix: a file ending in one of {sorted(BUILDERS)}")
+    if not path.is_file():
+        raise DataError(f"{field}={source!r} does not exist; fix: point {field} at an existing file")
+    builder, kwargs = BUILDERS[path.suffix.lower()]
+    head = path.read_bytes()[:65536]
+    if not head.strip():
+        wanted = "a header line and at least one row" if builder == "csv" else "at least one row (one JSON object a line for jsonl)"
+        raise DataError(f"{field}={source!r} is empty; fix: give it {wanted}")
+    whole_file_read = path.stat().st_size <= len(head)
+    if builder == "csv" and whole_file_read and len([line for line in head.splitlines() if line.strip()]) < 2:
+        raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
+    try:
+        if builder == "csv":
+            kwargs = {**kwargs, "features": csv_as_written(path, kwargs["sep"], field)}
+        # (cached under the file's content hash: datasets keys it by path and mtime, and would serve
+        # a file rewritten with its mtime kept as the old data)
+        cache = content_cache_dir(cache_dir, [str(path)])
+        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache, **kwargs)
+    except DataError:
+        raise
+    except Exception as error:  # datasets wraps the reader's error (decoding, parsing) in DatasetGenerationError
+        bad = first_non_utf8([str(path)]) if builder != "parquet" else None
+        if bad is not None:
+            raise DataError(
+                f"{field}={source!r}: {bad} is not UTF-8 text; fix: re-encode it, e.g. "
+                f"iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}"
+            ) from error
+        cause = error.__cause__ or error.__context__ or error
+        raise DataError(
+            f"{field}={source!r} cannot be read as {path.suffix.lstrip('.').lower()}: "
+            f"{type(cause).__name__}: {str(cause).strip()[:300]}; fix: {FORMAT_HINTS[builder]}"
+        ) from error
+    if len(dataset) == 0:
+        raise DataError(f"{field}={source!r} has a header but no rows; fix: add rows or choose another file")
+    return dataset
+
+
+def csv_as_written(path: Path, sep: str, field: str = "data file") -> datasets.Features:
+    """Every column of a csv/tsv file's header as a string column: cells keep their text
+    ("007", "1.50", "NA" stay as written) and an output file can carry them back unchanged.
+
+    Raises:
+        DataError: a row has more cells than the header (named by ``field`` and its line).
+        UnicodeDecodeError, csv.Error: the file cannot be read (reported as a DataError).
+    """
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # a long document is one cell (the default stops at 128 KiB)
+    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name;
+    # pandas, which reads the rows, drops it too.
+    with path.open(newline="", encoding="utf-8-sig") as file:
+        reader = csv.reader(file, delimiter=sep)
+        header = next(reader, [])
+        # pandas would take the extra leading cells of a longer row as an index and shift the rest
+        # (an unquoted "a, b" in a one-column file): the row's text would reach the model cut.
+        for fields in reader:
+            if len(fields) > len(header):
+                raise DataError(
+                    f"{field}={str(path)!r}: line {reader.line_num} has {len(fields)} cells but the header has {len(header)} "
+                    f'(an unquoted {sep!r} inside a cell?); fix: quote cells that contain the separator, e.g. "a, b"'
+                )
+    names: list[str] = []
+    for index, name in enumerate(header):  # the names pandas gives: "Unnamed: 0" (a saved index), "a.1" (a repeat)
+        name = name or f"Unnamed: {index}"
+        base, repeat = name, 0
+        while name in names:
+            repeat += 1
+            name = f"{base}.{repeat}"
+        names.append(name)
+    return datasets.Features({name: datasets.Value("string") for name in names})
+
+
+def require_columns(dataset: datasets.Dataset, split: str, source: str, fields: dict[str, str | None]) -> None:
+    """Raise if a configured column is missing from ``dataset``.
+
+    Args:
+        fields: config field name (e.g. ``"text_column"``) -> the column it names (``None`` = unused).
+
+    Raises:
+        DataError: one line per missing column, with the columns the split does have.
+    """
+    missing = [(field, column) for field, column in fields.items() if column is not None and column not in dataset.column_names]
+    if missing:
+        lines = [
+            f"data.{field}={column!r} is not a column of {split_field(split)}={source!r}; "
+            f"its columns are {dataset.column_names}; fix: data.{field}=<one of them>"
+            for field, column in missing
+        ]
+        raise DataError("\n".join(lines))
+
+
+def require_column_types(
+    dataset: datasets.Dataset, split: str, source: str, text: dict[str, str | None], labels: dict[str, str | None]
+) -> None:
+    """Raise if a text column does not hold text, or a label column holds lists, records or
+    values of mixed types (JSON lines read one column as several types, e.g. ``1`` and ``"negative"``).
+
+    Args:
+        text, labels: config field name (``"text_column"``) -> the column it names (``None`` = unused).
+
+    Raises:
+        DataError: one line per such column, naming the field, the file, what it holds and the fix.
+    """
+    lines = []
+    for field, column, wants_text in [(f, c, True) for f, c in text.items()] + [(f, c, False) for f, c in labels.items()]:
+        if column is None or column not in dataset.column_names:
+            continue
+        feature = dataset.features[column]
+        if isinstance(feature, datasets.ClassLabel) and not wants_text:
+            continue
+        dtype = getattr(feature, "dtype", None) if isinstance(feature, datasets.Value) else None
+        if (wants_text and dtype in ("string", "large_string")) or (not wants_text and dtype is not None):
+            continue
+        seen = sorted({type(value).__name__ for value in dataset[:1000][column]})  # (the first rows only: not the whole column)
+        holds = f"values of mixed types ({', '.join(seen)})" if len(seen) > 1 else f"{feature!r} values"
+        fix = "one string per row" if wants_text else "every label written the same way (all text, or all integers)"
+        lines.append(
+            f"data.{field}={column!r} in {split_field(split)}={source!r} holds {holds}, not {'text' if wants_text else 'one label per row'}; fix: {fix}"
+        )
+    if lines:
+        raise DataError("\n".join(lines))
+
+
+def first_non_utf8(files: list[str]) -> str | None:
+    """The first file that does not decode as UTF-8, with the byte offset; ``None`` if all do."""
+    for path in files:
+        data = Path(path).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return f"{path} (byte {error.start}: {data[error.start : error.start + 1]!r})"
+    return None
+
+
+def is_blank(value: object) -> bool:
+    """Missing (null) text, or text that is empty or only whitespace."""
+    return value is None or not str(value).strip()
+
+
+def drop_blank_rows(dataset: datasets.Dataset, split: str, columns: list[str]) -> datasets.Dataset:
+    """Drop the rows whose text ``columns`` are null, empty or whitespace (they carry no input),
+    with a warning that counts them.
+
+    Raises:
+        DataError: no row is left.
+    """
+
+    def keep(row: dict) -> bool:
+        return not any(is_blank(row[column]) for column in columns)
+
+    kept = dataset.filter(keep, desc=f"Dropping blank rows of {split}")
+    if len(kept) == 0:
+        raise DataError(
+            f"{split_field(split)}: all {len(dataset)} row(s) have empty or whitespace-only text in {columns}; "
+            "fix: point it at a file with text, or data.text_column=<the column that holds it>"
+        )
+    if len(kept) < len(dataset):
+        log.warning(
+            "%s: dropped %d of %d rows whose %s is empty, whitespace or missing",
+            split_field(split),
+            len(dataset) - len(kept),
+            len(dataset),
+            " / ".join(columns),
+        )
+    return kept

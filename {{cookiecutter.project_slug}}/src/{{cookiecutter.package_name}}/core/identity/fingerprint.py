@@ -1,0 +1,433 @@
+"""What a run is made of (its *identity*), and what a resume may change of it.
+
+``train`` writes the identity into the run folder (``identity.json``) and into every checkpoint
+(``checkpoint["identity"]``):
+
+- ``config``: the resolved config, secrets masked, without ``hydra`` and class-path keys
+  (``_target_``...: a checkpoint holds no class path, :mod:`..checkpoints.stored`);
+- ``files``: the content of what the config names on disk (:mod:`.hashes`: full sha256,
+  cached): each data file (``data.splits.<split>``; a folder of ``.txt`` files: each file), the base
+  model's files (``model.name_or_path``: weights, ``config.json``...) and the tokenizer's files
+  (``model.tokenizer``), each with the path as given and resolved.  A Hub name that is not a local
+  folder is recorded by name.
+
+A resume (``ckpt_path=last/auto/<file>``) compares the stored identity with this launch's
+(:func:`resume_changes`), key by key, and each changed key falls in one class
+(:func:`resume_class`, the table in docs/reliability.md):
+
+- **refused** (:data:`REFUSED_ON_RESUME`, and each task's :attr:`..task.Task.identity_keys`):
+  the model, tokenizer, labels, ``peft.*``, architecture, task, data content, ``max_length``, global
+  batch, precision: a different run, whatever the flag;
+- **allowed** (:data:`ALLOWED_ON_RESUME`): ``trainer.max_steps``/``max_epochs`` (logged: the LR
+  schedule stretches to the new length), loggers, the callbacks' display settings, devices and
+  strategy (the global batch is compared on its own);
+- **needs** ``resume.allow_changed=[key, ...]``: everything else (``optimizer.lr``, weight decay,
+  the schedule, the seed, the data order...);
+- not compared (:data:`NOT_IDENTITY`): where the run writes, how it is launched, and the paths of
+  files whose content is compared instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from ..checkpoints.stored import CLASS_PATH_KEYS
+from ..errors import ConfigError
+from ..run.entry import atomic_write_path
+from ..run.secrets import mask
+from .hashes import combined, file_sha256, folder_sha256
+
+log = logging.getLogger(__name__)
+
+IDENTITY_FILE = "identity.json"
+VERSION = 1
+
+# Not what a run is made of: where it writes, how it is launched and shown, what installs a
+# file, values derived from compared ones, and the paths of files compared by content.
+NOT_IDENTITY = (
+    "paths.*",
+    "ckpt_path",
+    "resume.*",
+    "task_name",
+    "print_config",
+    "plan_before_fit",
+    "optimized_metric",
+    "model.fetch.*",
+    "data.fetch.*",
+    "model.architecture.*",
+    "model.name_or_path",
+    "model.tokenizer",
+    "data.tokenizer",
+    "data.splits.*",
+    "data.cache_dir",
+    "data.num_workers",
+    "data.batch_size",
+    "batch.device_batch_size",
+    "batch.accumulate_grad_batches",
+    "trainer.accumulate_grad_batches",
+    "trainer.default_root_dir",
+    "callbacks.*.dirpath",
+    "callbacks.*.checkpoint_dir",
+)
+# Refused on a resume, for every task (a task adds its own: Task.identity_keys).
+REFUSED_ON_RESUME = (
+    "task.name",
+    "task.module",
+    "model.*",
+    "peft.*",
+    "qat.*",
+    "data.max_length",
+    "data.hub_name",
+    "data.hub_config",
+    "batch.global_batch_size",
+    "trainer.precision",
+)
+# Changed on a resume without asking.
+ALLOWED_ON_RESUME = (
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.strategy",
+    "trainer.strategy.*",
+    "trainer.log_every_n_steps",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "logger",
+    "logger.*",
+    "callbacks.progress_bar.*",
+    "callbacks.gpu_stats.*",
+    "callbacks.throughput.*",
+    "callbacks.sample_generation.*",
+    "test_after_fit",
+    "data.splits.test (content)",  # (the test after the fit is an evaluation: new data is its job)
+)
+# What a schedule's length is read from: logged when a resume changes it.
+SCHEDULE_LENGTH = ("trainer.max_steps", "trainer.max_epochs")
+# The tokenizer's files in a model folder (the rest are the model's).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+TOKENIZER_SUFFIXES = (".model", ".tiktoken")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One compared key whose value differs: ``old`` (stored) and ``new`` (this launch), as text."""
+
+    key: str
+    old: str
+    new: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old} -> {self.new}"
+
+
+# ---------------------------------------------------------------------------------- building
+def identity_of(config: dict) -> dict:
+    """The identity of a run of the resolved ``config`` (:func:`plain_config`), hashing the
+    files it names that exist now (call after the data and model files are installed:
+    ``prepare_data``)."""
+    return {"version": VERSION, "config": config, "files": named_files(config)}
+
+
+def plain_config(cfg: DictConfig) -> dict:
+    """``cfg`` resolved into plain types, secrets masked, without ``hydra`` and class-path keys."""
+    plain = {key: OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key] for key in cfg}
+    plain.pop("hydra", None)
+    return mask(_without_class_paths(plain))
+
+
+def named_files(config: dict) -> dict[str, dict]:
+    """``{config key: entry}`` of the data, model and tokenizer files a resolved config names
+    (see :func:`path_entry`)."""
+    files = {}
+    data, model = config.get("data") or {}, config.get("model") or {}
+    if data.get("hub_name") is None:
+        for split, source in (data.get("splits") or {}).items():
+            if isinstance(source, list):  # several files (a mix of training files)
+                files.update({f"data.splits.{split}[{index}]": path_entry(str(item)) for index, item in enumerate(source)})
+            elif source is not None:
+                files[f"data.splits.{split}"] = path_entry(str(source))
+    if model.get("name_or_path"):
+        files["model.name_or_path"] = path_entry(str(model["name_or_path"]), model_files)
+    if model.get("tokenizer"):
+        files["model.tokenizer"] = path_entry(str(model["tokenizer"]), tokenizer_files)
+    return files
+
+
+def path_entry(given: str, pick=None) -> dict:
+    """What is at ``given`` now: ``{"given", "resolved", "sha256"}`` for a file, ``{..., "files":
+    {name: sha256}}`` for a folder (``pick`` keeps some of its names), ``{"given", "hub": true}``
+    for a name that is no local path (a Hub id, compared by name)."""
+    path = Path(given).expanduser()
+    if not path.exists():
+        return (
+            {"given": given, "hub": True}
+            if not is_local_path(given)
+            else {"given": given, "resolved": str(path.resolve()), "missing": True}
+        )
+    entry = {"given": given, "resolved": str(path.resolve())}
+    if path.is_file():
+        entry["sha256"] = file_sha256(path)
+    else:
+        digests = folder_sha256(path)
+        entry["files"] = {name: digest for name, digest in digests.items() if pick is None or pick(name)}
+    return entry
+
+
+def tokenizer_files(name: str) -> bool:
+    """Whether a folder's file ``name`` is one that makes a tokenizer (:data:`TOKENIZER_FILES`)."""
+    return name in TOKENIZER_FILES or name.endswith(TOKENIZER_SUFFIXES)
+
+
+def model_files(name: str) -> bool:
+    """Whether a model folder's file ``name`` is the model's (weights, ``config.json``...), not the tokenizer's."""
+    return not tokenizer_files(name)
+
+
+def is_local_path(name: str) -> bool:
+    """Whether ``name`` is a path (absolute, ``./``, ``~``, or existing) rather than a Hub id ``org/name``."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
+
+
+def content_digest(entry: dict | None) -> str | None:
+    """One digest of a :func:`path_entry` (``None``: nothing there, or a Hub name)."""
+    if not entry:
+        return None
+    if "sha256" in entry:
+        return entry["sha256"]
+    if "files" in entry:
+        return combined(entry["files"])
+    return None
+
+
+def differing_files(old: dict | None, new: dict | None) -> list[str]:
+    """The names whose hash differs between two folder entries (one missing on a side included);
+    ``[]`` unless both are folders."""
+    if not (old and new and "files" in old and "files" in new):
+        return []
+    before, after = old["files"], new["files"]
+    return sorted(name for name in set(before) | set(after) if before.get(name) != after.get(name))
+
+
+def describe(entry: dict | None) -> str:
+    """An entry as messages name it: ``sha256 <12 hex> of <resolved path>``."""
+    if not entry:
+        return "(none)"
+    if entry.get("hub"):
+        return f"the Hub name {entry['given']!r}"
+    if entry.get("missing"):
+        return f"nothing at {entry['resolved']}"
+    return f"sha256 {content_digest(entry)[:12]} of {entry['resolved']}"
+
+
+def write_identity(identity: dict, run_dir: Path) -> Path:
+    """``run_dir/identity.json``, written whole (:func:`..run.entry.atomic_write_path`)."""
+    path = run_dir / IDENTITY_FILE
+    with atomic_write_path(path) as partial:
+        partial.write_text(json.dumps(identity, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+# -------------------------------------------------------------------------------- comparing
+def flatten(node: object, prefix: str = "") -> dict[str, object]:
+    """``{dotted key: leaf}`` of nested dicts (a list is one leaf)."""
+    if not isinstance(node, dict) or (not node and prefix):
+        return {prefix: node}
+    flat = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def resume_class(key: str, task_keys: tuple[str, ...] = ()) -> str:
+    """``ignored`` | ``refused`` | ``allowed`` | ``allow_changed`` (needs ``resume.allow_changed``)
+    for a changed config key (module docstring); a file's content (``<key> (content)``) and
+    ``labels`` are refused, except the test split's content (the test after the fit is an evaluation)."""
+    if key.endswith(" (content)") or key == "labels":
+        return "allowed" if key in ALLOWED_ON_RESUME else "refused"
+    if any(fnmatch(key, pattern) for pattern in NOT_IDENTITY):
+        return "ignored"
+    if any(fnmatch(key, pattern) for pattern in (*REFUSED_ON_RESUME, *task_keys)):
+        return "refused"
+    if any(fnmatch(key, pattern) for pattern in ALLOWED_ON_RESUME):
+        return "allowed"
+    return "allow_changed"
+
+
+ABSENT = object()
+
+
+def config_changes(old: dict, new: dict) -> list[Change]:
+    """The keys whose value differs between two resolved configs (a key in one only included)."""
+    old_flat, new_flat = flatten(old), flatten(new)
+    changes = []
+    for key in sorted(set(old_flat) | set(new_flat)):
+        before, after = old_flat.get(key, ABSENT), new_flat.get(key, ABSENT)
+        if before != after:
+            changes.append(Change(key, _text(before), _text(after)))
+    return changes
+
+
+def file_changes(old: dict, new: dict) -> list[Change]:
+    """The named files whose content differs (``<key> (content)``), a Hub name compared by name."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key), new.get(key)
+        same = (
+            before.get("given") == after.get("given")
+            if before and after and before.get("hub") and after.get("hub")
+            else content_digest(before) == content_digest(after)
+        )
+        if not same:
+            differ = differing_files(before, after)
+            detail = f" (differing files: {', '.join(differ[:5])})" if differ else ""
+            changes.append(Change(f"{key} (content)", describe(before), describe(after) + detail))
+    return changes
+
+
+def resume_problems(changes: list[Change], task_keys: tuple[str, ...], allow_changed: list[str], where: str) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of resuming with ``changes``: a problem line per refused change and
+    per change not named in ``allow_changed`` (with the fix); a note per change the flag allowed,
+    per schedule length and per allowed file (the other allowed changes, loggers and display, pass
+    without a word).
+
+    Args:
+        where: the checkpoint, as messages name it (``ckpt_path=...``).
+    """
+    refused, unasked, notes = [], [], []
+    for change in changes:
+        kind = resume_class(change.key, task_keys)
+        if kind == "refused":
+            refused.append(str(change))
+        elif kind == "allow_changed" and not any(fnmatch(change.key, pattern) for pattern in allow_changed):
+            unasked.append(change)
+        elif kind == "allow_changed":
+            notes.append(f"resuming with {change} (resume.allow_changed)")
+        elif change.key in SCHEDULE_LENGTH:
+            notes.append(f"resuming with {change} (the LR schedule stretches to the new length)")
+        elif change.key.endswith(" (content)"):
+            notes.append(f"resuming with {change}")
+    problems = []
+    if refused:
+        problems.append(
+            f"{where} was trained with other inputs, and resuming it with these is refused (it would be another run "
+            f"under the old run's steps): {'; '.join(refused)}; fix: resume with the run's own settings (its "
+            f"{IDENTITY_FILE} and .hydra/config.yaml), or start a new run (drop ckpt_path)"
+        )
+    if unasked:
+        keys = ",".join(change.key for change in unasked)
+        problems.append(
+            f"{where} was trained with other settings: {'; '.join(map(str, unasked))}; a resumed run would report "
+            f"steps of both as one run; fix: resume.allow_changed=[{keys}] to continue with the change knowingly, or "
+            "drop the override(s)"
+        )
+    return problems, notes
+
+
+def check_allow_changed(allow_changed: list[str], task_keys: tuple[str, ...]) -> None:
+    """``resume.allow_changed`` must name keys a resume may change with the flag.
+
+    Raises:
+        ConfigError: an entry names a refused or not compared key.
+    """
+    for pattern in allow_changed:
+        kind = resume_class(str(pattern), task_keys)
+        if kind == "refused":
+            raise ConfigError(
+                f"resume.allow_changed contains {pattern!r}, which a resume never changes (it is part of what the run is "
+                "made of: model, tokenizer, labels, peft, architecture, task, data, max_length, global batch, precision); "
+                "fix: drop it, and start a new run (drop ckpt_path) to train with another value"
+            )
+
+
+def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys: tuple[str, ...]) -> None:
+    """Before any data or weights load: compare the config of a resume with the one the
+    checkpoint's run was made of (module docstring); log the allowed changes.  A checkpoint from
+    before identities were stored gets a one-line warning.
+
+    Raises:
+        ConfigError: a refused change, a change not named in ``resume.allow_changed``, or an
+            entry of ``resume.allow_changed`` that names a refused key.
+    """
+    allow = [str(key) for key in OmegaConf.select(cfg, "resume.allow_changed", default=None) or []]
+    check_allow_changed(allow, task_keys)
+    identity = checkpoint.get("identity")
+    if not isinstance(identity, dict):
+        log.warning("%s was written before checkpoints recorded their run's identity: its config, data and model cannot be checked", where)
+        return
+    config = plain_config(cfg)
+    keys = set(flatten(identity.get("config") or {})) | set(flatten(config))
+    for pattern in allow:  # (a key that names nothing is a typo; a pattern may match nothing this time)
+        if not set("*?[") & set(pattern) and pattern not in keys:
+            close = difflib.get_close_matches(pattern, sorted(keys), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(
+                f"resume.allow_changed contains {pattern!r}, which names no key of the run's config; {hint}fix: the dotted "
+                "key the refusal names (e.g. resume.allow_changed=[optimizer.lr]; fnmatch patterns such as optimizer.* work)"
+            )
+    problems, notes = resume_problems(config_changes(identity.get("config") or {}, config), task_keys, allow, where)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    for note in notes:
+        log.warning(note)
+
+
+def base_problem(entry: dict, name_or_path: str, where: str) -> str | None:
+    """What is wrong with reading an adapter checkpoint's frozen base from ``name_or_path``: its
+    files (weights, config; not the tokenizer's) differ from those the adapters were trained on
+    (``entry``, the run's :func:`path_entry`), naming both paths, both hashes and the differing
+    files; ``None`` when they are the same (a base trained from a Hub name: the same name)."""
+    now = path_entry(name_or_path, model_files)
+    if entry.get("hub") and entry.get("given") == now.get("given"):
+        return None  # (a Hub name: its revision is the Hub's to keep)
+    if not entry.get("hub") and content_digest(now) == content_digest(entry):
+        return None
+    differ = differing_files(entry, now)
+    return (
+        f"{where} holds adapters trained on the base {describe(entry)}, and model.name_or_path={name_or_path!r} holds "
+        f"{describe(now)} (differing files: {', '.join(differ[:5]) or 'all'}): the adapters would be applied to another "
+        "model; fix: model.name_or_path=<the folder the run was trained on> on the command line, or re-train on this base"
+    )
+
+
+def command_line_value(key: str) -> str | None:
+    """The value of ``key=...`` on this Hydra app's command line (``None``: not given there)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    for override in HydraConfig.get().overrides.task:
+        name, _, value = override.partition("=")
+        if name.lstrip("+~") == key:
+            return value
+    return None
+
+
+def _text(value: object) -> str:
+    return "(absent)" if value is ABSENT else json.dumps(value) if not isinstance(value, str) else value
+
+
+def _without_class_paths(node: object) -> object:
+    if isinstance(node, dict):
+        return {key: _without_class_paths(value) for key, value in node.items() if key not in CLASS_PATH_KEYS}
+    if isinstance(node, list):
+        return [_without_class_paths(value) for value in node]
+    return node

@@ -1,0 +1,435 @@
+"""What every task's LightningModule shares: fetching the model files, the optimizer, and the
+tokenizer stored inside each checkpoint."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import WandbLogger
+
+from ..assets import fetch_model_files
+from ..config.groups import rewrites_base
+from ..errors import ConfigError
+from ..identity.fingerprint import base_problem
+from ..optim import build_optimizer, lightning_allows_fused
+from ..run.secrets import mask
+from .adapters import adapter_tensors, restore_residual, uses_peft, wrap_with_lora
+from .inputs import ModelInputs
+from .levers import apply_levers
+
+
+class HFModule(L.LightningModule):
+    """Base of the task modules: ``self.model`` is the Hugging Face model (built in
+    ``configure_model``), ``self.tokenizer`` its tokenizer; ``hparams.model``,
+    ``hparams.optimizer``, ``hparams.attention``, ``hparams.activation_checkpointing`` and
+    ``hparams.compile`` are those config groups as plain dicts (the last three ``None`` = sdpa,
+    no checkpointing, no compile).
+
+    With ``optimizer.step_in_backward`` the module runs under manual optimization
+    (:meth:`backward_and_step`); otherwise Lightning's automatic loop.
+
+    **Loss normalisation** (both tasks).  ``training_step`` feeds :meth:`add_to_window` the
+    *sum* of the per-item losses of its micro-batch (per token for a causal LM, per row for a
+    classifier) and the item count; before the optimizer step the gradients are divided by the
+    items of the whole accumulated batch (all micro-batches of the step, all devices).  So a step
+    follows the mean over every item of the global batch, whatever the micro-batch size, and a
+    last, partial accumulation window of an epoch (fewer micro-batches, or a smaller last
+    micro-batch) is the mean over the items it has -- not shrunk by ``accumulate_grad_batches``
+    as Lightning's per-micro-batch division would leave it.  This is the normalisation HF's
+    Trainer reaches with ``num_items_in_batch`` (transformers PR #34191).  ``train/loss`` is
+    logged once per optimizer step as that mean (:meth:`step_loss`).
+
+    ``skipped_steps`` counts optimizer steps whose update was skipped (non-finite loss, see
+    :class:`..callbacks.guards.NonFiniteLoss`); the LR schedule does not advance on them.  It is
+    saved in checkpoints.
+
+    **Inputs.**  What the module knows of its data and run (tokenizer, labels, ``max_length``,
+    per-process micro-batch, precision) is :attr:`inputs`, a :class:`.inputs.ModelInputs` handed
+    to it (:meth:`connect`: never read from the trainer's data module) and saved in checkpoints
+    (``checkpoint["model_inputs"]``, the tokenizer as its files' text), so
+    eval/predict/generate/export need nothing but the checkpoint.
+    """
+
+    TASK_NAME = ""  # each task's module names its task (task.name)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None  # built in configure_model
+        self.fresh_ids: set[int] = set()  # ids of the parameters from_pretrained drew at random (remember_fresh)
+        # True when a checkpoint will set the weights (a resume, eval/export...): adapters are built
+        # with peft's plain initialisation, and a PiSSA/OLoRA run's residual comes from the checkpoint.
+        self.restores_weights = False
+        self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA/OLoRA: (A0, B0), kept in checkpoints
+        self.tokenizer = None
+        self.inputs: ModelInputs | None = None
+        self.skipped_steps = 0
+        # The figures of the validation before the first step (`val/*_start`, train.py), kept in
+        # every checkpoint so that a resumed run's metrics.json still reports them.
+        self.start_metrics: dict[str, float] = {}
+        self.validated_at_step: int | None = None  # the optimizer step of the last full validation pass
+        self._loss_divisor = 1.0
+        # The optimizer step being accumulated: its summed loss (None before its first micro-batch)
+        # and item count (a Python int while every count came from the host, as a classifier's rows do).
+        self._window_loss: torch.Tensor | None = None
+        self._window_items: int | torch.Tensor = 0
+        self._step_loss: torch.Tensor | None = None
+        self._step_items: float | torch.Tensor = 0.0
+        self.step_metrics: dict[str, torch.Tensor | float] = {}  # the latest optimizer step's row (log_step_metric)
+        self._row_step = 0
+        self._row_pending = False  # an optimizer step whose row on_train_batch_end has not sent yet
+        # (the run's entry of its base files, where the checkpoint is): an adapter checkpoint's base is checked against it
+        self.expected_base: tuple[dict, str] | None = None
+
+    def attached_trainer(self) -> L.Trainer | None:
+        """The trainer running this module, or ``None`` (built by hand, or loaded for eval/export)."""
+        try:
+            return self.trainer
+        except RuntimeError:  # Lightning's "not attached to a Trainer"
+            return None
+
+    @property
+    def knows_its_data(self) -> bool:
+        """Whether the module holds its data's facts (the tokenizer and labels: handed over by
+        :class:`.inputs.ConnectData`, or read from a checkpoint), not only the config's."""
+        return self.inputs is not None and self.inputs.tokenizer is not None
+
+    def connect(self, inputs: ModelInputs) -> None:
+        """Hand the module the facts of its data and run (:mod:`.inputs`): the config's at
+        construction (``tasks.build_module``), the data's once it is set up
+        (:class:`.inputs.ConnectData`), or a checkpoint's.  Before ``configure_model``."""
+        self.inputs = inputs
+        self.tokenizer = inputs.tokenizer
+
+    def setup(self, stage: str) -> None:
+        """Refuse to build a model without the data's facts (the module reads no data module).
+
+        Raises:
+            RuntimeError: fit/validated/tested by a trainer without :class:`.inputs.ConnectData`
+                and never handed the data's facts (``connect``) nor loaded from a checkpoint.
+        """
+        if not self.knows_its_data:
+            raise RuntimeError(
+                f"{type(self).__name__} was not handed its data's facts (tokenizer, labels): add "
+                "core.models.inputs.ConnectData() to the trainer's callbacks (train and eval do), or call module.connect(...)"
+            )
+
+    def datamodule_kwargs(self) -> dict:
+        """What eval, predict and quantize hand the task's data module when they load this module:
+        the checkpoint's tokenizer (none for a module built to load an exported folder: the data
+        config names the folder's).  A task whose data needs more from the checkpoint (the
+        classifier's label map) adds it."""
+        return {"tokenizer": self.tokenizer} if self.tokenizer is not None else {}
+
+    def prepare_data(self) -> None:
+        """Install the model files once (``model.fetch``: a fetcher of the project's table, by
+        name), before anything reads them; an adapter checkpoint's base is then compared with the
+        one it was trained on (:attr:`expected_base`, set by ``core.checkpoints.io.load_trained_module``).
+
+        Raises:
+            ConfigError: the base at ``model.name_or_path`` holds other files than the run's.
+        """
+        if self.hparams.model.get("fetch"):
+            fetch_model_files(self.hparams.model["fetch"])
+        if self.expected_base is not None:
+            entry, where = self.expected_base
+            problem = base_problem(entry, str(self.hparams.model["name_or_path"]), where)
+            if problem:
+                raise ConfigError(problem)
+
+    def setup_optimization(self) -> None:
+        """Call after ``save_hyperparameters``: manual optimization when the optimizer steps
+        inside backward (Lightning's automatic loop would step it a second time)."""
+        self.automatic_optimization = not self.hparams.optimizer["step_in_backward"]
+
+    @property
+    def peft_method(self) -> str:
+        """The ``peft`` group's ``method``: none | lora | qlora (``none`` for a module built without it)."""
+        return self.hparams.peft["method"] if self.hparams.get("peft") else "none"
+
+    @property
+    def attn_implementation(self) -> str:
+        """The ``attention`` group's choice (``sdpa`` when the module was built without it)."""
+        return self.hparams.attention["implementation"] if self.hparams.get("attention") else "sdpa"
+
+    def prepare_qat(self, model: torch.nn.Module) -> None:
+        """Quantization-aware training (the ``qat`` group): fake-quantise ``model``'s Linear layers
+        in place (:func:`..compress.qat.prepare_qat`); nothing for ``qat=none`` or a module built
+        without the group."""
+        qat = self.hparams.get("qat")
+        if qat and qat["scheme"] != "none":
+            from ..compress.qat import prepare_qat
+
+            prepare_qat(model, qat)
+
+    def apply_levers(self, compile_target: torch.nn.Module | None = None) -> None:
+        """Activation checkpointing (with offloading and the tiled MLP) and compile, from the config
+        groups (see :mod:`.levers`); ``self.activation_offload`` holds the offloading hooks' counters
+        (None when offloading is off)."""
+        self.activation_offload = apply_levers(
+            self.model, self.hparams.get("activation_checkpointing"), self.hparams.get("compile"), compile_target
+        )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # No LR scheduler here: the schedule callback sets the LR from the optimizer step count,
+        # the same way for every optimizer below (fused, 8-bit, stepped in backward).
+        trainer = self.attached_trainer()
+        fused = trainer is None or lightning_allows_fused(trainer.precision, trainer.gradient_clip_val)
+        ratio = (self.hparams.get("peft") or {}).get("loraplus_lr_ratio") if uses_peft(self.hparams.get("peft")) else None
+        return build_optimizer(self.model, self.hparams.optimizer, self.device.type, fused_allowed=fused, loraplus_lr_ratio=ratio)
+
+    # ------------------------------------------------------------------ loss normalisation
+    def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """The loss contract of every task: ``(loss_sum, items)``, the loss summed over the
+        micro-batch's items (rows, target tokens: fp32 scalar) and their count (a long scalar, or
+        a Python int where the host knows it: no device op, no host read).
+        Training normalises over the whole accumulated batch (:meth:`add_to_window`); the planner
+        traces ``loss_sum / items`` (``tasks.base.Task.example_loss``)."""
+        raise NotImplementedError
+
+    def loss_divisor(self) -> float:
+        """A constant the summed micro-batch loss is divided by before backward (any value works,
+        the gradients are rescaled before the step; one that keeps the loss near the per-item
+        scale keeps fp16 loss scaling in its usual range)."""
+        raise NotImplementedError
+
+    def on_train_start(self) -> None:
+        self._loss_divisor = float(self.loss_divisor())
+        self._window_loss, self._window_items, self._step_loss = None, 0, None
+
+    def add_to_window(self, loss_sum: torch.Tensor, items: torch.Tensor | int) -> torch.Tensor | None:
+        """Count one micro-batch (``loss_sum``: fp32 scalar, summed over its ``items``: a long
+        scalar or an int) and return what ``training_step`` returns: the loss to backpropagate
+        (automatic optimization), or ``None`` after stepping here (``optimizer.step_in_backward``).
+        The first micro-batch of a step costs no device op here (its loss and count are kept as
+        they are), each later one an add."""
+        loss_sum_detached = loss_sum.detach()
+        self._window_loss = loss_sum_detached if self._window_loss is None else self._window_loss + loss_sum_detached
+        self._window_items = items if isinstance(self._window_items, int) and self._window_items == 0 else self._window_items + items
+        if not self.automatic_optimization:
+            # step_in_backward: no accumulation, one device, so this micro-batch is the whole
+            # batch: normalise now, as the update happens during backward.
+            self.backward_and_step(loss_sum / items)
+            return None
+        # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both
+        # constants and divides by the accumulated batch's item count instead.
+        return loss_sum / self._loss_divisor
+
+    def step_loss(self) -> torch.Tensor:
+        """Mean loss per item of the optimizer step being taken (every micro-batch, every device);
+        a 0-dim tensor, computed once per step (callbacks read it before the module logs it)."""
+        if self._step_loss is None:
+            if self._window_loss is None:  # cannot happen: Lightning steps after a training_step
+                raise RuntimeError("an optimizer step before any micro-batch of it")
+            loss, items = self._window_loss, self._window_items
+            if self.trainer.world_size > 1:
+                items = self.trainer.strategy.reduce(torch.as_tensor(items, dtype=torch.float32, device=self.device), reduce_op="sum")
+                loss = self.trainer.strategy.reduce(loss, reduce_op="sum")
+            elif isinstance(items, int):
+                items = float(items)
+            self._step_loss, self._step_items = loss / items, items
+        return self._step_loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        loss = self.step_loss()
+        items = float(self._step_items)  # (a host read when the count is a device tensor)
+        if items <= 0:  # cannot happen with our data modules
+            raise RuntimeError("an optimizer step with nothing to learn from: every label is -100")
+        # DDP averages gradients over devices, hence the world-size factor.
+        scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / items
+        # (stepped in backward, the loss was normalised already.)  A scale of exactly 1 -- full
+        # micro-batches of a classifier without accumulation -- needs no pass over the gradients
+        # (one launch per tensor: about 1 ms a step for a small model on the CPU).
+        if self.automatic_optimization and scale != 1.0:
+            for parameter in self.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(scale)
+        self._row_step = self.trainer.global_step  # (the step this optimizer step's row is logged at)
+        self._row_pending = True
+        self.log_step_metric("train/loss", loss)
+        self._window_loss, self._window_items, self._step_loss = None, 0, None
+
+    def log_step_metric(self, name: str, value: torch.Tensor | float) -> None:
+        """Put a metric of the optimizer step being taken (``train/loss``, ``train/lr``,
+        ``train/tokens``...) in the step's row, :attr:`step_metrics`, which
+        :meth:`on_train_batch_end` sends to the loggers.  ``value``: a 0-dim tensor, stored as a
+        0-dim float32/float64 tensor on its device (no host sync here), or a Python number, stored
+        as a float (no device copy, nothing to read back).
+
+        Not ``self.log``: Lightning's per-call bookkeeping (its result collection moves the
+        logged metric's state to the value's device on every call) cost 0.55-0.8 ms a call on a
+        2-core CPU (``bench/throughput.py --profile``), once per metric per step; the rows are
+        the same, sent by :meth:`on_train_batch_end` as Lightning's ``LearningRateMonitor`` sends
+        its own.  A per-step metric is therefore not in ``trainer.callback_metrics``: the
+        progress bar (:class:`..callbacks.terminal.ProgressBar`) and ``metrics.json`` read
+        :attr:`step_metrics`."""
+        if isinstance(value, (int, float)):
+            self.step_metrics[name] = float(value)
+            return
+        value = torch.as_tensor(value, device=self.device)
+        if value.requires_grad:
+            value = value.detach()
+        if value.dtype not in (torch.float32, torch.float64):
+            value = value.to(torch.get_default_dtype())
+        self.step_metrics[name] = value
+
+    def step_row(self) -> tuple[int, dict[str, float]]:
+        """The row :meth:`on_train_batch_end` sends the loggers after the latest optimizer step:
+        the step number it is logged at (optimizer steps before this one, as Lightning counts
+        its rows) and the :meth:`log_step_metric` values plus ``epoch``.  Also read before that
+        delivery, to write the row before the step's checkpoint
+        (:class:`..loggers.csv_log.StepLogBeforeCheckpoint`) or when a stop skips the delivery
+        (:mod:`..callbacks.guards`).  One host sync per metric."""
+        return self._row_step, {**self.final_step_metrics(), "epoch": self.trainer.current_epoch}
+
+    def sends_step_row(self) -> bool:
+        """Whether the latest optimizer step's row goes to the loggers: every
+        ``trainer.log_every_n_steps``-th step, and the step after which the run stops (Lightning's
+        pace for ``self.log`` rows).  Also asked by :class:`..loggers.csv_log.StepLogBeforeCheckpoint`."""
+        return (self._row_step + 1) % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        """Send the optimizer step's row (:meth:`step_row`) to every logger, at Lightning's pace
+        (every ``trainer.log_every_n_steps``-th step, and a step after which the run stops) and
+        where Lightning sends the rows of ``self.log``: after the callbacks'
+        ``on_train_batch_end`` (a checkpoint saved there has the row written first, and the CSV
+        logger does not write it twice).  A micro-batch inside an accumulation window sends
+        nothing.  The loggers write at their own pace (the CSV log every
+        ``flush_logs_every_n_steps`` rows and before every checkpoint), not once a row as
+        Lightning's delivery does (it calls each logger's ``save``)."""
+        if not self._row_pending:
+            return
+        self._row_pending = False
+        if not self.sends_step_row() or not self.trainer.is_global_zero:
+            return  # (Lightning's loggers write on the global-zero process only: no host syncs elsewhere)
+        step, metrics = self.step_row()
+        for logger in self.trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def final_step_metrics(self) -> dict[str, float]:
+        """The latest optimizer step's :meth:`log_step_metric` values as numbers (for
+        ``metrics.json``); empty before the first step."""
+        return {name: value if isinstance(value, float) else value.item() for name, value in self.step_metrics.items()}
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        """The manual-optimization step of ``optimizer.step_in_backward``: ``backward`` updates
+        every parameter as its gradient completes; ``step()`` then only counts the step (global
+        step, so the LR schedule and step-based checkpoints advance) and runs Lightning's
+        optimizer hooks.  A non-finite loss is not backpropagated (the update would be applied
+        before anything could look at it): the step is counted, and the non-finite-loss
+        callback sees it in ``on_before_optimizer_step``."""
+        if torch.isfinite(loss):
+            self.manual_backward(loss)
+        self.optimizers().step()
+
+    # ----------------------------------------------------------------------- checkpoints
+    def remember_fresh(self, model: torch.nn.Module, loading_info: dict) -> None:
+        """Record which parameters of ``model`` (before LoRA wraps it) ``from_pretrained`` drew at
+        random because the base files do not hold them (``loading_info["missing_keys"]``: a new
+        classifier head, a pooler the folder lacks...): an adapter checkpoint saves them, since a
+        rebuilt base would draw them anew (:meth:`state_dict`)."""
+        missing = set(loading_info.get("missing_keys") or ())
+        self.fresh_ids = {id(param) for name, param in model.named_parameters() if name in missing}
+
+    def fresh_prefixes(self, prefix: str = "") -> set[str]:
+        """State-dict prefixes of the modules holding a parameter drawn at random (:meth:`remember_fresh`)."""
+        return {prefix + name.rsplit(".", 1)[0] + "." for name, param in self.named_parameters() if id(param) in self.fresh_ids}
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The full state, or with LoRA/QLoRA (``peft``) the trained weights of the model (the
+        adapters, and a classifier's head), every weight that is not in the base files (drawn at
+        random when the base was loaded, trained or not: :meth:`remember_fresh`), and the
+        module's own state (metrics): the frozen base is re-read from ``model.name_or_path`` when
+        the checkpoint is loaded, and the same load then finds every weight it would draw."""
+        state = super().state_dict(*args, **kwargs)
+        if self.peft_method == "none" or self.model is None:
+            return state
+        prefix = kwargs.get("prefix", "")
+        trained = {prefix + name for name, param in self.named_parameters() if param.requires_grad}
+        fresh = tuple(self.fresh_prefixes(prefix))
+        return {
+            key: value
+            for key, value in state.items()
+            if key in trained or not key.startswith(prefix + "model.") or (fresh and key.startswith(fresh))
+        }
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load a full state, or (LoRA/QLoRA) the state of :meth:`state_dict` onto the rebuilt base.
+
+        Raises:
+            RuntimeError: ``strict`` and the keys differ from what :meth:`state_dict` produces.
+        """
+        if self.peft_method == "none":
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        expected = set(self.state_dict())
+        if strict and set(state_dict) != expected:
+            missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+            fresh = tuple(self.fresh_prefixes())
+            drawn = [key for key in missing if fresh and key.startswith(fresh)]
+            if drawn:
+                raise RuntimeError(
+                    f"the adapter checkpoint lacks {len(drawn)} weight(s) that the base model.name_or_path does not hold either, "
+                    f"so this load would draw them at random and give other results at every load: {drawn[:5]}; "
+                    "fix: retrain the adapters (checkpoints of this version save such weights), or a full fine-tune (peft=none)"
+                )
+            raise RuntimeError(f"adapter checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        return type(result)([], result.unexpected_keys)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated_at_step = self.global_step  # train.py validates the final weights if this is not the last step
+
+    def merged_model(self) -> torch.nn.Module:
+        """A plain HF model with this module's weights: LoRA adapters merged into the base
+        (``merge_and_unload``).  For QLoRA, call this on a module rebuilt without quantization
+        (``eval.full_precision_overrides``, as ``export`` and ``quantize`` do)."""
+        return self.model.merge_and_unload() if uses_peft(self.hparams.get("peft")) else self.model
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if "hyper_parameters" in checkpoint:  # the stored groups, with secrets masked (core/run/secrets.py)
+            checkpoint["hyper_parameters"] = mask(dict(checkpoint["hyper_parameters"]))
+        checkpoint["task"] = self.TASK_NAME  # which task's module reads it back (utils/checkpoints.load_trained_module)
+        if self.initial_adapter:  # PiSSA/OLoRA: what rebuilds the residual base on a load
+            checkpoint["initial_adapter"] = self.initial_adapter
+        checkpoint["model_inputs"] = self.inputs.state_dict()
+        checkpoint["skipped_steps"] = self.skipped_steps
+        checkpoint["start_metrics"] = dict(self.start_metrics)
+        for logger in self.loggers if self.attached_trainer() is not None else []:
+            if isinstance(logger, WandbLogger) and logger.version:  # the run's id, once it exists (or the id resumed)
+                checkpoint["wandb_run_id"] = logger.version  # a resume's W&B run names the run it continues
+
+    def add_adapters(self, model: torch.nn.Module, targets: list[str] | str, task_type: str = "CAUSAL_LM", pretrained: bool = True):
+        """``model`` with the ``peft`` group's LoRA adapters (:func:`.adapters.wrap_with_lora`).
+        ``peft.init_lora_weights`` runs on pretrained weights of a fresh start only; a PiSSA/OLoRA
+        start keeps its initial adapter (:attr:`initial_adapter`, saved in every checkpoint), from
+        which a load rebuilds the residual base (:meth:`on_load_checkpoint`)."""
+        # (a stored HF config: the module of a checkpoint, whose load sets the weights)
+        initialise = pretrained and not self.restores_weights and self.hparams.get("hf_config") is None
+        model = wrap_with_lora(model, self.hparams.peft, targets, task_type=task_type, initialise=initialise)
+        if initialise and rewrites_base(self.hparams.peft):
+            self.initial_adapter = adapter_tensors(model)
+        return model
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore the module's own state; for a PiSSA/OLoRA checkpoint first the residual base
+        (:func:`.adapters.restore_residual`), which the weights then loaded adapt.
+
+        Raises:
+            ConfigError: a PiSSA/OLoRA checkpoint whose initial adapter is missing, or a model
+                whose adapters were initialised again (a load must set ``restores_weights``).
+        """
+        initial = checkpoint.get("initial_adapter")
+        if rewrites_base(self.hparams.get("peft")) and self.model is not None:
+            if not initial:
+                raise ConfigError(
+                    f"the checkpoint was trained with peft.init_lora_weights={self.hparams.peft['init_lora_weights']} but holds "
+                    "no initial adapter, without which its residual base weights cannot be rebuilt; fix: retrain with this version"
+                )
+            if self.initial_adapter is not None:  # (built with PiSSA/OLoRA again: its base is not the original)
+                raise ConfigError("internal: a PiSSA/OLoRA model was initialised before its checkpoint loaded (restores_weights unset)")
+            restore_residual(self.model, initial)
+            self.initial_adapter = {name: tensor.cpu() for name, tensor in initial.items()}
+        self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+        self.start_metrics = {str(k): float(v) for k, v in checkpoint.get("start_metrics", {}).items()}
+        if not self.knows_its_data:  # (a resumed fit keeps the data's)
+            self.connect(ModelInputs.from_state_dict(checkpoint["model_inputs"]))

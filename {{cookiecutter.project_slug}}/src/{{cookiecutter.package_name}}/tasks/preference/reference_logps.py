@@ -1,0 +1,144 @@
+"""The reference log-probs of a full fine-tune's DPO (task=preference), computed once from the
+starting weights.
+
+With no adapters to switch off, the reference model of DPO is the policy as it starts.  Rather
+than a second copy of the weights in memory, :class:`ReferenceLogProbs` runs one no-grad pass over
+every split's pairs before the first step (train's ``validate_before_fit`` pass or the fit's start,
+whichever comes first) and hands the module a ``(pairs, 2)`` table per split
+(:attr:`.module.PreferenceModule.reference_tables`, kept in every checkpoint).
+A callback, as the hand-over of the data's facts is (:class:`...core.models.inputs.ConnectData`): the
+module never reads the trainer's data module; this reads its prepared splits and collator.
+
+**Cache.**  The tables are also written to ``<data.cache_dir>/reference_logps/<key>.pt``, keyed by
+the content of what determines them: the base model's files (sha256, :mod:`...core.identity.hashes`),
+the model, ``peft``, precision and attention settings, the seed (a model from scratch), and the
+tokenised pairs themselves.  A changed model, data or tokenisation gets a new key, never an old
+table; a sweep's trials on the same model and data read the first one's.  The file holds plain
+tensors, read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from ...core.errors import ConfigError
+from ...core.identity.fingerprint import is_local_path
+from ...core.identity.hashes import folder_sha256
+
+log = logging.getLogger(__name__)
+
+
+class ReferenceLogProbs(L.Callback):
+    """Give a DPO full fine-tune its reference tables before any pair is scored (see the module
+    docstring); nothing for the other runs (adapters, or a reference-free objective).
+
+    Args:
+        seed: the run's seed (``${seed}``), part of the cache key (it draws a model from scratch).
+
+    Raises (from the hooks):
+        ConfigError: a split without a table on a module that has left its starting weights (a
+            checkpoint of a run that never computed it).
+    """
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.ensure_tables(trainer, pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.ensure_tables(trainer, pl_module)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.ensure_tables(trainer, pl_module)
+
+    def ensure_tables(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Fill ``module.reference_tables`` for every split the data module has prepared."""
+        if not module.needs_reference_tables:
+            return
+        datamodule = trainer.datamodule
+        missing = [split for split in datamodule.datasets if split not in module.reference_tables]
+        if not missing:
+            return
+        if not module.at_starting_weights:
+            raise ConfigError(
+                f"the reference log-probs of {missing} were not computed when this run started, and the weights have been "
+                "trained since (they are no longer the reference); fix: start a new run with these splits in data.splits"
+            )
+        for split in missing:
+            module.reference_tables[split] = self.table(trainer, module, datamodule, split)
+            module.reference_fingerprints[split] = datamodule.pair_fingerprints(split)
+
+    def table(self, trainer: L.Trainer, module: L.LightningModule, datamodule, split: str) -> torch.Tensor:
+        """The split's ``(pairs, 2)`` table: from the cache, or one pass of the starting weights."""
+        dataset = datamodule.datasets[split]
+        path = self.cache_path(module, datamodule, split)
+        if path is not None and path.is_file():
+            table = torch.load(path, weights_only=True)["reference_logps"]
+            if table.shape == (len(dataset), 2):
+                log.info("reference log-probs of %s: read from %s", split, path)
+                return table
+        table = reference_table(module, dataset, datamodule.collator(), datamodule.batch_size, trainer.precision_plugin)
+        if path is not None and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            torch.save({"reference_logps": table}, temporary)
+            os.replace(temporary, path)  # (a file of this key holds the same table, whoever wrote it)
+        return table
+
+    def cache_path(self, module: L.LightningModule, datamodule, split: str) -> Path | None:
+        """Where the table of ``split`` is cached (``None``: no ``data.cache_dir``)."""
+        if not datamodule.cache_dir:
+            return None
+        base = str(module.hparams.model.get("name_or_path") or "")
+        key = {
+            "base_files": folder_sha256(base) if base and is_local_path(base) and os.path.isdir(base) else base,
+            "model": {k: v for k, v in module.hparams.model.items() if k != "fetch"},
+            "hf_config": module.hparams.hf_config,
+            "peft": module.hparams.peft,
+            "attention": module.hparams.get("attention"),
+            "precision": str(module.inputs.precision),
+            "seed": self.seed,
+            "pairs": pairs_digest(datamodule.datasets[split]),
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+        return Path(datamodule.cache_dir) / "reference_logps" / f"{digest[:24]}.pt"
+
+
+def pairs_digest(dataset) -> str:
+    """sha256 of the tokenised pairs: every side's token ids and labels, in order."""
+    digest = hashlib.sha256()
+    for column in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+        for values in dataset[column]:
+            digest.update(np.asarray(values, dtype=np.int64).tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def reference_table(module: L.LightningModule, dataset, collator, batch_size: int, precision_plugin) -> torch.Tensor:
+    """``(pairs, 2)`` float32 summed completion log-probs (chosen, rejected) of ``module``'s
+    current weights over ``dataset``, in its order, in eval mode, under the run's precision
+    (``precision_plugin.forward_context()``: autocast for the mixed precisions)."""
+    was_training = module.training
+    module.eval()
+    rows = []
+    try:
+        for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collator):
+            batch = {key: value.to(module.device) for key, value in batch.items()}
+            with precision_plugin.forward_context():
+                logps, _ = module.sequence_logps(batch)  # (2P,)
+            pairs = logps.shape[0] // 2
+            rows.append(torch.stack([logps[:pairs], logps[pairs:]], dim=1).float().cpu())
+    finally:
+        module.train(was_training)
+    return torch.cat(rows)

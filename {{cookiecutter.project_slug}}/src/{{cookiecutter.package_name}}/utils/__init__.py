@@ -1,1 +1,0 @@
-"""Small helpers, one topic per file: config checks, instantiation, run outputs."""
