@@ -33,6 +33,7 @@ def available() -> dict[str, str]:
 
 
 def usage(verbs: dict[str, str]) -> str:
+    """The help text: the usage line and one line per verb."""
     width = max(map(len, verbs))
     lines = [f"  {verb:<{width}}  {line}" for verb, line in verbs.items()]
     return (

@@ -59,7 +59,7 @@ from .core.run.entry import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_ma
 from .core.run.outputs import claim_outputs, replace_folder, staging_folder
 from .core.task import Task, module_class, to_device
 from .eval import exported_folder_problem, full_precision_overrides
-from .tasks import check_config, task_of
+from .tasks import check_config
 
 UNAVAILABLE = ("skip", "error")
 DEVICES = ("auto", "cpu", "cuda")
@@ -95,7 +95,7 @@ def quantize(cfg: DictConfig) -> dict:
         shrink_ffn(model)
         shrunk = f"pruning=structured: shrink_ffn removed {width - model.config.intermediate_size} of {width} FFN neurons per block"
         print(shrunk)
-    auto_class = auto_class_of(task)
+    auto_class = module_class(cfg).AUTO_CLASS
     datamodule = hydra.utils.instantiate(cfg.data, **datamodule_kwargs)
     datamodule.prepare_data()
     split = "test" if datamodule.has_test else "validation"  # (a classifier without a test split was refused above)
@@ -273,13 +273,6 @@ def with_task_defaults(cfg: DictConfig, task: Task) -> DictConfig:
     return cfg
 
 
-def auto_class_of(task: Task) -> type:
-    """The transformers Auto class that loads this task's folders (``Task.auto_class``)."""
-    import transformers
-
-    return getattr(transformers, task.auto_class)
-
-
 def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object, dict]:
     """The plain fp32 Hugging Face model (eval mode, on the CPU), its tokenizer, and what the
     data module needs from it.  LoRA adapters are merged; a QLoRA checkpoint is merged into the
@@ -289,7 +282,7 @@ def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object
 
     if cfg.model_dir is not None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
-        return auto_class_of(task_of(cfg)).from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
+        return module_class(cfg).AUTO_CLASS.from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
     module = load_trained_module(module_class(cfg), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
     return module.merged_model().eval(), module.tokenizer, module.datamodule_kwargs()
 

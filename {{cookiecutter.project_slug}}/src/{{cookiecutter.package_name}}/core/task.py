@@ -23,13 +23,20 @@ from .config.groups import to_plain
 from .models.inputs import ModelInputs
 
 
+def task_folder(cls: type) -> str:
+    """The task folder a class is defined in (``<package>.tasks.<name>...``): a task's one name,
+    also its module's (stored in checkpoints); ``""`` outside ``tasks/``."""
+    parts = cls.__module__.split(".")
+    return parts[parts.index("tasks", 1) + 1] if "tasks" in parts[1:-1] else ""
+
+
 class Task:
     """One task as the framework sees it.  Subclasses set the class attributes and override the
     methods whose default does not fit.
 
     Attributes:
-        name: ``task.name`` in configs/task/<name>.yaml.
-        auto_class: the transformers Auto class name that loads this task's exported folders.
+        name: the task's folder, ``tasks/<name>/`` (set from it: :func:`task_folder`); the
+            ``task.name`` of configs/task/<name>.yaml.
         loss_implementations: the ``loss.implementation`` values the task's module implements.
         quantize_variants: the ``quantize`` variants offered (names in
             :data:`.compress.quantization.VARIANTS`), made by default (``variants`` null);
@@ -40,7 +47,7 @@ class Task:
             ``export``) besides ``ckpt_path=``.
         scores_test_split_only: ``quantize`` scores on ``data.splits.test`` (refused without it);
             otherwise on the test split when there is one, else the validation split.
-        prediction_suffix: the file type ``predict`` writes (``..tasks.csv``, ``..tasks.jsonl``); ``""``: the
+        prediction_suffix: the file type ``predict`` writes (``.csv``, ``.jsonl``); ``""``: the
             task has no ``predict`` (:meth:`write_predictions`).
         identity_keys: this task's config keys (``fnmatch`` patterns over dotted keys) that are
             part of what a run is made of (:mod:`.identity.fingerprint`), besides the framework's
@@ -51,7 +58,6 @@ class Task:
     """
 
     name: ClassVar[str] = ""
-    auto_class: ClassVar[str] = ""
     loss_implementations: ClassVar[tuple[str, ...]] = ("plain",)
     quantize_variants: ClassVar[tuple[str, ...]] = ("fp32",)
     latency_batch_size: ClassVar[int] = 32
@@ -60,6 +66,10 @@ class Task:
     scores_test_split_only: ClassVar[bool] = True
     prediction_suffix: ClassVar[str] = ""
     identity_keys: ClassVar[dict[str, tuple[str, ...]]] = {"model": (), "data": ()}
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = task_folder(cls)
 
     def resume_refuses(self) -> tuple[str, ...]:
         """The patterns of :attr:`identity_keys`, model and data together (a resume refuses both)."""

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..checkpoints.io import flush_checkpoints
 from ..errors import EXIT_NON_FINITE_LOSS, ConfigError, RunStopped
+from ..models.contract import TrainedModule
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class _StepBoundary(L.Callback):
         loggers first (the module would right after the callbacks' hooks,
         :meth:`..models.base.HFModule.on_train_batch_end`, which the stop skips), so the step the
         checkpoint holds is also in the logs."""
-        if hasattr(pl_module, "step_row"):
+        if isinstance(pl_module, TrainedModule):
             step, metrics = pl_module.step_row()
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

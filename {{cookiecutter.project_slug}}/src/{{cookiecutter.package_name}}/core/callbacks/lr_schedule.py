@@ -19,6 +19,8 @@ import math
 import lightning as L
 import torch
 
+from ..models.contract import TrainedModule
+
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
     """Multiplier of the peak LR for optimizer step ``step`` (0-based).
@@ -68,6 +70,7 @@ class WarmupDecayLR(L.Callback):
         self.lr = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.rows = isinstance(pl_module, TrainedModule)  # the module's step row (else rows of our own)
         self.total_steps = int(trainer.estimated_stepping_batches)
         self.warmup_steps = int(self.warmup_ratio * self.total_steps)
         for optimizer in trainer.optimizers:
@@ -76,7 +79,7 @@ class WarmupDecayLR(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
         # Steps whose update was skipped (non-finite loss) do not advance the schedule.
-        step = trainer.global_step - getattr(pl_module, "skipped_steps", 0)
+        step = trainer.global_step - (pl_module.skipped_steps if self.rows else 0)
         factor = lr_factor(step, self.total_steps, self.warmup_steps, self.decay, self.min_lr_ratio)
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
@@ -88,7 +91,7 @@ class WarmupDecayLR(L.Callback):
         # logger, at the step Lightning logs that step's train/loss at, before any checkpoint of
         # the step); a module without a step row gets a row of its own, straight to the loggers
         # (as LearningRateMonitor does), without the cost of a LightningModule.log call per step.
-        if hasattr(pl_module, "log_step_metric"):
+        if self.rows:
             pl_module.log_step_metric("train/lr", self.lr)
             return
         for logger in trainer.loggers:

@@ -38,6 +38,7 @@ from ..compress.pruning import (
     two_four_mask,
 )
 from ..errors import ConfigError
+from ..models.contract import TrainedModule
 
 
 class Pruning(L.Callback):
@@ -156,7 +157,7 @@ class Pruning(L.Callback):
             return
         self.update(trainer.global_step)
         for name, value in (("train/sparsity", self.sparsity), ("train/sparsity_model", self.sparsity_model)):
-            if hasattr(pl_module, "log_step_metric"):
+            if isinstance(pl_module, TrainedModule):
                 pl_module.log_step_metric(name, value)  # in the step's CSV row, also when written early
             else:
                 pl_module.log(name, value, on_step=True, on_epoch=False)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from ..errors import ConfigError
 from ..identity.fingerprint import Change, file_changes, identity_of, plain_config, resume_problems, write_identity
+from ..models.contract import TrainedModule
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class RunIdentity(L.Callback):
         identity = identity_of(self.config)
         if self.resumes and isinstance(self.old_identity, dict):
             changes = file_changes(self.old_identity.get("files") or {}, identity["files"])
-            labels = _labels(getattr(pl_module.inputs, "id2label", None) if getattr(pl_module, "inputs", None) else None)
+            inputs = pl_module.inputs if isinstance(pl_module, TrainedModule) else None
+            labels = _labels(inputs.id2label if inputs is not None else None)
             if _labels(self.old_labels) != labels:
                 changes.append(Change("labels", str(_labels(self.old_labels)), str(labels)))
             problems, notes = resume_problems(changes, (), [], self.where)  # (files and labels: the same for every task)

@@ -16,6 +16,7 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from ..errors import ConfigError
+from ..models.contract import TrainedModule
 
 # The first lines of the results table, in this order; every other metric follows alphabetically.
 LEADING = ("test/", "val/", "train/")
@@ -57,7 +58,7 @@ class ProgressBar(TQDMProgressBar):
         # optimizer step's row (train/loss: the module's own, core.models.base.HFModule.log_step_metric;
         # one host sync each, per redraw), not Lightning's standard ones (v_num), never shown.
         metrics = dict(trainer.progress_bar_metrics)
-        step_metrics = getattr(pl_module, "step_metrics", {})
+        step_metrics = pl_module.step_metrics if isinstance(pl_module, TrainedModule) else {}
         metrics.update({name: float(step_metrics[name]) for name in self.shown if name in step_metrics})
         return {name.split("/", 1)[-1] if name.startswith("train/") else name: metrics[name] for name in self.shown if name in metrics}
 

@@ -290,6 +290,14 @@ def accepted_keys(target: str) -> tuple[frozenset[str], bool]:
         except Exception:  # an optional package (tensorboard for its SummaryWriter) is missing: unchecked
             return keys, False
         keys |= more
+    if not complete and defined_at not in FORWARDS and inspect.isclass(function):
+        # A class of this project passing **shared up to its base's __init__ (the data modules).
+        for base in function.__mro__[1:]:
+            if not base.__module__.startswith(f"{PACKAGE}.") or complete:
+                break
+            if "__init__" in vars(base):
+                more, complete = _parameters(base.__init__)
+                keys |= more - {"self"}
     return keys, complete
 
 

@@ -26,8 +26,9 @@ class TokenizedDataModule(L.LightningDataModule):
     """Base of the task data modules: ``self.datasets[split]`` holds tokenised rows with an
     ``input_ids`` column; subclasses give the collator and say whether to group by length.
 
-    Subclasses set ``splits``, ``fetch``, ``batch_size``, ``num_workers``, ``datasets`` and
-    ``seed`` in ``__init__`` and implement :meth:`collator` and :attr:`groups_by_length`.
+    Its ``__init__`` takes the keys every data config shares (a subclass adds its own and passes
+    the rest on: ``**shared``; the config check follows that to this signature); subclasses
+    implement :meth:`collator` and :attr:`groups_by_length`.
 
     **Resuming mid-epoch.**  The training order is a function of ``(seed, epoch)``
     (:class:`.sampling.ResumableSampler`); :meth:`state_dict` stores the epoch and the rows already
@@ -52,6 +53,41 @@ class TokenizedDataModule(L.LightningDataModule):
     split_sizes: dict[str, int]  # rows (or documents) per split as read, before any are dropped
     token_counts: dict[str, int] | None = None  # real (non-pad) tokens per split, where the task counts them
     _resume_at: dict | None = None
+
+    def __init__(
+        self,
+        *,
+        splits: dict[str, object],
+        hub_name: str | None,
+        hub_config: str | None,
+        tokenizer: str | PreTrainedTokenizerBase,
+        max_length: int,
+        batch_size: int,
+        val_fraction: float,
+        val_split_seed: int,
+        num_workers: int,
+        pad_to_multiple_of: int | None,
+        group_by_length: bool,
+        cache_dir: str | None,
+        fetch: Callable[[], object] | None,
+        seed: int | None = None,
+    ) -> None:
+        """Args: the ``data`` config's shared keys.  ``splits``: split -> a file, a list of files
+        (chat data: a mix) or the hub's split name; empty ones are left out.  ``tokenizer``: a Hub
+        name or folder (loaded in ``setup``), or a tokenizer (eval: the checkpoint's).  ``fetch``:
+        installs the files once, in ``prepare_data``.  ``seed``: the training order's (with the
+        epoch); ``None`` draws one per process."""
+        super().__init__()
+        self.splits = {split: source if isinstance(source, str) else list(source) for split, source in splits.items() if source}
+        self.hub_name, self.hub_config = hub_name, hub_config
+        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
+        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
+        self.max_length, self.batch_size = max_length, batch_size
+        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
+        self.num_workers, self.pad_to_multiple_of, self.group_by_length = num_workers, pad_to_multiple_of, group_by_length
+        self.cache_dir, self.fetch, self.seed = cache_dir, fetch, seed
+        self.datasets: dict[str, datasets.Dataset] = {}
+        self.split_sizes: dict[str, int] = {}
 
     @property
     def has_test(self) -> bool:

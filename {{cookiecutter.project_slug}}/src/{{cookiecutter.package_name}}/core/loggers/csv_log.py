@@ -31,6 +31,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from ..run.entry import atomic_write_path
 from ..run.secrets import MaskedHyperparameters
+from ..models.contract import TrainedModule
 
 
 def _contains(row: dict, part: dict) -> bool:
@@ -155,7 +156,7 @@ class StepLogBeforeCheckpoint(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # Only a row the module will send (HFModule.sends_step_row) is written early.
-        sent = self.stepped and hasattr(pl_module, "step_row") and pl_module.sends_step_row()
+        sent = self.stepped and isinstance(pl_module, TrainedModule) and pl_module.sends_step_row()
         row = pl_module.step_row() if sent else None
         for logger in trainer.loggers:
             if not isinstance(logger, ResumableCSVLogger):

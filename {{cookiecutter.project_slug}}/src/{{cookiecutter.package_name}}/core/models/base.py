@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from ..identity.fingerprint import base_problem
 from ..optim import build_optimizer, lightning_allows_fused
 from ..run.secrets import mask
+from ..task import task_folder
 from .adapters import adapter_tensors, restore_residual, uses_peft, wrap_with_lora
 from .inputs import ModelInputs
 from .levers import apply_levers
@@ -50,7 +51,12 @@ class HFModule(L.LightningModule):
     eval/predict/generate/export need nothing but the checkpoint.
     """
 
-    TASK_NAME = ""  # each task's module names its task (task.name)
+    TASK_NAME = ""  # the task folder the subclass is defined in (core.task.task_folder), stored in checkpoints
+    AUTO_CLASS: type  # the transformers Auto class of the task's model (AutoModelForCausalLM, ...)
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TASK_NAME = task_folder(cls)
 
     def __init__(self) -> None:
         super().__init__()

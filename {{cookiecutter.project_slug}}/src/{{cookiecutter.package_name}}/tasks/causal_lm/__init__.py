@@ -23,8 +23,6 @@ CHUNKED_LOSS_POSITIONS = 256
 class CausalLM(Task):
     """Next-token prediction; the loss is summed over the target tokens (labels -100 elsewhere)."""
 
-    name = "causal_lm"
-    auto_class = "AutoModelForCausalLM"
     loss_implementations = ("plain", "chunked", "liger")
     quantize_variants = ("fp32", *TORCHAO_VARIANTS, "nf4")
     latency_batch_size = 8

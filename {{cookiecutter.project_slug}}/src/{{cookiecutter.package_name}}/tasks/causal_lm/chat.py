@@ -588,11 +588,8 @@ class ChatDataModule(TokenizedDataModule):
     ``position_ids`` (``pack_rows``), each ``(micro_batch, T)``, ``T <= max_length`` rounded up
     to ``pad_to_multiple_of``.  Every row has at least one trained token.
 
-    Args:
-        splits: split -> a jsonl/json/parquet file, or the hub's split name when ``hub_name`` is
-            set.  ``validation`` may be null (cut from train with ``val_split_seed``); ``test``
-            may be null.  ``train`` may be a list of files (each in any row format, each read
-            and labelled on its own, messages naming ``data.splits.train[i]``), then mixed.
+    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`; ``train``
+    may be a list of files, each in any row format, read and labelled on its own, then mixed):
         mix_ratios: ``None``: the files' rows one after the other (all of them, once); else one
             share per file (> 0, summing to 1): rows drawn from the files at random in these
             shares (``datasets.interleave_datasets``, seeded with ``mix_seed``: the same mix on
@@ -622,42 +619,29 @@ class ChatDataModule(TokenizedDataModule):
     def __init__(
         self,
         *,
-        splits: dict[str, str | None],
-        hub_name: str | None,
-        hub_config: str | None,
-        tokenizer: str | PreTrainedTokenizerBase,
         chat_template: str | None,
         system_prompt: str | None,
         end_of_turn: str | None,
         train_on: str,
         truncation: str,
         mode: str,
-        max_length: int,
-        batch_size: int,
-        val_fraction: float,
-        val_split_seed: int,
-        num_workers: int,
-        pad_to_multiple_of: int | None,
-        group_by_length: bool,
         answer_rows: int | None,
         answer_max_new_tokens: int,
-        cache_dir: str | None,
-        fetch: Callable[[], object] | None,
-        seed: int | None = None,
         columns: dict[str, str] | None = None,
         roles: dict[str, str] | None = None,
         mix_ratios: list[float] | None = None,
         mix_until: str = "first_exhausted",
         mix_seed: int = 0,
         answer_batch_size: int = 16,
+        **shared: object,
     ) -> None:
-        super().__init__()
+        super().__init__(**shared)
         if not isinstance(answer_batch_size, int) or isinstance(answer_batch_size, bool) or answer_batch_size < 1:
             raise ConfigError(
                 f"data.answer_batch_size={answer_batch_size!r} must be a positive number of prompts; fix: e.g. data.answer_batch_size=16"
             )
         self.answer_batch_size = answer_batch_size
-        problems = mix_problems(dict(splits), mix_ratios, mix_until)
+        problems = mix_problems(dict(shared["splits"]), mix_ratios, mix_until)
         if problems:
             raise ConfigError("; ".join(problems))
         self.mix_ratios = [float(v) for v in mix_ratios] if mix_ratios is not None else None
@@ -666,22 +650,12 @@ class ChatDataModule(TokenizedDataModule):
         for field, value, allowed in (("mode", mode, CHAT_MODES), ("train_on", train_on, TRAIN_ON), ("truncation", truncation, TRUNCATION)):
             if value not in allowed:
                 raise ConfigError(f"data.{field}={value!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
-        self.splits = {split: source if isinstance(source, str) else list(source) for split, source in splits.items() if source}
-        self.hub_name, self.hub_config = hub_name, hub_config
-        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
-        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
         self.chat_template, self.system_prompt, self.end_of_turn = chat_template, system_prompt, end_of_turn
         self.train_on, self.truncation, self.mode = train_on, truncation, mode
-        self.max_length, self.batch_size = max_length, batch_size
-        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
-        self.num_workers, self.pad_to_multiple_of, self.group_by_length = num_workers, pad_to_multiple_of, group_by_length
         self.answer_rows, self.answer_max_new_tokens = answer_rows, answer_max_new_tokens
-        self.cache_dir, self.fetch, self.seed = cache_dir, fetch, seed
         self.template: str | None = None
         self.eot_id: int | None = None
         self.raw: dict[str, datasets.Dataset] = {}
-        self.datasets: dict[str, datasets.Dataset] = {}
-        self.split_sizes: dict[str, int] = {}  # rows per split, before any are dropped
         self.token_counts: dict[str, int] = {}  # real (non-pad) tokens per split
         self.dropped: dict[str, list[int]] = {}  # rows with no trained token, per split
         self.answers: dict[str, list[dict]] = {}  # answer_prompts, per split

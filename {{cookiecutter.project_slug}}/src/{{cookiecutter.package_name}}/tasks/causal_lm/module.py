@@ -59,7 +59,7 @@ class CausalLMModule(TextGeneration, HFModule):
             the chunked loss on a model that transforms its logits.
     """
 
-    TASK_NAME = "causal_lm"  # task.name of configs/task/causal_lm.yaml; stored in every checkpoint
+    AUTO_CLASS = AutoModelForCausalLM
 
     def __init__(
         self,
@@ -148,7 +148,7 @@ class CausalLMModule(TextGeneration, HFModule):
                 trainer = self.attached_trainer()
                 options.update(quantized_loading(peft_cfg, precision, trainer.strategy.root_device if trainer is not None else None))
             try:
-                model, info = AutoModelForCausalLM.from_pretrained(spec["name_or_path"], output_loading_info=True, **options)
+                model, info = self.AUTO_CLASS.from_pretrained(spec["name_or_path"], output_loading_info=True, **options)
                 self.remember_fresh(model, info)
             except (ImportError, RuntimeError, ValueError) as error:
                 if method != "qlora":
@@ -159,7 +159,7 @@ class CausalLMModule(TextGeneration, HFModule):
                     "or peft=lora"
                 ) from error
         else:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation, dtype=dtype)
+            model = self.AUTO_CLASS.from_config(config, attn_implementation=self.attn_implementation, dtype=dtype)
         if method != "none":
             model = self.add_adapters(model, modules, pretrained=pretrained and bool(spec.get("name_or_path")))
         self.prepare_qat(model)

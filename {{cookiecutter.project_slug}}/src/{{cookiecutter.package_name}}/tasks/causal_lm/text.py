@@ -169,59 +169,20 @@ class TextDataModule(TokenizedDataModule):
     mode; exactly ``max_length`` for all but the last block in ``pack`` mode).  Every sequence has
     at least two tokens, so every batch has at least one supervised target.
 
-    Args:
-        splits: split -> a ``.txt`` file, a folder of ``.txt`` files (sorted), a jsonl/json/
-            parquet/csv/tsv file, or the hub's split name when ``hub_name`` is set.
-            ``validation`` may be null (then cut from train's documents with ``val_split_seed``);
-            ``test`` may be null (no test stage).
+    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`; a split is a
+    ``.txt`` file, a folder of them (sorted), a jsonl/json/parquet/csv/tsv file or a hub split):
         sample_by: for ``.txt``: ``document`` (one document per file) or ``paragraph`` (one per
             block of text between blank lines).
-        mode: ``pack`` or ``pad`` (see the module docstring).
-        max_length: tokens per sequence (the block size when packing).
-        tokenizer: hub name / local folder of a fast tokenizer, or a tokenizer object.
-        fetch: called once in ``prepare_data`` to download/convert the files (demo data).
-        seed: seeds the training order (with the epoch); ``None`` = one drawn per process.
+        mode: ``pack`` or ``pad`` (see the module docstring); ``max_length`` is the block size when packing.
 
     Raises (from ``setup``, before any model weights load):
         DataError: missing file or column, a split with no text (empty, or only blank lines),
             a tokenizer without an EOS token.
     """
 
-    def __init__(
-        self,
-        *,
-        splits: dict[str, str | None],
-        hub_name: str | None,
-        hub_config: str | None,
-        text_column: str,
-        sample_by: str,
-        tokenizer: str | PreTrainedTokenizerBase,
-        mode: str,
-        max_length: int,
-        batch_size: int,
-        val_fraction: float,
-        val_split_seed: int,
-        num_workers: int,
-        pad_to_multiple_of: int | None,
-        group_by_length: bool,
-        cache_dir: str | None,
-        fetch: Callable[[], object] | None,
-        seed: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.splits = {split: source for split, source in splits.items() if source}
-        self.hub_name, self.hub_config = hub_name, hub_config
-        self.text_column, self.sample_by = text_column, sample_by
-        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
-        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
-        self.mode, self.max_length, self.batch_size = mode, max_length, batch_size
-        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
-        self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
-        self.group_by_length = group_by_length
-        self.cache_dir, self.fetch = cache_dir, fetch
-        self.seed = seed
-        self.datasets: dict[str, datasets.Dataset] = {}
-        self.split_sizes: dict[str, int] = {}  # documents per split
+    def __init__(self, *, text_column: str, sample_by: str, mode: str, **shared: object) -> None:
+        super().__init__(**shared)
+        self.text_column, self.sample_by, self.mode = text_column, sample_by, mode
         self.token_counts: dict[str, int] = {}  # real (non-pad) tokens per split, EOS included
 
     def setup(self, stage: str) -> None:

@@ -18,8 +18,6 @@ from ...core.task import Task, to_device
 class SequenceClassification(Task):
     """One label per row; cross-entropy over the labels, accuracy and macro F1."""
 
-    name = "classification"
-    auto_class = "AutoModelForSequenceClassification"
     quantize_variants = ("fp32", *TORCHAO_VARIANTS, "onnx_fp32", "onnx_int8")
     quality = {"accuracy": "max", "f1_macro": "max"}
     prediction_suffix = ".csv"

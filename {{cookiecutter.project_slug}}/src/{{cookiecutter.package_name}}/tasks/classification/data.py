@@ -106,19 +106,10 @@ class ClassificationDataModule(TokenizedDataModule):
     multiple of ``pad_to_multiple_of`` (at most ``max_length`` rounded up), and ``labels``
     of shape ``(micro_batch,)``.
 
-    Args:
-        splits: split -> local file path, or hub split name when ``hub_name`` is set.
-            ``validation`` may be null: it is then cut from train with ``val_split_seed``.
-            ``test`` may be null: there is then no test stage.
-        tokenizer: hub name / local folder of a fast tokenizer, or a tokenizer object
-            (eval/predict pass the one stored in the checkpoint).
+    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`; a null
+    ``validation`` split is cut from train with ``val_split_seed``, a null ``test`` has no stage):
         label2id: a fixed label mapping (from a checkpoint); ``None`` builds it from train.
-        fetch: called once in ``prepare_data`` to download/convert the files (demo data).
         predict_file: a file to predict on (``predict`` stage only).
-        group_by_length: draw training batches of similar length (transformers'
-            ``get_length_grouped_indices``: shuffled mega-batches of 50 batches, each sorted by
-            length), so dynamic padding wastes little; the order stays random and seeded.
-        seed: seeds the training order (with the epoch); ``None`` = one drawn per process.
 
     A tokenizer without a pad token (a decoder's) pads with its EOS token
     (:func:`...core.data.tokenization.use_eos_as_pad`); rows are padded on the right.
@@ -131,43 +122,18 @@ class ClassificationDataModule(TokenizedDataModule):
     def __init__(
         self,
         *,
-        splits: dict[str, str | None],
-        hub_name: str | None,
-        hub_config: str | None,
         text_column: str,
         text_pair_column: str | None,
         label_column: str,
-        tokenizer: str | PreTrainedTokenizerBase,
-        max_length: int,
-        batch_size: int,
-        val_fraction: float,
-        val_split_seed: int,
-        num_workers: int,
-        pad_to_multiple_of: int | None,
-        group_by_length: bool,
-        cache_dir: str | None,
-        fetch: Callable[[], object] | None,
-        seed: int | None = None,
         label2id: dict[str, int] | None = None,
         predict_file: str | None = None,
+        **shared: object,
     ) -> None:
-        super().__init__()
-        self.splits = {split: source for split, source in splits.items() if source}
-        self.hub_name, self.hub_config = hub_name, hub_config
+        super().__init__(**shared)
         self.text_column, self.text_pair_column, self.label_column = text_column, text_pair_column, label_column
-        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
-        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
-        self.max_length, self.batch_size = max_length, batch_size
-        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
-        self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
-        self.group_by_length = group_by_length
-        self.cache_dir, self.fetch = cache_dir, fetch
-        self.seed = seed
         self.label2id = label2id
         self.train_texts: set[tuple] = set()  # the train split's texts, once read (overlap warnings)
         self.predict_file = predict_file
-        self.datasets: dict[str, datasets.Dataset] = {}
-        self.split_sizes: dict[str, int] = {}
         self.predict_rows: datasets.Dataset | None = None
 
     @property

@@ -95,7 +95,6 @@ class SequenceClassificationModule(HFModule):
             pretrained weights, a LoRA target that matches no layer, QLoRA with bf16-true.
     """
 
-    TASK_NAME = "classification"  # task.name of configs/task/classification.yaml; stored in every checkpoint
     AUTO_CLASS = AutoModelForSequenceClassification  # the transformers class of the model (one label per row)
     PEFT_TASK_TYPE = "SEQ_CLS"  # peft's task type: it keeps the new head trainable (modules_to_save)
     BEST_OF = "val/acc"  # the validation metric whose best so far is logged as <name>_best

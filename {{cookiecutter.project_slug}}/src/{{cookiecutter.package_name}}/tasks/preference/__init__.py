@@ -18,7 +18,6 @@ from .objectives import NEEDS_REFERENCE, OBJECTIVES
 class Preference(CausalLM):
     """A causal LM tuned on pairs; built, exported, generated from and quantized as a causal LM."""
 
-    name = "preference"
     loss_implementations = ("plain",)
     # An exported folder is the merged policy alone: DPO's reference (adapters off, or the tables
     # in the checkpoint) is not in it, so eval and quantize read the checkpoint.

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...core.errors import DataError, TemplateError
+from ...core.errors import ConfigError, DataError, TemplateError
 from ..causal_lm.chat import (
     GENERATION_MARKER,
     ChatCollator,
@@ -235,22 +235,6 @@ class PreferenceDataModule(ChatDataModule):
     def __init__(
         self,
         *,
-        splits: dict[str, str | None],
-        hub_name: str | None,
-        hub_config: str | None,
-        tokenizer: str | PreTrainedTokenizerBase,
-        chat_template: str | None,
-        system_prompt: str | None,
-        end_of_turn: str | None,
-        max_length: int,
-        batch_size: int,
-        val_fraction: float,
-        val_split_seed: int,
-        num_workers: int,
-        pad_to_multiple_of: int | None,
-        group_by_length: bool,
-        cache_dir: str | None,
-        fetch: Callable[[], object] | None,
         sample_prompts: str | None = None,
         samples_per_prompt: int = 4,
         sample_max_new_tokens: int = 48,
@@ -258,35 +242,16 @@ class PreferenceDataModule(ChatDataModule):
         sample_seed: int = 0,
         sample_batch_size: int = 128,
         judge: Callable[[list[str]], list[dict[str, float]]] | None = None,
-        seed: int | None = None,
+        **shared: object,
     ) -> None:
         self.sample_prompts, self.samples_per_prompt = sample_prompts, samples_per_prompt
         self.sample_max_new_tokens, self.sample_temperature, self.sample_seed = sample_max_new_tokens, sample_temperature, sample_seed
         self.judge, self.sample_batch_size = judge, sample_batch_size
-        super().__init__(
-            splits=splits,
-            hub_name=hub_name,
-            hub_config=hub_config,
-            tokenizer=tokenizer,
-            chat_template=chat_template,
-            system_prompt=system_prompt,
-            end_of_turn=end_of_turn,
-            train_on="last_assistant",
-            truncation="right",
-            mode="pad",
-            max_length=max_length,
-            batch_size=batch_size,
-            val_fraction=val_fraction,
-            val_split_seed=val_split_seed,
-            num_workers=num_workers,
-            pad_to_multiple_of=pad_to_multiple_of,
-            group_by_length=group_by_length,
-            answer_rows=0,
-            answer_max_new_tokens=0,
-            cache_dir=cache_dir,
-            fetch=fetch,
-            seed=seed,
-        )
+        # A pair is two chat rows: the last assistant turn trained, cut on the right, padded.
+        fixed = {"train_on": "last_assistant", "truncation": "right", "mode": "pad", "answer_rows": 0, "answer_max_new_tokens": 0}
+        if set(fixed) & set(shared):
+            raise ConfigError(f"data.{sorted(set(fixed) & set(shared))[0]} is fixed for preference pairs ({fixed}); fix: drop it")
+        super().__init__(**fixed, **shared)
 
     def tokenized(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
         kwargs = {

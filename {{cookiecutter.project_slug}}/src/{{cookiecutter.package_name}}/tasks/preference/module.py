@@ -54,8 +54,6 @@ class PreferenceModule(CausalLMModule):
     (``name``: dpo | orpo | simpo; ``beta``; ``label_smoothing`` for DPO; ``gamma`` for SimPO).
     """
 
-    TASK_NAME = "preference"
-
     def __init__(
         self,
         model: dict,

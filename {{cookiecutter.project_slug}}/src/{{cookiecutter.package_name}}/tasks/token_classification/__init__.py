@@ -25,8 +25,6 @@ class TokenClassification(SequenceClassification):
     accuracy and entity-level F1 (:mod:`.spans`).  What it does not override is the sequence
     classifier's (the timed inputs of ``quantize``)."""
 
-    name = "token_classification"
-    auto_class = "AutoModelForTokenClassification"
     quantize_variants = ("fp32", *TORCHAO_VARIANTS)
     quality = {"f1": "max", "accuracy": "max"}
     prediction_suffix = ".jsonl"

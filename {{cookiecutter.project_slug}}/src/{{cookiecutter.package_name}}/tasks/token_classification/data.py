@@ -148,9 +148,7 @@ class TokenTagsDataModule(TokenizedDataModule):
     of shape ``(micro_batch, T)``, ``labels`` ``(micro_batch, T)`` (the tag id on each word's
     first sub-token, -100 elsewhere, padded with -100) and ``words_cut`` ``(micro_batch,)``.
 
-    Args:
-        splits: split -> local file, or hub split name when ``hub_name`` is set.  ``validation``
-            may be null (cut from train with ``val_split_seed``), ``test`` too (no test stage).
+    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`):
         tokens_column, tags_column: the columns of a row's words (a list of strings) and tags
             (a list of strings, or of a hub data set's class ids), one tag per word.
         format: ``auto`` (CoNLL for the suffixes of :data:`CONLL_SUFFIXES`) or ``conll``.
@@ -171,49 +169,24 @@ class TokenTagsDataModule(TokenizedDataModule):
     def __init__(
         self,
         *,
-        splits: dict[str, str | None],
-        hub_name: str | None,
-        hub_config: str | None,
         tokens_column: str,
         tags_column: str,
         format: str,
         conll_tag_column: int,
         scheme: str,
         strict: bool,
-        tokenizer: str | PreTrainedTokenizerBase,
-        max_length: int,
-        batch_size: int,
-        val_fraction: float,
-        val_split_seed: int,
-        num_workers: int,
-        pad_to_multiple_of: int | None,
-        group_by_length: bool,
-        cache_dir: str | None,
-        fetch: Callable[[], object] | None,
-        seed: int | None = None,
         label2id: dict[str, int] | None = None,
         predict_file: str | None = None,
         trained_facts: dict | None = None,
+        **shared: object,
     ) -> None:
-        super().__init__()
-        self.splits = {split: source for split, source in splits.items() if source}
-        self.hub_name, self.hub_config = hub_name, hub_config
+        super().__init__(**shared)
         self.tokens_column, self.tags_column = tokens_column, tags_column
         self.format, self.conll_tag_column = format, conll_tag_column
         self.scheme, self.strict = scheme, strict
-        self.tokenizer = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else None
-        self.tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
-        self.max_length, self.batch_size = max_length, batch_size
-        self.val_fraction, self.val_split_seed = val_fraction, val_split_seed
-        self.num_workers, self.pad_to_multiple_of = num_workers, pad_to_multiple_of
-        self.group_by_length = group_by_length
-        self.cache_dir, self.fetch = cache_dir, fetch
-        self.seed = seed
         self.label2id = label2id
         self.predict_file = predict_file
         self.trained_facts = trained_facts
-        self.datasets: dict[str, datasets.Dataset] = {}
-        self.split_sizes: dict[str, int] = {}
         self.words_cut: dict[str, int] = {}  # per split: words max_length cut off (untagged, unscored)
         self.predict_rows: datasets.Dataset | None = None  # the predict file's rows, their fields as read
 

@@ -83,7 +83,6 @@ class TokenClassificationModule(SequenceClassificationModule):
     ``data.strict``), stored in the checkpoint (``model_inputs.task_facts``).
     """
 
-    TASK_NAME = "token_classification"  # task.name of configs/task/token_classification.yaml
     AUTO_CLASS = AutoModelForTokenClassification
     PEFT_TASK_TYPE = "TOKEN_CLS"
     BEST_OF = "val/f1"

@@ -1,0 +1,29 @@
+"""What core's callbacks read of the module they train: one declared contract, implemented by
+:class:`.base.HFModule`.  A module without it (a plain LightningModule, e.g. in a test) gets
+Lightning's own paths (``self.log``, no step row)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .inputs import ModelInputs
+
+
+@runtime_checkable
+class TrainedModule(Protocol):
+    """The module's side of the callbacks' contract."""
+
+    inputs: ModelInputs | None  # the facts of its data and run (tokenizer, labels, micro-batch)
+    skipped_steps: int  # optimizer steps whose update a non-finite loss skipped (the LR schedule waits)
+    step_metrics: dict[str, torch.Tensor | float]  # the latest optimizer step's row (train/loss, train/lr...)
+
+    def log_step_metric(self, name: str, value: torch.Tensor | float) -> None:
+        """Put a metric of the optimizer step being taken in its row."""
+
+    def step_row(self) -> tuple[int, dict[str, float]]:
+        """``(step, metrics)``: the latest optimizer step's row, as the loggers get it."""
+
+    def sends_step_row(self) -> bool:
+        """Whether the latest optimizer step's row goes to the loggers (Lightning's pace)."""
