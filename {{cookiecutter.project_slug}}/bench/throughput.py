@@ -66,8 +66,9 @@ from torch.utils.data import DataLoader
 from transformers import BertTokenizerFast, Trainer, TrainerCallback, TrainingArguments
 
 from {{ cookiecutter.package_name }}.core.callbacks import lr_factor
-from {{ cookiecutter.package_name }}.core.models.builder import build_sequence_classifier
+from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
 from {{ cookiecutter.package_name }}.core.optim import build_optimizer, lightning_allows_fused
+from {{ cookiecutter.package_name }}.core.task import build_module
 from {{ cookiecutter.package_name }}.train import train
 
 WORKLOADS = {
@@ -203,11 +204,17 @@ def prepared_data(cfg):
     return datamodule
 
 
+def plain_model(cfg, datamodule) -> torch.nn.Module:
+    """The Hugging Face model alone, from the project's own builder (the same weights for a seed)."""
+    module = build_module(cfg)
+    module.connect(ModelInputs.of(datamodule, "32-true"))
+    return module.build_model("32-true")
+
+
 def model_and_optimizer(cfg, datamodule, device: torch.device):
     """The model ``train`` builds (random weights, seeded) and its optimizer."""
     torch.manual_seed(cfg.seed)
-    spec = OmegaConf.to_container(cfg.model, resolve=True)
-    model = build_sequence_classifier(spec, datamodule.id2label, datamodule.tokenizer).to(device).train()
+    model = plain_model(cfg, datamodule).to(device).train()
     fused = lightning_allows_fused(cfg.trainer.precision, cfg.trainer.gradient_clip_val)  # as train decides
     optimizer_cfg = OmegaConf.to_container(cfg.optimizer, resolve=True)
     return model, build_optimizer(model, optimizer_cfg, device.type, fused_allowed=fused)

@@ -60,11 +60,12 @@ import lightning as L
 import numpy as np
 import torch
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from {{ cookiecutter.package_name }}.core.models.builder import build_sequence_classifier
+from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
+from {{ cookiecutter.package_name }}.core.task import build_module
 from {{ cookiecutter.package_name }}.train import train
 
 
@@ -177,6 +178,13 @@ class ProjectOrder(IterableDataset):
         return (self.rows[index] for index in self.sampler)
 
 
+def plain_model(cfg, datamodule) -> torch.nn.Module:
+    """The Hugging Face model alone, from the project's own builder (the same weights for a seed)."""
+    module = build_module(cfg)
+    module.connect(ModelInputs.of(datamodule, "32-true"))
+    return module.build_model("32-true")
+
+
 def run_hf_trainer(cfg, run_dir: Path, target: float, every: int, shared_dropout: bool) -> tuple[float, float | None, int | None]:
     """The HF Trainer on the same rows and hyperparameters; (seconds, accuracy reached, at optimizer step)."""
     if cfg.data.num_workers:
@@ -188,8 +196,7 @@ def run_hf_trainer(cfg, run_dir: Path, target: float, every: int, shared_dropout
     datamodule.prepare_data()
     datamodule.setup("fit")
     L.seed_everything(cfg.seed, workers=True)
-    spec = OmegaConf.to_container(cfg.model, resolve=True)
-    model = build_sequence_classifier(spec, datamodule.id2label, datamodule.tokenizer)
+    model = plain_model(cfg, datamodule)
     if shared_dropout:
         SharedDropout(cfg.seed).attach(model)
     optimizer, scheduler, trainer_cfg = cfg.optimizer, cfg.lr_schedule, cfg.trainer

@@ -15,7 +15,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from {{ cookiecutter.package_name }}.core.config.groups import to_plain
 from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.core.models.adapters import target_modules, wrap_with_lora
-from {{ cookiecutter.package_name }}.core.models.builder import build_sequence_classifier, linear_layer_names
+from {{ cookiecutter.package_name }}.core.models.builder import linear_layer_names
+from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
+from {{ cookiecutter.package_name }}.core.task import build_module
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.predict import predict
 from {{ cookiecutter.package_name }}.tasks.classification.module import SequenceClassificationModule
@@ -130,7 +132,9 @@ def test_a_rows_logits_do_not_depend_on_the_padding_beside_it(decoder_tokenizer_
     datamodule.setup("fit")
     tokenizer = datamodule.tokenizer
     torch.manual_seed(0)
-    model = build_sequence_classifier(to_plain(cfg.model), datamodule.id2label, tokenizer).eval()
+    module = build_module(cfg)
+    module.connect(ModelInputs.of(datamodule, "32-true"))
+    model = module.build_model("32-true").eval()  # the project's builder, as train calls it
     assert model.config.pad_token_id == tokenizer.eos_token_id == tokenizer.pad_token_id
 
     rows = sorted(({"input_ids": ids} for ids in datamodule.datasets["train"]["input_ids"]), key=lambda row: len(row["input_ids"]))
@@ -220,7 +224,7 @@ def test_a_tokenizer_with_neither_pad_nor_eos_is_refused_before_weights_load(var
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was built before the tokenizer was checked")
 
-    monkeypatch.setattr("{{ cookiecutter.package_name }}.tasks.classification.module.build_sequence_classifier", no_weights)
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.core.models.base.HFModule.build_model", no_weights)
     cfg = compose_config("train", decoder_overrides(folder, varied_data, tmp_path / "run", GPT2) + ["debug=fdr"])
     with pytest.raises(DataError, match=r"model.tokenizer=.* has neither a pad token nor an EOS token.*fix: "):
         train(cfg)

@@ -115,16 +115,16 @@ def test_plan_builds_the_model_with_the_modules_own_builder(monkeypatch):
     built = []
     original = CausalLMModule.build_model
 
-    def recording(self, precision, max_length, config=None, pretrained=True):
-        model = original(self, precision, max_length, config=config, pretrained=pretrained)
-        built.append((precision, max_length, pretrained, {p.dtype for p in model.parameters()}))
+    def recording(self, precision, config=None):
+        model = original(self, precision, config=config)
+        built.append((precision, self.inputs.max_length, config is not None, {p.dtype for p in model.parameters()}))
         return model
 
     monkeypatch.setattr(CausalLMModule, "build_model", recording)
     plan_memory(
         *with_task(plan_cfg(*TINY_LM, "precision=bf16-true", "batch.micro_batch_size=1", "batch.global_batch_size=1")), search=False
     )
-    assert built == [("bf16-true", 16, False, {torch.bfloat16})]
+    assert built == [("bf16-true", 16, True, {torch.bfloat16})]  # the planner's config: random (fake) weights
 
 
 def test_step_in_backward_plans_no_full_gradient_set():

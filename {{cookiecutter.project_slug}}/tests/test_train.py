@@ -288,7 +288,9 @@ def test_the_training_bar_draws_by_time_once_per_redraw_with_the_count_and_the_s
     draws = []
     bar.train_progress_bar.refresh = lambda *args, **kwargs: draws.append((bar.train_progress_bar.n, str(bar.train_progress_bar.postfix)))
     trainer = SimpleNamespace(progress_bar_metrics={"val/acc": 0.5, "val/loss": 0.7})
-    module = SimpleNamespace(step_metrics={"train/loss": torch.tensor(0.25), "train/lr": 0.1})
+    step_metrics = {"train/loss": torch.tensor(0.25), "train/lr": 0.1}
+    # a module keeping the callbacks' contract (core/models/contract.py): its step row is what the bar shows
+    module = SimpleNamespace(inputs=None, skipped_steps=0, step_metrics=step_metrics, log_step_metric=None, step_row=None, sends_step_row=None)
     for batch_idx in range(7):
         bar.on_train_batch_end(trainer, module, None, None, batch_idx)
     # batch 1 at 0 s; 4 at 0.5 s (0.5 after the last draw); 6 at 1.05 s; 7: the last; never refresh_rate's 2, 4, 6
@@ -336,7 +338,7 @@ def test_bad_data_fails_before_any_weights_load(make_cfg, monkeypatch):
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was built before the data was checked")
 
-    monkeypatch.setattr("{{ cookiecutter.package_name }}.tasks.classification.module.build_sequence_classifier", no_weights)
+    monkeypatch.setattr("{{ cookiecutter.package_name }}.core.models.base.HFModule.build_model", no_weights)
     with pytest.raises(DataError, match=r"data.text_column='review' is not a column"):
         train(make_cfg("data.text_column=review"))
 

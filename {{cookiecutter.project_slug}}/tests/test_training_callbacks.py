@@ -96,7 +96,10 @@ def test_early_stopping_stops_after_patience_validations_and_its_counters_surviv
             ("experiment=demo_lm_lora", "callbacks=neftune", "callbacks.neftune.alpha=-1"),
             r"callbacks.neftune.alpha=-1 must be a positive number .*fix: callbacks.neftune.alpha=5",
         ),
-        (("experiment=demo_lm_lora", "callbacks=neftune", "compile=default"), r"callbacks=neftune with compile=default: .*fix: compile=off"),
+        (
+            ("experiment=demo_lm_lora", "callbacks=neftune", "compile=default"),
+            r"callbacks=neftune with compile=default: .*fix: compile=off",
+        ),
         (("callbacks=neftune",), r"callbacks=neftune with task=classification: .*fix: callbacks=default"),
         (("callbacks=neftune", "experiment=demo_dpo_sentiment"), r"callbacks=neftune with task=preference: .*fix: callbacks=default"),
     ],

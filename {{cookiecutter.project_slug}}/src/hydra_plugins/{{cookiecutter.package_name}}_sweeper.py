@@ -1,39 +1,14 @@
 """Optuna sweeps that resume, survive failed trials and check their objective first.
 
-A Hydra sweeper plugin (Hydra's public ``Sweeper`` interface; Hydra finds plugins in the
-``hydra_plugins`` namespace package, hence this module's place) that drives Optuna through its
-public API: ``create_study(load_if_exists=True)``, ``ask``/``tell``, trials counted by state.
-The search space (``hydra.sweeper.params`` and command-line sweeps) is read with Hydra's own
-override parser: ``choice(...)``, ``range(...)``, ``interval(a, b)`` and ``tag(log, interval(...))``.
+A Hydra ``Sweeper`` plugin (Hydra finds plugins in the ``hydra_plugins`` namespace package) on Optuna's public API
+(``create_study(load_if_exists=True)``, ``ask``/``tell``); the search space is read with Hydra's override parser.
 
-- The study lives in ``storage``: ``sqlite:///<sweep dir>/optuna.db`` (``hparams_search/``), or
-  ``journal:<file>`` (Optuna's journal file storage) when several launches work on one study at
-  once, or on NFS (SQLite is unsafe with concurrent writers there).  The sweep folder is
-  created before the storage is opened.  Re-running the same command loads the study and **tops
-  it up** to ``n_trials`` *completed* trials.
-- Each trial runs in the job folder named by its **trial number** (``hydra.job.num``), so a
-  resumed sweep, or a second process working on the same study, never reuses a folder.  Each
-  launch reseeds the sampler (``seed + launch number``): a resumed sweep does not replay the
-  first launch's suggestions.
-- A failed trial (the job raised: bad trial config, out of memory, non-finite loss, ...; or its
-  config did not compose) is told to Optuna as ``FAIL`` and the sweep goes on.  The sweep stops
-  with an error once more than ``max_failure_rate x n_trials`` trials of this launch have failed.
-- Before the first trial: ``optimized_metric`` must be one of ``task.objectives`` and
-  ``direction`` must agree with it; every parameter must name a key of the config; the search
-  space must be the one the study began with (an edited ``choice(...)`` list is refused with the
-  parameter's name: Optuna cannot mix two spaces in one study); and the fixed overrides (the
-  ``key=value`` lines every trial gets, less Hydra's own and ``launcher=``) must be the ones the
-  study began with (a changed, added or removed one is refused with its old and new value, not
-  topped up; a study begun before they were recorded records this launch's, with a warning);
-  and the data, base-model and tokenizer files must hold the content the study's trials read
-  (a file rewritten in place is refused; the same content at another path is the same study).
-  A trial that raises an error with ``stops_sweep`` (the run did not log ``optimized_metric``)
-  stops the sweep at once.
-- The best trial is written to ``<sweep dir>/best.yaml`` (parameters, value, trial number, job
-  folder, counts) and printed; ``optimization_results.yaml`` too.
-
-Optuna is imported when a sweep starts: Hydra imports this module at every start, also where the
-``sweep`` extra is not installed.
+- The study lives in ``storage`` (``sqlite:///...``, or ``journal:<file>`` for concurrent launches or NFS, where SQLite is
+  unsafe); re-running the command **tops it up** to ``n_trials`` completed trials.
+- Trials run in folders named by trial number, and each launch reseeds the sampler: nothing is reused or replayed.
+- A failed trial is told as ``FAIL``; the sweep stops past ``max_failure_rate x n_trials`` failures in this launch.
+- Before the first trial, objective, params, search space, fixed overrides and file contents are checked (``check_*``).
+- Optuna is imported only when a sweep starts: Hydra imports this module at every start, also without the ``sweep`` extra.
 """
 
 from __future__ import annotations
@@ -71,18 +46,13 @@ class ResumableOptunaSweeper(Sweeper):
     """A resumable, failure-tolerant Optuna sweep (see the module docstring).
 
     Args:
-        sampler: an Optuna sampler (``hydra/sweeper/sampler``: ``tpe``, ``random``).
-        direction: ``maximize`` or ``minimize`` (checked against ``task.objectives``).
-        storage: ``sqlite:///<file>`` (one launch at a time) or ``journal:<file>`` (several).
-        study_name: the study; another name starts another study.
         n_trials: completed trials to reach (failed ones do not count).
         n_jobs: trials launched at a time (1 on one GPU; more with ``launcher=slurm``).
-        max_failure_rate: stop once more than this x ``n_trials`` trials of a launch have failed.
-        params: ``{key: sweep}`` in Hydra's override syntax (``choice``, ``range``, ``interval``, ``tag(log, ...)``).
+        params: ``{key: sweep}`` in Hydra's override syntax.
 
     Raises (from :meth:`sweep`, printed alone with exit code 1):
-        SweepConfigError: an objective, direction, parameter, search space or fixed overrides that
-            cannot work; more failed trials than ``max_failure_rate`` allows; no completed trial at all.
+        SweepConfigError: an objective, direction, parameter, search space or fixed overrides that cannot work; more
+            failed trials than ``max_failure_rate`` allows; no completed trial at all.
     """
 
     def __init__(
@@ -111,8 +81,7 @@ class ResumableOptunaSweeper(Sweeper):
         self.launcher = Plugins.instance().instantiate_launcher(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> None:
-        """Run the study to ``n_trials`` completed trials.  A :class:`SweepConfigError` is printed
-        alone (no traceback: it names the field and the fix) and exits with code 1."""
+        """Run the study to ``n_trials`` completed trials; a :class:`SweepConfigError` is printed alone and exits 1."""
         try:
             self._sweep(arguments)
         except SweepConfigError as error:
@@ -134,8 +103,7 @@ class ResumableOptunaSweeper(Sweeper):
         check_params(self.config, list(distributions))
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)  # before the storage file in it is opened
-        # Two launches of one command may open a new study at once: one creates it (and records
-        # its search space and fixed overrides), the other waits and loads it.
+        # Two launches may open a new study at once: one creates it and records its setup, the other waits and loads it.
         with (sweep_dir / ".study.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             study = optuna.create_study(
@@ -203,8 +171,7 @@ class ResumableOptunaSweeper(Sweeper):
 
 
 def job_outcome(job: JobReturn) -> tuple[BaseException | None, float | None]:
-    """``(error, objective)`` of a finished job, through ``JobReturn.return_value`` (which raises
-    the job's exception for a failed job)."""
+    """``(error, objective)`` of a finished job (``JobReturn.return_value`` raises a failed job's exception)."""
     try:
         value = job.return_value
     except Exception as error:  # noqa: BLE001  (the trial's own failure, whatever it is)
@@ -223,12 +190,8 @@ def failed_job(error: Exception) -> JobReturn:
 
 
 def search_space(lines: list[str]) -> tuple[dict, list[str]]:
-    """``({name: Optuna distribution}, [fixed overrides])`` of Hydra override lines.
-
-    ``choice(a, b)`` and ``range(...)`` become categorical, ``interval(lo, hi)`` a float range
-    (``tag(log, interval(...))`` on a log scale); a plain ``key=value`` stays a fixed override of
-    every trial.  A later line for the same key replaces an earlier one (the command line wins
-    over ``hydra.sweeper.params``).
+    """``({name: Optuna distribution}, [fixed overrides])`` of Hydra override lines; a later line for a key wins.
+    ``choice``/``range`` are categorical, ``interval`` a float range (log with ``tag(log, ...)``), ``key=value`` fixed.
 
     Raises:
         SweepConfigError: a line Hydra's parser refuses, or a sweep this sweeper cannot search.
@@ -264,8 +227,7 @@ def override(name: str, value: Any) -> str:
 
 
 def project_module(name: str) -> Any:
-    """A module of this project (``core.run.secrets``...); the plugin file is named after the package
-    (``<package>_sweeper.py``)."""
+    """A module of this project (``core.run.secrets``...), found from this file's name (``<package>_sweeper.py``)."""
     return importlib.import_module(f"{__name__.rsplit('.', 1)[-1].removesuffix('_sweeper')}.{name}")
 
 
@@ -275,10 +237,8 @@ def project_secrets() -> Any:
 
 
 def study_files(config: DictConfig) -> dict[str, str]:
-    """``{key: sha256}`` of the data, base-model and tokenizer files the sweep's config names
-    (``data.splits.*``, ``model.name_or_path``, ``model.tokenizer``: the project's
-    ``core.identity.fingerprint.named_files``, hashes cached), of those there now (a file a trial fetches
-    appears at a later launch); a Hub name as ``hub:<name>``."""
+    """``{key: sha256}`` of the data, base-model and tokenizer files the config names and that exist now
+    (``core.identity.fingerprint.named_files``); a Hub name as ``hub:<name>``."""
     identity = project_module("core.identity.fingerprint")
 
     def pick(key: str) -> Any:
@@ -298,12 +258,10 @@ def study_files(config: DictConfig) -> dict[str, str]:
 
 
 def check_study_files(study, files: dict[str, str], storage: str) -> None:
-    """The first launch records the content of the files the trials read (:func:`study_files`) in
-    the study; a later one must read the same content (at any path: the paths are not compared,
-    :data:`FILE_KEYS`).  A file first seen at this launch is recorded.
+    """Record the trials' file contents (:func:`study_files`) in the study; later launches must match (paths may differ).
 
     Raises:
-        SweepConfigError: a file's content differs, naming its key, both hashes, the study and the fix.
+        SweepConfigError: a file's content differs.
     """
     recorded = study.user_attrs.get("files") or {}
     changed = [
@@ -322,8 +280,7 @@ def check_study_files(study, files: dict[str, str], storage: str) -> None:
 
 
 def open_storage(storage: str) -> Any:
-    """The Optuna storage of ``hydra.sweeper.storage``: an RDB URL as it is, or ``journal:<file>``
-    as Optuna's journal file storage (safe for several processes, and on NFS)."""
+    """``hydra.sweeper.storage`` for Optuna: an RDB URL as is, ``journal:<file>`` as a journal file storage (multi-process, NFS)."""
     if not storage.startswith(JOURNAL):
         return storage
     import optuna
@@ -334,10 +291,10 @@ def open_storage(storage: str) -> Any:
 
 
 def check_search_space(study, distributions: dict) -> None:
-    """The first launch records the search space in the study; a later one must sweep the same.
+    """Record the search space in the study; later launches must sweep the same (Optuna cannot mix two spaces).
 
     Raises:
-        SweepConfigError: naming the first parameter whose space differs, and the fix.
+        SweepConfigError: a parameter's space differs.
     """
     from optuna.distributions import distribution_to_json
 
@@ -356,11 +313,8 @@ def check_search_space(study, distributions: dict) -> None:
 
 
 def fixed_setup(lines: list[str], mask: Any = str) -> dict[str, str | None]:
-    """``{key: value}`` of the fixed overrides that define a study's trials (``key=value`` lines,
-    values as typed, each passed through ``mask``), less the launch-only ones: Hydra's own
-    (``hydra.*``, ``hydra/<group>=``) and :data:`LAUNCH_ONLY` (``launcher=slurm`` moves a study
-    to a cluster, its trials stay the same), and the paths of :data:`FILE_KEYS` (their content is
-    compared instead).  A deletion without a value (``~key``) maps to ``None``."""
+    """``{key: masked value as typed}`` of the fixed overrides defining a study's trials (``~key``: ``None``), less Hydra's
+    own, :data:`LAUNCH_ONLY` (where trials run, not what they are) and :data:`FILE_KEYS` (compared by content)."""
     setup = {}
     for item in OverridesParser.create().parse_overrides(lines):
         if item.is_hydra_override() or item.key_or_group in ("hydra", *LAUNCH_ONLY):
@@ -372,13 +326,10 @@ def fixed_setup(lines: list[str], mask: Any = str) -> dict[str, str | None]:
 
 
 def check_fixed_overrides(study, setup: dict[str, str | None], storage: str) -> None:
-    """The first launch records the fixed overrides (``setup``, from :func:`fixed_setup`) in the
-    study; a later one must run with the same, in any order.  A study that began before they were
-    recorded gets this launch's, with a warning: its earlier trials' setup cannot be checked.
+    """Record the fixed overrides (:func:`fixed_setup`) in the study; later launches must match, in any order.
 
     Raises:
-        SweepConfigError: naming each changed, added or removed key with its old and new value,
-            the study and its storage, and the fix.
+        SweepConfigError: a key was changed, added or removed.
     """
     lines = sorted(setup_line(key, value) for key, value in setup.items())
     recorded = study.user_attrs.get("fixed_overrides")
@@ -406,7 +357,7 @@ def check_fixed_overrides(study, setup: dict[str, str | None], storage: str) -> 
 
 
 def setup_line(key: str, value: str | None) -> str:
-    """One fixed override as recorded and shown: ``key=value``, or ``key`` alone (``~key``)."""
+    """A fixed override as recorded: ``key=value``, or ``key`` alone (``~key``)."""
     return key if value is None else f"{key}={value}"
 
 
@@ -422,10 +373,8 @@ def describe(distribution: dict | None) -> str:
 
 
 def reseeded(sampler: DictConfig, launch: int) -> Any:
-    """The sampler of launch ``launch`` (> 0) of a study: the configured one with seed
-    ``seed + launch``, or ``None`` to keep it (the first launch, or no seed).  A resumed sweep,
-    or a second process on the study, would otherwise replay the first launch's random
-    suggestions and repeat its trials; this way each launch is still reproducible."""
+    """The configured sampler with seed ``seed + launch`` (``None``: first launch or no seed), so a resumed sweep does not
+    replay the first launch's suggestions yet stays reproducible."""
     from hydra.utils import instantiate
 
     seed = sampler.get("seed")
@@ -435,17 +384,17 @@ def reseeded(sampler: DictConfig, launch: int) -> Any:
 
 
 def count(study, state: str) -> int:
-    """Trials of ``study`` in ``state`` (``COMPLETE``, ``FAIL``, ...), all processes together."""
+    """Trials of ``study`` in ``state`` (``COMPLETE``, ``FAIL``...), all processes together."""
     import optuna
 
     return len(study.get_trials(deepcopy=False, states=(getattr(optuna.trial.TrialState, state),)))
 
 
 def check_objective(config: DictConfig, directions: list[str]) -> None:
-    """``optimized_metric`` is one of ``task.objectives`` and ``direction`` agrees with it.
+    """Check ``optimized_metric`` is one of ``task.objectives`` (logged, for ``test/``) and ``direction`` agrees.
 
     Raises:
-        SweepConfigError: naming the metric, the direction and the fix.
+        SweepConfigError: they do not.
     """
     metric = config.get("optimized_metric")
     objectives = OmegaConf.select(config, "task.objectives") or {}
@@ -472,9 +421,7 @@ def check_objective(config: DictConfig, directions: list[str]) -> None:
 
 
 def check_params(config: DictConfig, names: list[str]) -> None:
-    """Every swept key is a key of the config or a config group (``+key`` adds one and is not
-    checked), so a typo or a group that is not selected (``peft.r`` with ``peft=none``) fails
-    here, not in every trial.
+    """Check every swept key (not ``+key``) is in the config or a group, so a typo fails here, not in every trial.
 
     Raises:
         SweepConfigError: listing the missing keys.

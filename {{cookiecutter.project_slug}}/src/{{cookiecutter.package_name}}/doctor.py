@@ -1,20 +1,13 @@
 """Check that this machine can train: packages, torch build, driver and GPUs.
 
-    python -m <package>.doctor
-    python -m <package>.doctor --json doctor.json   # also write the report as JSON
+    python -m <package>.doctor [--json doctor.json]   # --json: also write the report as JSON
     python -m <package>.doctor --write-tested-versions src/<package>/tested_versions.txt   # after a passing test run
     python -m <package>.doctor --measure   # also measure this machine's peaks for the step-time model (~10 s)
 
-Prints the Python and torch versions, torch's CUDA and cuDNN builds, the NVIDIA driver (from
-NVML), each visible GPU (compute capability, total and free memory, bf16 and TF32), the CPUs,
-host memory, the optional extras, and the installed versions that differ from the set the tests
-passed with (``tested_versions.txt``; a note, not a failure). Exits 1, printing the fix for each, when a required
-package is missing or too old, or when NVML sees an NVIDIA GPU that torch cannot use; exits 0
-otherwise, also on a machine without a GPU.
-
-Nothing heavy is imported to check a package: ``importlib.util.find_spec`` finds it and
-``importlib.metadata`` reads its version; only torch and NVML are loaded, to query the devices.
-"""
+Prints the Python, torch, CUDA, cuDNN and driver versions, each GPU, the CPUs, host memory, the optional
+extras and the versions that differ from ``tested_versions.txt`` (a note). Exits 1, with each fix, when a
+required package is missing or too old or torch cannot use a GPU that NVML sees; else 0 (also without a GPU).
+Packages are found without importing them (``find_spec``, ``importlib.metadata``)."""
 
 from __future__ import annotations
 
@@ -30,8 +23,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 GIB = 2**30
-# Import name -> (distribution name, minimum version). Keep in step with `dependencies` in
-# pyproject.toml (tests/test_doctor.py checks that they agree).
+# Import name -> (distribution name, minimum version); tests/test_doctor.py checks it against pyproject.toml.
 REQUIRED = {
     "torch": ("torch", "2.6"),  # floors with an advisory below them: see pyproject.toml
     "lightning": ("lightning", "2.6.6"),
@@ -48,12 +40,9 @@ REQUIRED = {
     "pandas": ("pandas", "2.0"),
     "matplotlib": ("matplotlib", "3.7"),  # `plot`
 }
-# A classification-only project has no causal-LM task, and its pyproject.toml none of the
-# causal-LM dependencies (the task config lists them: `task.requires`, read below).
+# Each task config lists its own packages under `task.requires` (a project without the task lacks them).
 TASK_CONFIGS = Path(__file__).parent / "configs" / "task"
-# Import name -> (distribution name, what it enables, how to install it): packages outside
-# pyproject.toml's dependencies (an optional-dependencies extra, or a separate install). Reported,
-# never a failure; a dependency belongs in REQUIRED (tests/test_doctor.py checks both ways).
+# Import name -> (distribution, what it enables, install command): packages outside the dependencies; never a failure.
 EXTRAS = {
     "flash_attn": (
         "flash-attn",
@@ -72,9 +61,7 @@ EXTRAS = {
 
 
 def task_requirements() -> dict[str, tuple[str, str]]:
-    """The packages the project's task configs name under ``task.requires`` (import name =
-    distribution name -> minimum version), as :data:`REQUIRED` entries: each task declares its
-    own, so a project without a task never hears of its packages."""
+    """The packages the task configs name under ``task.requires``, as :data:`REQUIRED` entries (import name = distribution)."""
     import yaml  # PyYAML, a dependency of omegaconf
 
     found = {}
@@ -86,22 +73,14 @@ def task_requirements() -> dict[str, tuple[str, str]]:
 
 
 REQUIRED.update(task_requirements())
-# Where the CUDA builds of torch live; pick the tag matching your torch version and driver at
-# https://pytorch.org/get-started/locally/ (cu126 wheels exist for torch 2.6 and later).
+# CUDA builds of torch; pick the tag for your torch and driver at https://pytorch.org/get-started/locally/.
 CUDA_INDEX_URL = "https://download.pytorch.org/whl/cu126"
 CUDA_TORCH_INSTALL = f"pip install torch --index-url {CUDA_INDEX_URL}"
 PACKAGE = __package__ or "<package>"  # set under `python -m`, where __name__ is "__main__"
 
 
 def collect() -> dict:
-    """Gather the report as a JSON-ready dict; nothing is printed and nothing raises.
-
-    Memory figures are in GiB (2**30 bytes), rounded to 0.01; a figure the platform does not
-    expose is ``None``. Keys: ``python``, ``platform``, ``cpu``, ``host_memory_gib``,
-    ``packages`` (the required ones), ``torch`` (``None`` when torch is missing), ``gpus``,
-    ``cuda_error`` (what CUDA raised while the GPUs were queried, else ``None``), ``nvml``,
-    ``extras`` and ``cuda_visible_devices``.
-    """
+    """Gather the report as a JSON-ready dict (memory in GiB, ``None`` where unknown); prints nothing, never raises."""
     gpus, cuda_error = [], None
     if module_found("torch"):
         try:
@@ -137,8 +116,7 @@ def collect() -> dict:
 
 
 def tested_version_differences() -> list[str] | None:
-    """How the installed dependencies differ from ``tested_versions.txt`` (:mod:`.core.run.versions`);
-    ``None`` when that cannot be told (the project is not installed, or the file is missing)."""
+    """How the installed dependencies differ from ``tested_versions.txt``; ``None`` when that cannot be told."""
     from .core.run import versions
 
     try:
@@ -149,11 +127,8 @@ def tested_version_differences() -> list[str] | None:
 
 
 def problems(report: dict) -> list[str]:
-    """Return one line per missing required piece, each ending with the command that fixes it.
-
-    A missing or too-old required package is a problem; so is an NVIDIA GPU that NVML sees
-    while torch cannot use any GPU. No GPU at all is not a problem (training runs on the CPU).
-    """
+    """One line per problem, each ending with its fix: a missing or too-old required package, or an NVIDIA
+    GPU that NVML sees while torch can use none (no GPU at all is fine)."""
     found = []
     for module, package in report["packages"].items():
         dist, minimum = package["distribution"], package["minimum"]
@@ -280,11 +255,7 @@ def torch_build() -> dict:
 
 def cuda_devices() -> list[dict]:
     """Each GPU torch can use: name, compute capability, total and free memory (GiB), bf16, TF32.
-
-    bf16 and TF32 mean native support: compute capability 8.0 (Ampere) or later. That is
-    ``torch.cuda.is_bf16_supported(including_emulation=False)``; the default of that call also
-    says yes on older GPUs, where bf16 is emulated in fp32 and slow.
-    """
+    bf16/TF32 mean native (capability >= 8.0); ``torch.cuda.is_bf16_supported()`` also says yes where bf16 is emulated."""
     import torch
 
     if not torch.cuda.is_available():
@@ -308,12 +279,8 @@ def cuda_devices() -> list[dict]:
 
 
 def nvml_info() -> dict:
-    """What the NVIDIA driver reports through NVML, independent of torch.
-
-    Returns ``driver`` (e.g. ``"550.54.14"``), ``cuda_driver`` (the newest CUDA the driver
-    supports, e.g. ``"12.4"``), ``gpus`` (names of every GPU the driver sees) and ``error``
-    (why NVML could not be read: not installed, or no driver; ``None`` when it could).
-    """
+    """What the driver reports through NVML: ``driver``, ``cuda_driver`` (newest CUDA it supports, e.g. ``"12.4"``),
+    ``gpus`` (names) and ``error`` (why NVML could not be read, else ``None``)."""
     info = {"driver": None, "cuda_driver": None, "gpus": [], "error": None}
     if not module_found("pynvml"):
         info["error"] = "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
@@ -465,9 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         overrides = " ".join(f"hardware.{key}={value}" for key, value in report["measured_peaks"].items() if key != "device")
         kind = "" if device == "cuda" else " hardware.kernels_overlap=false"
         print(f"\nMeasured peaks ({device}; the step-time model's, core/memory/steptime.py):\n  {overrides}{kind}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**report, "problems": found, "notes": advice}, indent=2) + "\n")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**report, "problems": found, "notes": advice}, indent=2) + "\n")

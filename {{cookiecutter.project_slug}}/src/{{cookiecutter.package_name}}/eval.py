@@ -3,11 +3,8 @@
     python -m <package>.eval experiment=demo_classification ckpt_path=RUN/checkpoints/last.ckpt
     python -m <package>.eval experiment=demo_sft_sentiment model_dir=models/sft   # an exported folder
 
-Works for every task (classification: test/acc, test/f1_macro; causal LM: test/loss, test/ppl;
-chat data also test/exact_match, with each answer in ``predictions.jsonl``).  The model
-architecture, label mapping and tokenizer come from the checkpoint (or the exported folder); the
-data from the config (use the same ``experiment=``/``data=`` as in training).  Writes ``metrics.json``.
-"""
+Model, labels and tokenizer come from the checkpoint (or folder), the data from the config (use training's
+``experiment=``/``data=``). Writes ``metrics.json`` (chat answers: ``predictions.jsonl``); exits 1 on bad config or data."""
 
 from __future__ import annotations
 
@@ -29,9 +26,8 @@ from .tasks import check_config, task_of
 
 
 def full_precision_overrides(hparams: dict) -> dict:
-    """The module arguments that load a checkpoint as plain full-precision weights, for ``export``
-    and ``quantize``: a QLoRA adapter onto the unquantized base (the same adapter keys, as LoRA),
-    and a QAT model without its fake quantisation (the same parameter names); ``{}`` for the rest."""
+    """Module arguments that load a checkpoint as full-precision weights (``export``, ``quantize``): QLoRA as LoRA
+    on the unquantized base, QAT without fake quantisation; ``{}`` otherwise."""
     overrides = {}
     if (hparams.get("peft") or {}).get("method") == "qlora":
         overrides["peft"] = {**hparams["peft"], "method": "lora"}
@@ -41,8 +37,7 @@ def full_precision_overrides(hparams: dict) -> dict:
 
 
 def exported_folder_problem(cfg: DictConfig) -> None:
-    """``model_dir`` must be a folder written by ``export`` (its ``config.json``), for a task that
-    reads such folders (``Task.reads_exported_folders``).
+    """Check that ``model_dir`` is an ``export`` folder, for a task that reads them.
 
     Raises:
         ConfigError: naming ``model_dir`` and the fix.
@@ -59,12 +54,10 @@ def exported_folder_problem(cfg: DictConfig) -> None:
 
 
 def load_module(cfg: DictConfig) -> L.LightningModule:
-    """The task module of ``cfg.ckpt_path``, or (causal LM) one that loads the exported folder
-    ``cfg.model_dir`` as pretrained weights, with the config's other groups.
+    """The task module of ``cfg.ckpt_path``, or (causal LM) one loading the exported folder ``cfg.model_dir``.
 
     Raises:
-        ConfigError: ``model_dir`` with no ``config.json``, or for a task that reads no exported
-            folders (``Task.reads_exported_folders``).
+        ConfigError: a ``model_dir`` without ``config.json``, or for a task that reads no exported folders.
     """
     if cfg.ckpt_path is not None:  # (the user's config names the class, never the checkpoint)
         return load_trained_module(module_class(cfg), cfg, cfg.ckpt_path)
@@ -77,8 +70,8 @@ def evaluate(cfg: DictConfig) -> dict:
     """Test ``cfg.ckpt_path`` on ``cfg.data``'s test split; return the metrics.
 
     Raises:
-        ConfigError: invalid config, a missing or refused checkpoint, an output that may not be
-            written (:mod:`.core.run.outputs`: it exists, without ``overwrite=true``).  DataError: bad test data.
+        ConfigError: invalid config, a missing or refused checkpoint, or an existing output without ``overwrite=true``.
+        DataError: bad test data.
     """
     check_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):

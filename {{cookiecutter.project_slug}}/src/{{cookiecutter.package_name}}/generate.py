@@ -3,9 +3,8 @@ r"""Complete prompts with a causal LM: a training checkpoint or an exported mode
     python -m <package>.generate ckpt_path=RUN/checkpoints/last.ckpt 'prompts=["ROMEO.\nO"]'
     python -m <package>.generate model_dir=models/my_lm prompts_file=prompts.txt generation.do_sample=true
 
-A model trained on chat data (``data=chat``) gets each prompt as a user turn rendered with its
-chat template, and stops at its end-of-turn token.  Prints each completion and writes ``{"prompt", "completion"}`` rows to ``output`` (jsonl).
-"""
+A chat-trained model gets each prompt as a user turn and stops at its end-of-turn token. Prints each
+completion and writes ``{"prompt", "completion"}`` rows to ``output`` (jsonl); exits 1 on bad config or data."""
 
 from __future__ import annotations
 
@@ -23,11 +22,10 @@ from .tasks import check_config
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
-    r"""``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file``.  In both, the two
-    characters ``\n`` stand for a newline (a shell passes them literally in single quotes).
+    r"""``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file``; in both, a literal ``\n`` is a newline.
 
     Raises:
-        ConfigError: no prompt at all, or a prompts file that does not exist or is not UTF-8.
+        ConfigError: no prompt, or a prompts file that is missing or not UTF-8.
     """
     prompts = [str(p).replace("\\n", "\n") for p in (cfg.prompts or [])]
     if cfg.prompts_file is not None:
@@ -70,8 +68,7 @@ def generation_problems(generation: DictConfig) -> list[str]:
 
 
 def load_generator(cfg: DictConfig):
-    """The config's causal-LM task module from ``ckpt_path``, or a :class:`CausalLMModule` wrapping
-    the HF folder ``model_dir``."""
+    """The causal-LM task module from ``ckpt_path``, or a ``CausalLMModule`` wrapping the HF folder ``model_dir``."""
     from .core.models.builder import config_to_dict
     from .core.models.inputs import ModelInputs
     from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule, causal_module_class
@@ -98,9 +95,8 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
     """Complete every prompt; write ``cfg.output`` (jsonl, atomically) and return the rows.
 
     Raises:
-        ConfigError: neither or both of ``ckpt_path``/``model_dir``, a missing file, no prompts,
-            bad ``generation`` settings (:func:`generation_problems`), a
-            refused checkpoint, an ``output`` that is an input or that exists without ``overwrite=true``.
+        ConfigError: not exactly one of ``ckpt_path``/``model_dir``, a missing file, no prompts, bad ``generation``
+            settings, a refused checkpoint, or an ``output`` that is an input or exists without ``overwrite=true``.
     """
     check_config(cfg, resumes=False)
     if (cfg.ckpt_path is None) == (cfg.model_dir is None):

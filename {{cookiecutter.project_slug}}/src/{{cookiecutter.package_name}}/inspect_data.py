@@ -3,20 +3,11 @@
     python -m <package>.inspect_data experiment=demo_sft_sentiment rows=3
     python -m <package>.inspect_data data=chat data.splits.train=data/train.jsonl split=train first_row=40
 
-A preference pair (``task=preference``) is shown side by side: the chosen conversation, then the
-rejected one, each with its scored answer marked.
+Prints ``rows`` rows of ``split`` (from ``first_row``) as ``train`` tokenises them, trained tokens green
+(or between ``[[`` and ``]]``; ``color=always|never``), with token counts; a preference pair shows each side.
+Then names the rows ``train`` would drop (no trained token left after truncation). (``inspect`` is stdlib's.)
 
-Prints ``rows`` rows of ``split`` (from ``first_row``) exactly as ``train`` tokenises them: the
-trained tokens (labels kept; the answers and their end-of-turn token) in green on a terminal, or
-between ``[[`` and ``]]`` otherwise (``color=always|never`` to choose), the masked ones plain; each
-row's token, trained-token and truncated-token counts.  Then it checks every row of the split
-and names those that ``train`` would drop (no trained token left after truncation).
-
-Named ``inspect_data`` so that it does not shadow Python's own ``inspect`` module.
-
-Exit codes: 0 every row has a trained token; 2 some rows would be dropped (named in the
-output); 1 bad config or data (the message says which field and the fix).
-"""
+Exit codes: 0 every row has a trained token; 2 some rows would be dropped; 1 bad config or data."""
 
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ OPEN, CLOSE = "[[", "]]"  # around trained tokens when there is no colour
 
 
 def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> Text:
-    """The row's text, decoded run by run: trained runs (label kept) in green, or between
-    :data:`OPEN` and :data:`CLOSE`; masked runs plain.  Position 0 is never a target."""
+    """The row's text run by run: trained runs (label kept) green or between :data:`OPEN`/:data:`CLOSE`; position 0 is never a target."""
     text = Text()
     trained = [index > 0 and label != IGNORE_INDEX for index, label in enumerate(labels)]
     start = 0

@@ -4,12 +4,9 @@
     python -m <package>.plan experiment=lm_llama32_1b_full batch.micro_batch_size=2 hydra.run.dir=RUN
     python -m <package>.plan experiment=lm_llama31_8b_qlora_chat plan.mode=longest   # or fastest, time
 
-``plan.mode=fit`` (the default) prints a table (parameters, gradients, optimizer state,
-activations, temporaries, total, in GiB) against ``hardware.budget_gib``, the verdict and the
-largest micro-batch that fits; ``longest``, ``fastest`` and ``time`` answer the questions of
-:mod:`.core.memory.modes`.  Writes ``plan.json`` and ``plan.txt`` into the run directory.  Reads no
-weights and no data; see :mod:`.core.memory.planner` for the method and its corrections.
-"""
+``plan.mode=fit`` (default) prints the memory table (GiB) against ``hardware.budget_gib``, the verdict and the
+largest micro-batch that fits; for the other modes see :mod:`.core.memory.modes`. Writes ``plan.json`` and
+``plan.txt``; reads no weights and no data (method: :mod:`.core.memory.planner`); exits 1 on bad config."""
 
 from __future__ import annotations
 

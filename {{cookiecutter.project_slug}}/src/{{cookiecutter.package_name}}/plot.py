@@ -3,25 +3,12 @@
     python -m <package>.plot logs/train/runs/<run>          # -> <run>/plots/*.png
     python -m <package>.plot logs/train/sweeps/<study>      # -> <sweep>/plots/*.png
     python -m <package>.plot logs/train/multiruns/<sweep>   # a grid multirun: the objective per job
-
-A run folder (its ``csv/version_<n>/metrics.csv``, one per launch, written by ``logger=csv``, on by default) gives
-``loss.png`` (train/loss per optimizer step, val/loss at each validation), ``lr.png``,
-``throughput.png`` (tokens/s) and ``gpu_memory.png`` (allocated, reserved, peak GiB); a panel whose
-metrics the run did not log (GPU memory on a CPU run) is skipped and said so.
-
-A sweep folder gives ``objective.png``: the objective of each trial and the best so far
-(Optuna's ``plot_optimization_history``, read from ``optuna.db`` or ``optuna.journal``), and
-``importances.png``: each parameter's fANOVA importance (Optuna's ``plot_param_importances``).
-A grid multirun (no study) gives ``objective.png`` from each job's ``metrics.json``.
-
     python -m <package>.plot logs/quantize/runs/<run>/compressed   # or its compress_report.json
 
-A ``quantize`` report gives ``compression.png``: the task metric (accuracy, or perplexity) of
-each variant against its size (MB) and against its latency (p50 ms, one marker per runtime).
-
-A plain command line, not a Hydra app: it reads files and has nothing to compose.
-Exit code 1 with a message when the folder holds nothing to plot.
-"""
+A run (its ``csv/version_<n>/metrics.csv``) gives loss, lr, throughput (tokens/s) and GPU memory (GiB) panels,
+skipping those it did not log; an Optuna study ``objective.png`` and ``importances.png`` (fANOVA); a grid
+multirun the objective from each job's ``metrics.json``; a ``quantize`` report ``compression.png`` (the metric
+against size in MB and p50 latency in ms). Exits 1 with a message when there is nothing to plot."""
 
 from __future__ import annotations
 
@@ -54,9 +41,7 @@ RUNTIME_MARKERS = {"pytorch": "o", "onnxruntime": "s"}
 
 
 def plot_compression(report_path: Path, out_dir: Path) -> list[Path]:
-    """``compression.png``: two panels, the first metric of a ``quantize`` report (accuracy, or
-    perplexity) against each variant's size in MB and against its p50 latency in ms (a
-    marker per runtime: latencies of different runtimes are not the same clock's work).
+    """``compression.png``: the report's first metric against each variant's size (MB) and p50 latency (ms), a marker per runtime.
 
     Raises:
         NothingToPlot: the report lists no variant.
@@ -89,8 +74,7 @@ def plot_compression(report_path: Path, out_dir: Path) -> list[Path]:
 
 
 def read_curves(csv_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """``column -> [(step, value), ...]`` from a run's CSV log (its launches merged, see
-    :func:`.core.loggers.metrics_csv.read_metrics`), blank cells skipped."""
+    """``column -> [(step, value), ...]`` from a run's CSV log (launches merged by ``read_metrics``), blank cells skipped."""
     curves: dict[str, list[tuple[int, float]]] = {}
     for row in read_metrics(csv_dir):
         step = int(float(row["step"]))
@@ -192,8 +176,7 @@ def job_objective_name(job_dir: Path) -> str:
 
 
 def plot_study(storage: str, out_dir: Path) -> list[Path]:
-    """Objective history and parameter importances of every study in ``storage`` (an RDB URL, or
-    ``journal:<file>``), both drawn by ``optuna.visualization.matplotlib``.
+    """Objective history and parameter importances of every study in ``storage`` (an RDB URL or ``journal:<file>``).
 
     Raises:
         NothingToPlot: Optuna is not installed, or no study has a completed trial.
@@ -260,9 +243,7 @@ def save(fig, path: Path) -> Path:
 
 
 def plot(path: Path, out_dir: Path | None = None) -> list[Path]:
-    """Plot a run folder, a sweep folder or a ``quantize`` report (its folder or its
-    ``compress_report.json``; see the module docstring) into ``out_dir`` (default ``path/plots``,
-    next to the report for a report file); return the PNG files written.
+    """Plot a run folder, a sweep folder or a ``quantize`` report (folder or JSON) into ``out_dir`` (default: ``plots`` beside it).
 
     Raises:
         NothingToPlot: ``path`` is not a folder or a report, or holds nothing to plot.

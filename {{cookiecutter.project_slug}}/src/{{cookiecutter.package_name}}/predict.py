@@ -3,12 +3,9 @@
     python -m <package>.predict experiment=demo_classification \
         ckpt_path=RUN/checkpoints/last.ckpt input=reviews.csv output=predictions.csv
 
-What is written is the task's (``Task.write_predictions``): for sequence classification a CSV of
-the input's columns plus ``predicted_label`` and one ``prob_<label>`` column per class; for token
-classification a jsonl of each row's words and one tag per word.  One output row per input row,
-in the input's order; the input's columns are those of the data config.  It runs in one process
-whatever ``trainer`` says.
-"""
+The task writes the file (``Task.write_predictions``): sequence classification a CSV of the input's columns plus
+``predicted_label`` and a ``prob_<label>`` per class; token classification a jsonl of words and tags. One row per
+input row, in order, from one process whatever ``trainer`` says; exits 1 on bad config or data."""
 
 from __future__ import annotations
 
@@ -44,15 +41,12 @@ def output_path(cfg: DictConfig, suffix: str) -> Path:
 
 
 def predict(cfg: DictConfig) -> Path:
-    """Write predictions for ``cfg.input`` to ``cfg.output``; return the output path.
-
-    The file is written to a temporary name and renamed, so it is never left half-written.
+    """Write predictions for ``cfg.input`` to ``cfg.output`` (atomically); return the output path.
 
     Raises:
-        ConfigError: invalid config, missing checkpoint/input, a refused checkpoint, an ``output``
-            that is the input or a checkpoint, or that exists without ``overwrite=true``
-            (:mod:`.core.run.outputs`), an ``output`` of another file type than the task writes, a
-            task without ``predict``.  DataError: bad input columns.
+        ConfigError: invalid config, a missing or refused checkpoint/input, an ``output`` that is an input, exists
+            without ``overwrite=true`` or has another file type than the task writes, or a task without predictions.
+        DataError: bad input columns.
     """
     task = check_config(cfg, required=("ckpt_path", "input"), resumes=False)
     if not task.prediction_suffix:
@@ -60,8 +54,7 @@ def predict(cfg: DictConfig) -> Path:
     if not Path(cfg.input).is_file():  # after validate_config: input is set
         raise ConfigError(f"input={cfg.input!r} is not a file; fix: input=path/to/texts.csv (csv/tsv/jsonl/parquet)")
     if world_size(cfg) != (1, 1):
-        # Several processes would each predict a share of the rows (and pad the last batches):
-        # one process writes every row once, in the input's order.
+        # One process writes every row once, in order (several would each pad their share).
         print(f"predict runs in one process: trainer.devices={world_size(cfg)[0]} (the training trainer's) is not used")
         cfg = cfg.copy()
         with open_dict(cfg):
@@ -69,8 +62,7 @@ def predict(cfg: DictConfig) -> Path:
     output = output_path(cfg, task.prediction_suffix)
     claim_outputs(cfg, {"output": output}, {"input": cfg.input, "ckpt_path": cfg.ckpt_path}, run_files=())
     module = load_trained_module(module_class(cfg), cfg, cfg.ckpt_path)
-    # Resolved first, so that dropping the training-data download (fetch=None) cannot break
-    # paths that interpolate from it.
+    # Resolved first, so dropping the training-data download (fetch=None) cannot break paths interpolated from it.
     datamodule = hydra.utils.instantiate(to_plain(cfg.data), **module.datamodule_kwargs(), predict_file=str(cfg.input), fetch=None)
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=[])
     outputs = trainer.predict(module, datamodule=datamodule)

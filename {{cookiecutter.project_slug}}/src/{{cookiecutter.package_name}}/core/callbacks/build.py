@@ -16,11 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def instantiate_callbacks(cfg: DictConfig) -> list[Callback]:
-    """The LR schedule first (it sets the LR before other callbacks read it), then pruning unless
-    ``pruning.method`` is none (its masks are updated, and its sparsity logged, before a guard or
-    the step log writes a step's checkpoint or row), then ``callbacks``, less those that do
-    nothing on this hardware (``needs_cuda`` on a run without a CUDA GPU: GPU stats), said once.
-    """
+    """The LR schedule first (it sets the LR others read), then pruning unless ``pruning.method`` is none (its masks
+    settle before a guard or the step log writes), then ``callbacks`` less the ``needs_cuda`` ones on a run without CUDA."""
     pruning = []
     if (cfg.get("pruning") or {}).get("method", "none") != "none":
         pruning.append(Pruning(**to_plain(cfg.pruning)))

@@ -1,13 +1,7 @@
 """A step checkpoint and a validation at the same optimizer step: that step's bytes written once.
 
-``step_checkpoint`` saves ``last.ckpt`` in ``on_train_batch_end``; a validation due at the same
-step runs right after, and ``model_checkpoint`` then saves ``best-*.ckpt`` (a new best) or
-``last.ckpt`` again: two full writes of the same weights (270 MB each for MiniLM with its AdamW
-state, several GB for a full fine-tune of a 1B model), where the HF Trainer writes one when
-``eval_steps`` and ``save_steps`` coincide.  Lightning saves before it validates, and which steps
-validate is decided inside its loop, so the step checkpoint cannot know that a later save of the
-same step is coming; the write is held instead.
-"""
+``step_checkpoint`` saves ``last.ckpt`` before a validation due at the same step, after which ``model_checkpoint`` saves
+the same weights again; Lightning decides which steps validate inside its loop, so the first write is held instead."""
 
 from __future__ import annotations
 
@@ -17,15 +11,9 @@ from ..checkpoints.io import AtomicCheckpointIO
 
 
 class HoldStepCheckpoint(L.Callback):
-    """Hold a checkpoint's background write until the next training batch starts
-    (:attr:`..checkpoints.io.AtomicCheckpointIO.hold_saves`): a save of the same optimizer step before then (the
-    validation's ``best-*.ckpt`` or ``last.ckpt``) supersedes it, and the held file's name
-    becomes a hard link to the later file (:meth:`..checkpoints.io.AtomicCheckpointIO.save_checkpoint`).
-    Otherwise the held write is queued at the next training batch, the next save or the end of
-    the fit.  The cost: a kill during that step's validation leaves the previous ``last.ckpt``
-    (resumable, one step checkpoint older), as a kill during the write would.  No-op unless the
-    trainer's checkpoint IO is a background :class:`..checkpoints.io.AtomicCheckpointIO`.
-    """
+    """Hold a checkpoint's background write until the next training batch (``AtomicCheckpointIO.hold_saves``): a save of
+    the same step before then supersedes it, the held name becoming a hard link to the later file. A kill during that
+    validation leaves the previous ``last.ckpt``. No-op unless the checkpoint IO is a background ``AtomicCheckpointIO``."""
 
     def __init__(self) -> None:
         self.io: AtomicCheckpointIO | None = None

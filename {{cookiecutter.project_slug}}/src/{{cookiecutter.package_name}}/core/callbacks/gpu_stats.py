@@ -21,14 +21,8 @@ except ImportError:
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
-    """PyTorch's view of the memory of ``device``, in GiB.
-
-    - ``gpu/mem_allocated_gib``: held by live tensors now.
-    - ``gpu/mem_reserved_gib``: held by the caching allocator (allocated + cached free blocks);
-      ``nvidia-smi`` shows this plus the CUDA context (~0.3-0.5 GiB).
-    - ``gpu/mem_peak_gib``: the most ever allocated by tensors since the process started
-      (``torch.cuda.max_memory_allocated``): the figure to compare with the 24 GB budget.
-    """
+    """PyTorch's view of ``device``'s memory in GiB: allocated (live tensors), reserved (caching allocator; ``nvidia-smi``
+    adds the CUDA context, ~0.3-0.5 GiB) and peak allocated since start (the figure to compare with the budget)."""
     return {
         "gpu/mem_allocated_gib": torch.cuda.memory_allocated(device) / GIB,
         "gpu/mem_reserved_gib": torch.cuda.memory_reserved(device) / GIB,
@@ -36,8 +30,7 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     }
 
 
-# Metric -> how to read it.  torch.cuda's NVML wrappers map torch's device index to NVML's
-# (NVML numbers every GPU of the machine, torch only those in CUDA_VISIBLE_DEVICES).
+# Metric -> reader; torch.cuda's NVML wrappers map torch's device index to NVML's (which ignores CUDA_VISIBLE_DEVICES).
 NVML_READINGS = {
     "gpu/utilization_pct": lambda device: torch.cuda.utilization(device),  # % of time a kernel ran, last sample period
     "gpu/temperature_c": lambda device: torch.cuda.temperature(device),  # GPU die, degrees C
@@ -46,12 +39,8 @@ NVML_READINGS = {
 
 
 def nvml_stats(device: torch.device, skip: set[str] | frozenset[str] = frozenset()) -> tuple[dict[str, float], dict[str, str]]:
-    """Read the NVML metrics of ``device`` (those of :data:`NVML_READINGS` not in ``skip``).
-
-    Returns:
-        ``(metrics, errors)``: the readings that worked, and for each that failed (NVML missing,
-        driver not loaded, a reading the GPU does not support) the reason as text.
-    """
+    """Read :data:`NVML_READINGS` of ``device`` but ``skip``; return ``(metrics, errors)``: the readings that worked,
+    and why each other failed (no NVML, no driver, a reading the GPU lacks)."""
     metrics, errors = {}, {}
     for name, read in NVML_READINGS.items():
         if name in skip:
@@ -64,17 +53,10 @@ def nvml_stats(device: torch.device, skip: set[str] | frozenset[str] = frozenset
 
 
 class GPUStats(L.Callback):
-    """Every ``every_n_steps`` optimizer steps, log :func:`memory_stats` and :func:`nvml_stats`
-    of the trainer's device to every logger (step = ``trainer.global_step``).
+    """Every ``every_n_steps`` optimizer steps, log :func:`memory_stats` and :func:`nvml_stats` of the trainer's device.
 
-    ``needs_cuda``: ``train`` leaves it out of a run that is not on a CUDA GPU
-    (:func:`.build.instantiate_callbacks`), so a CPU run pays nothing for it.
-    Built by hand, it degrades instead of failing: on a CPU it logs nothing; a reading that
-    fails (no NVML, a GPU without a power sensor) is dropped for the rest of the run.  Either way
-    it says once why (rank 0, through this module's logger), never once per step.
-
-    Args:
-        every_n_steps: logging period in optimizer steps (>= 1).
+    ``needs_cuda``: ``train`` leaves it out of a non-CUDA run. Built by hand it degrades instead: on a CPU it logs
+    nothing, and a failing reading is dropped for the run; either way it says why once (rank 0).
 
     Raises:
         ValueError: ``every_n_steps`` < 1.

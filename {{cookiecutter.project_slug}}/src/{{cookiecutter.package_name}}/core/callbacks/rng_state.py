@@ -1,8 +1,5 @@
-"""Random-number-generator states in every checkpoint, restored exactly on resume.
-
-Lightning saves weights, optimizer, loop counters and callback states, but not the RNG streams:
-a resumed run would draw other dropout masks than the uninterrupted run from the first step on.
-"""
+"""Random-number-generator states in every checkpoint, restored exactly on resume (Lightning saves none, so a
+resumed run would draw other dropout masks)."""
 
 from __future__ import annotations
 
@@ -14,8 +11,7 @@ import torch
 
 
 def rng_states() -> dict:
-    """torch (CPU and every CUDA device), Python ``random`` and NumPy states, as tensors and plain
-    lists, so a checkpoint holding them still loads with ``torch.load(weights_only=True)``."""
+    """torch (CPU, every CUDA device), ``random`` and NumPy states as tensors and lists (loadable with ``weights_only=True``)."""
     version, mt_state, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
@@ -38,10 +34,8 @@ def set_rng_states(states: dict) -> None:
 
 
 class RNGState(L.Callback):
-    """Save the RNG states with each checkpoint; after a resume, restore them just before the
-    first training batch, so whatever ran in between (sanity validation, loading) cannot shift
-    them.  With the data modules' own loader generators, nothing else draws from these streams
-    between two training steps, so the resumed run continues them exactly."""
+    """Save the RNG states with each checkpoint; on resume restore them just before the first training batch, so
+    sanity validation or loading cannot shift them (the loaders draw from their own generators)."""
 
     def __init__(self) -> None:
         self._pending: dict | None = None

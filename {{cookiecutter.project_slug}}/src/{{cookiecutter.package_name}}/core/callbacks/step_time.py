@@ -1,9 +1,5 @@
-"""The measured step time beside the planner's prediction (:mod:`..memory.steptime`), once a run is warm.
-
-Logs ``time/step_ms`` (wall-clock ms per optimizer step, the mean over ``steps`` steps after the
-first ``skip`` of this fit) and ``time/predicted_step_ms``, and prints both with their ratio: the
-check of the roofline on this user's own machine.
-"""
+"""The measured step time beside the planner's prediction (:mod:`..memory.steptime`), once a run is warm: logs
+``time/step_ms`` (wall-clock ms per optimizer step) and ``time/predicted_step_ms``, and prints their ratio."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 
 class StepTimeCheck(L.Callback):
-    """Time optimizer steps ``skip + 1 .. skip + steps`` of this fit (counted from where it started,
-    so a resumed run is timed too) and log them beside ``predicted_ms``.
+    """Time optimizer steps ``skip + 1 .. skip + steps`` of this fit (a resumed one too) and log them beside ``predicted_ms``.
 
     Raises:
         ValueError: ``predicted_ms`` <= 0, ``skip`` < 0 or ``steps`` < 1.

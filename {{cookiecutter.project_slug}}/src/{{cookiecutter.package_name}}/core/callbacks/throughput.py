@@ -1,27 +1,13 @@
 """Training throughput: tokens/s, samples/s, model TFLOP/s and MFU (model FLOPs utilization).
 
-**Why not Lightning's ``ThroughputMonitor`` callback.**  We keep Lightning's rate arithmetic
-(:class:`lightning.fabric.utilities.throughput.Throughput`, which takes our peak as
-``available_flops``), but not its callback: ``ThroughputMonitor.setup`` overwrites the peak
-from Lightning's own table, which lists the RTX 4090 at 82.6 TFLOP/s for bf16 (the CUDA-core
-rate) where the bf16 tensor-core rate is 165.2, so every MFU would read twice too high; it calls
-``torch.cuda.synchronize()`` after every micro-batch, stalling the pipeline it measures; and it
-wants a ``flops_per_batch`` attribute on each LightningModule, bookkeeping that belongs here.
+Lightning's ``Throughput`` does the rate arithmetic, but not its ``ThroughputMonitor`` callback: that overwrites our
+peak from a table listing the RTX 4090 at 82.6 bf16 TFLOP/s (the CUDA-core rate; tensor cores: 165.2, so MFU would
+read 2x), and synchronises CUDA after every micro-batch.
 
-**FLOPs.**  Training FLOPs per token, following PaLM (Chowdhery et al. 2022, Appendix B):
-``6N + 12·L·H·Q·T`` for ``N`` parameters, ``L`` layers, ``H`` attention heads, head dimension
-``Q`` and sequence length ``T``.  ``6N``: each parameter takes part in one multiply-add (2
-FLOPs) per token forward, and twice that backward (gradient w.r.t. the input and w.r.t. the
-weight).  A frozen parameter (LoRA's base weights, QLoRA's 4-bit ones) skips the weight
-gradient: 4 FLOPs per token, so ``6·N_trainable + 4·N_frozen``.  ``12·L·H·Q·T``: the two
-attention matmuls (``QKᵀ`` and ``AV``), ``2·2·H·Q·T`` per layer and token forward, twice that
-backward; they have no weights, so freezing does not change them.  PaLM counts the full (dense)
-``T×T`` score matrix: exact for BERT's bidirectional attention, and for a causal LM the usual
-convention (a causal kernel skips about half of it).  For BERT encoders the formula is an
-approximation (the pooler/classifier run on one token per sequence, not all), close enough for
-a utilisation figure.  Recomputation under gradient checkpointing is not counted (that is
-hardware FLOPs utilisation, not MFU).
-"""
+FLOPs per token follow PaLM (Chowdhery et al. 2022, Appendix B): ``6N + 12·L·H·Q·T`` (``N`` parameters, ``L`` layers,
+``H`` heads, head dim ``Q``, length ``T``). A frozen parameter (LoRA's base) skips its weight gradient: 4 FLOPs, so
+``6·N_trainable + 4·N_frozen``. The attention term counts the dense ``T×T`` scores (the usual convention for a causal
+LM); for BERT encoders the formula is approximate; gradient-checkpointing recomputation is not counted (that is HFU)."""
 
 from __future__ import annotations
 
@@ -38,13 +24,11 @@ from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
-# Attention masks held before they are summed (each a reference to its micro-batch's (B, T)
-# mask: at most this many masks' memory, e.g. 64 x 4 x 4096 int64 = 8 MiB).
+# Attention masks held (references to (B, T) masks) before they are summed: e.g. 64 x 4 x 4096 int64 = 8 MiB.
 HELD_MASKS = 64
 
-# Dense (no 2:4 sparsity) bf16 tensor-core peak with fp32 accumulate, TFLOP/s, keyed by a
-# pattern searched in the lower-cased ``torch.cuda.get_device_name()``; first match wins.
-# Datasheets quote "with sparsity" figures: the dense rate is half of those.
+# Dense bf16 tensor-core peak (fp32 accumulate), TFLOP/s, by a pattern in the lower-cased device name; first match
+# wins. Datasheets quote "with sparsity" figures, twice the dense rate.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float, str], ...] = (
     (r"rtx 4090$", 165.2, "NVIDIA Ada GPU architecture whitepaper v2.1, Appendix A: BF16 tensor with FP32 accumulate 165.2 (330.4 sparse)"),
     (
@@ -73,21 +57,13 @@ def peak_tflops_for(device_name: str) -> float | None:
 
 
 def flops_per_token(n_trainable: int, n_frozen: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token, forward + backward: ``6·n_trainable + 4·n_frozen + 12·L·H·Q·T``
-    (PaLM, Chowdhery et al. 2022, Appendix B, with frozen weights skipping their weight
-    gradient; see the module docstring)."""
+    """Training FLOPs per token, forward + backward: ``6·n_trainable + 4·n_frozen + 12·L·H·Q·T`` (PaLM; module docstring)."""
     return 6.0 * n_trainable + 4.0 * n_frozen + 12.0 * n_layers * n_heads * head_dim * seq_len
 
 
 def count_parameters(module: torch.nn.Module) -> tuple[int, int]:
-    """``(trainable, frozen)`` parameters of ``module`` that multiply activations.
-
-    Embedding tables (``nn.Embedding``: token, position, token-type) are left out, since a lookup
-    does no arithmetic (the "non-embedding" count of Kaplan et al. 2020), unless the same tensor
-    is also the weight of another layer: a tied LM head is a real ``V x d`` matmul and counts
-    (once).  A bitsandbytes 4-bit weight (``Params4bit``) stores two values per byte, so its
-    ``numel()`` is half the weight's; it is counted from ``quant_state.shape``.
-    """
+    """``(trainable, frozen)`` parameters that multiply activations: embedding lookups are left out (Kaplan et al.
+    2020's "non-embedding" count) unless tied to another layer (an LM head); a 4-bit ``Params4bit`` counts ``quant_state.shape``."""
     lookup_only = {id(p) for m in module.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
     lookup_only -= {id(p) for m in module.modules() if not isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)}
     trainable = frozen = 0
@@ -104,10 +80,8 @@ def count_parameters(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def architecture(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(layers, attention heads, head dim)`` from a Hugging Face config: ``num_hidden_layers``
-    or ``n_layer``; ``num_attention_heads`` or ``n_head`` (query heads: with grouped-query
-    attention the scores still cost one ``T``-long dot product per query head); ``head_dim``, or
-    the hidden size (``hidden_size`` / ``n_embd`` / ``d_model``) over the heads.
+    """``(layers, attention heads, head dim)`` from a Hugging Face config; heads are query heads (under GQA each still
+    scores ``T`` keys); head dim is ``head_dim`` or the hidden size over the heads.
 
     Raises:
         ValueError: a field is missing (an encoder-decoder or multimodal config, say).
@@ -133,12 +107,8 @@ def hf_config_of(module: torch.nn.Module) -> PretrainedConfig | None:
 
 
 def resolve_peak_tflops(device: torch.device, configured: float | None) -> tuple[float | None, str | None]:
-    """The peak to divide by, and why there is none (or why it may be wrong), for the log.
-
-    ``configured`` (``hardware.peak_tflops``) wins on a GPU; None looks the device name up in
-    :data:`PEAK_BF16_TFLOPS`.  Not on a CUDA GPU: no MFU, whatever is configured (the default
-    hardware config names the 4090, also when a test runs on the CPU).
-    """
+    """The peak to divide by, and a note for the log when there is none or it may be wrong: ``configured``
+    (``hardware.peak_tflops``) wins, else :data:`PEAK_BF16_TFLOPS`; off a CUDA GPU none, whatever is configured."""
     if device.type != "cuda":
         return None, f"training on {device.type}: no perf/mfu (MFU is measured against a GPU's tensor-core peak)"
     name = torch.cuda.get_device_name(device)
@@ -153,35 +123,20 @@ def resolve_peak_tflops(device: torch.device, configured: float | None) -> tuple
 
 
 class TokenThroughput(L.Callback):
-    """Every ``every_n_steps`` optimizer steps, and at the end of training (the steps since the
-    last log, if any: a run shorter than the period still reports), log the rates over the steps
-    since the last log:
+    """Every ``every_n_steps`` optimizer steps and at the end of training, log the rates since the last log:
+    ``perf/tokens_per_sec`` (real tokens, padding excluded), ``perf/samples_per_sec``, ``perf/tflops`` (:func:`flops_per_token`
+    x real tokens, ``T = input_ids.shape[1]``) and ``perf/mfu`` (``perf/tflops / peak``, 0-1; only with a known peak).
 
-    - ``perf/tokens_per_sec``: real tokens (``attention_mask.sum()``, padding excluded) per second;
-    - ``perf/samples_per_sec``: sequences per second;
-    - ``perf/tflops``: model TFLOP/s, :func:`flops_per_token` x real tokens (padding is wasted
-      work, so it lowers this and MFU), with ``T = input_ids.shape[1]``;
-    - ``perf/mfu``: ``perf/tflops / peak`` (a fraction, 0-1), only on a GPU with a known peak.
-
-    Per device.  A row's step is that of the last optimizer step it covers, numbered as Lightning
-    numbers that step's own rows (``trainer.global_step - 1`` after it): ``perf/*`` and
-    ``train/loss`` of a step share it (one W&B row), and the steps a resumed launch logs follow
-    the first launch's.  Batches are dicts with ``input_ids`` ``(B, T)``
-    and, optionally, ``attention_mask`` or (packed chat rows) ``token_mask`` ``(B, T)``.  Every
-    micro-batch of an accumulated step counts.  The clock (``time.perf_counter``) starts after
-    the first optimizer step, which pays for CUDA warm-up, autotuning and ``torch.compile``; it
-    stops from validation start to the next training batch.  CUDA is synchronised only at the
-    logging points and at validation start, never per micro-batch: token counts stay on the
-    device until then.
+    Per device. A row's step is the last optimizer step it covers, as Lightning numbers its rows (``global_step - 1``),
+    so ``perf/*`` and ``train/loss`` share a W&B row. Batches are dicts with ``input_ids`` ``(B, T)`` and optionally
+    ``attention_mask`` or ``token_mask`` ``(B, T)``. The clock starts after the first optimizer step (warm-up,
+    autotuning, compile) and stops during validation; CUDA is synchronised only there and at the logs.
 
     Args:
-        every_n_steps: logging period in optimizer steps (>= 1).
-        peak_tflops: dense bf16 peak of one GPU in TFLOP/s (``hardware.peak_tflops``); None = look
-            the GPU up in :data:`PEAK_BF16_TFLOPS`.
+        peak_tflops: dense bf16 peak of one GPU in TFLOP/s; None = look it up in :data:`PEAK_BF16_TFLOPS`.
 
     Raises:
-        ValueError: ``every_n_steps`` < 1 or ``peak_tflops`` <= 0 (here); a batch that is not a
-            dict with ``input_ids`` (at the first batch).
+        ValueError: ``every_n_steps`` < 1 or ``peak_tflops`` <= 0; a batch that is not a dict with ``input_ids``.
     """
 
     def __init__(self, every_n_steps: int, peak_tflops: float | None = None) -> None:
@@ -249,7 +204,6 @@ class TokenThroughput(L.Callback):
             self._synchronize()
             self._paused_at = time.perf_counter()
 
-    # ------------------------------------------------------------------------------ helpers
     def _count(self, batch: object) -> None:
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise ValueError(f"TokenThroughput needs dict batches with input_ids (B, T); got {type(batch).__name__}")
@@ -260,9 +214,7 @@ class TokenThroughput(L.Callback):
             self._host_tokens += input_ids.numel()
             self._host_flops += input_ids.numel() * per_token
         else:
-            # Stay on the device (.item() here would synchronise every micro-batch), and count
-            # later: the masks are held (references, no copy) and summed at the log, one cat and
-            # one sum per sequence length (:meth:`_fold`), not three small ops per micro-batch.
+            # Stay on the device (.item() would synchronise every micro-batch): hold the masks, sum them in _fold.
             self._masks.setdefault(input_ids.shape[1], []).append(mask)
             self._held_masks += 1
             if self._held_masks >= HELD_MASKS:

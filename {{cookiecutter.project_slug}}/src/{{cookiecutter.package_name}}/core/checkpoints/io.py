@@ -1,16 +1,9 @@
 """Checkpoint files that survive a kill, and finding the one to resume from.
 
-Lightning's ``TorchCheckpointIO`` serialises a checkpoint in memory and then writes it over the
-target path: a kill during that write leaves a truncated ``last.ckpt``, and the run can no longer
-resume.  :class:`AtomicCheckpointIO` writes to a hidden temporary file next to the target
-(``.last.ckpt.partial``), flushes it to disk and renames it into place (``os.replace``: atomic on POSIX and Windows file
-systems), so ``last.ckpt`` is always either the previous complete checkpoint or the new one.
-With ``background=True`` (the shipped config) the write runs on a background thread
-(:mod:`.writer`), and a ``last.ckpt`` of the same state as the best checkpoint just
-written is a hard link to it, not a second write.  With :class:`..callbacks.checkpoint_writes.HoldStepCheckpoint`
-(the shipped callbacks), a step checkpoint's write also waits until the next training batch: a
-validation at the same step that saves (``best-*.ckpt``, ``last.ckpt``) replaces it, so that
-step's bytes are written once.
+Lightning's ``TorchCheckpointIO`` writes over the target, so a kill mid-write leaves a truncated ``last.ckpt``.
+:class:`AtomicCheckpointIO` writes a hidden ``.last.ckpt.partial``, flushes it and renames it into place (``os.replace``:
+atomic on POSIX and Windows), so ``last.ckpt`` is always a complete checkpoint.  With ``background=True`` (shipped) writes
+run on a thread (:mod:`.writer`); :class:`AtomicCheckpointIO` says how repeated saves become hard links.
 """
 
 from __future__ import annotations
@@ -37,42 +30,25 @@ from .writer import HOST_RESERVE, BackgroundWriter, Stager, fingerprint, host_av
 
 log = logging.getLogger(__name__)
 
-# The errors of a write that found no room: a full disk (ENOSPC), a full quota (EDQUOT).
+# A write that found no room: a full disk (ENOSPC) or quota (EDQUOT).
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def checkpoint_bytes(checkpoint: object) -> int:
-    """The bytes of every tensor in ``checkpoint`` (nested dicts and lists walked; a tensor's
-    storage counted once)."""
+    """Bytes of every tensor in ``checkpoint`` (nested dicts and lists walked; a shared storage counted once)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in unique_tensors(checkpoint).values()}
     return sum(storages.values())
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are all-or-nothing (see the module docstring): written
-    through :func:`..run.entry.atomic_write_path`.  Set through ``trainer.plugins``; remote paths
-    (``s3://``...) fall back to Lightning's save.  A save that finds the disk full raises
-    :class:`DiskFull` (its size and the free bytes; the previous file is intact).
+    """``TorchCheckpointIO`` with all-or-nothing saves (:func:`..run.entry.atomic_write_path`); remote paths use Lightning's.
 
-    Args:
-        background: write on a background thread (:mod:`.writer`): the save stages
-            the checkpoint to host memory and returns; the file is written while training goes
-            on.  A save of the same training state as the previous one to another file of the same
-            folder (``last.ckpt`` right after ``best-*.ckpt``, at one validation) hard-links that
-            file into place instead of writing its bytes again.  A checkpoint that does not fit in
-            the available host memory (less a 2 GiB reserve) is written synchronously, with a
-            warning.  An error of a background write (:class:`DiskFull`) is raised at the next
-            save, :meth:`flush` or the end of the fit (``teardown``).
-        pin_memory: pinned staging buffers (``None``: when CUDA is available).
-
-    ``hold_saves`` (set by :class:`..callbacks.checkpoint_writes.HoldStepCheckpoint`, off
-    otherwise): a staged checkpoint is held, not queued, until :meth:`release` (the next training
-    batch), the next save, :meth:`flush` or the end of the fit.  A save of the same optimizer
-    step (``global_step``) to the same folder before then *supersedes* it: the held copy is
-    dropped, the new checkpoint is written, and the held file's name becomes a link to it (the
-    later save holds the same weights, plus what the validation in between recorded).  A kill
-    while a checkpoint is held leaves the previous file of that name, as a kill during its
-    write would.
+    A full disk raises :class:`DiskFull` (size, free bytes; the previous file intact).  With ``background``, saves are
+    staged to host memory and written on a thread (:mod:`.writer`; synchronously if host memory less a 2 GiB reserve is
+    short; ``pin_memory=None``: pinned with CUDA); a save of the same state to another file of the folder (``last.ckpt``
+    after ``best-*.ckpt``) is a hard link; a write's error is raised at the next save, :meth:`flush` or ``teardown``.
+    ``hold_saves`` (:class:`..callbacks.checkpoint_writes.HoldStepCheckpoint`) holds a staged checkpoint until
+    :meth:`release`: a save of the same ``global_step`` before then replaces it, and the held name becomes a link.
     """
 
     def __init__(self, background: bool = False, pin_memory: bool | None = None) -> None:
@@ -150,9 +126,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.writer.submit(lambda: link_into_place(source, target))
 
     def _supersede(self, path: Path, step: object) -> Path | None:
-        """Before a full save to ``path`` at optimizer step ``step``: a held checkpoint of the
-        same step in the same folder is dropped and its file returned (to become a link to
-        ``path``; ``None`` when it is ``path`` itself); any other held checkpoint is queued."""
+        """Before a full save at ``step``: drop a held checkpoint of that step and folder and return its file (to link to
+        ``path``; ``None`` if it is ``path``); queue any other held one."""
         if self._held is not None and step is not None and self._held[2] == step and self._held[0].parent == path.parent:
             held_path, staged, _ = self._held
             self._held = None
@@ -178,8 +153,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise DiskFull(path, checkpoint_bytes(checkpoint), shutil.disk_usage(path.parent).free) from error
 
     def flush(self) -> None:
-        """Write the held checkpoint and wait for every queued write; raises the error of one
-        that failed (:class:`DiskFull`...)."""
+        """Write the held checkpoint and wait for all queued writes; raises a failed write's error (:class:`DiskFull`...)."""
         self.release()
         self.writer.flush()
 
@@ -189,9 +163,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.writer.wait()
 
     def remove_checkpoint(self, path: str | Path) -> None:
-        """Lightning's remove (an older best checkpoint, right after a new best is saved): with
-        ``background``, queued after the writes before it (one may be of that file, or link it),
-        so the training thread does not wait for the new best's write."""
+        """Lightning's remove; with ``background`` queued after earlier writes (which may write or link that file)."""
         if not self.background:
             super().remove_checkpoint(path)
             return
@@ -200,14 +172,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.writer.submit(lambda: remove(path))
 
     def teardown(self) -> None:
-        """The end of a fit (or of a validate/test), also after an error: the queued writes
-        complete first.  A write's error is not raised here (it would replace the error that
-        ended the fit): the next :meth:`flush` raises it."""
+        """End of a fit/validate/test, also after an error: wait for queued writes.  Their error waits for the next
+        :meth:`flush` (raised here it would replace the error that ended the fit)."""
         self.wait()
 
     def load_checkpoint(self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's load, always with ``weights_only=True`` (a resume unpickles no code, whatever
-        Lightning or the caller asks; train has checked the file first: :func:`trained_checkpoint`)."""
+        """Lightning's load, always ``weights_only=True`` (a resume unpickles no code; train checked it: :func:`trained_checkpoint`)."""
         self.flush()
         placement = {} if map_location is None else {"map_location": map_location}  # (else Lightning's default)
         return super().load_checkpoint(path, weights_only=True, **placement)
@@ -218,16 +188,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def flush_checkpoints(trainer: L.Trainer | None, raise_error: bool = True) -> None:
-    """Wait for ``trainer``'s background checkpoint writes (before anything reads a checkpoint
-    of the fit, or the run ends); raises the error of one that failed (unless ``raise_error`` is
-    false: on the way out of a run that failed already).  No-op for other IOs."""
+    """Wait for ``trainer``'s background checkpoint writes; raises a failed one's error unless ``raise_error`` is false
+    (a run already failing).  No-op for other IOs."""
     io = trainer.strategy.checkpoint_io if trainer is not None else None
     if isinstance(io, AtomicCheckpointIO):
         io.flush() if raise_error else io.wait()
 
 
 def last_checkpoint(cfg: DictConfig) -> Path:
-    """Where ``last.ckpt`` of this run lives: the folder of the checkpoint callback that keeps it."""
+    """This run's ``last.ckpt``: in the folder of the checkpoint callback that keeps it."""
     for callback in (cfg.get("callbacks") or {}).values():
         if callback is not None and callback.get("save_last") and callback.get("dirpath"):
             return Path(callback.dirpath) / "last.ckpt"
@@ -235,14 +204,8 @@ def last_checkpoint(cfg: DictConfig) -> Path:
 
 
 def save_final_checkpoint(trainer: L.Trainer) -> Path | None:
-    """Write ``last.ckpt`` of the weights a finished fit ended with, unless it holds them already;
-    returns its path (``None`` when no checkpoint callback keeps a ``last.ckpt``).
-
-    ``ModelCheckpoint`` saves ``last.ckpt`` every ``every_n_train_steps``, and at an epoch's end
-    only if it saved in that step, so after the fit it can be up to that many steps old; ``eval``,
-    ``export`` and ``quantize`` of ``last.ckpt`` then read the final weights (and a resume with
-    a larger ``trainer.max_steps`` continues from them).  Every rank calls it (a DDP save is collective).
-    """
+    """Write ``last.ckpt`` of the fit's final weights unless it holds them (``ModelCheckpoint`` saves it every
+    ``every_n_train_steps``); returns its path, ``None`` if no callback keeps one.  Every rank calls it (DDP save is collective)."""
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
             path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
@@ -255,11 +218,10 @@ def save_final_checkpoint(trainer: L.Trainer) -> Path | None:
 
 
 def read_checkpoint(path: Path, key: str) -> Any:
-    """One top-level entry of a checkpoint, read memory-mapped with ``weights_only=True`` (so a
-    multi-GB checkpoint is not read whole, and no pickled code runs).
+    """One top-level entry of a checkpoint, read with ``mmap=True`` (not read whole) and ``weights_only=True`` (no pickled code).
 
     Raises:
-        ConfigError: the file is not a complete checkpoint (e.g. cut short by a full disk).
+        ConfigError: not a complete checkpoint (e.g. cut short by a full disk).
     """
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -272,16 +234,11 @@ def read_checkpoint(path: Path, key: str) -> Any:
 
 
 def trained_checkpoint(path: str | Path) -> dict:
-    """A checkpoint ``train`` wrote, checked before train (resuming), eval, predict, generate,
-    export or quantize use it: read memory-mapped with ``weights_only=True`` (the weights are not
-    read here), migrated from the previous format and checked as data (:mod:`.stored`: no class
-    path anywhere, bare tokenizer file names, checkpoint-callback paths inside their folder).
+    """A ``train`` checkpoint, read mmap'd with ``weights_only=True``, migrated and checked as data (:mod:`.stored`).
 
     Raises:
-        ConfigError: the file is not a readable torch checkpoint (a CSV, a safetensors file, one
-            cut short), not one of ``train``'s (no ``state_dict``, ``hyper_parameters`` or
-            ``model_inputs``: e.g. a checkpoint of another Lightning project), or it holds what a
-            checkpoint may not (one line, naming every key).
+        ConfigError: not a readable torch checkpoint; not one of ``train``'s (no ``state_dict``, ``hyper_parameters`` or
+            ``model_inputs``); or it holds what a checkpoint may not (one line naming every key).
     """
     fix = "fix: ckpt_path=RUN/checkpoints/last.ckpt (or a best-*.ckpt next to it) of a run of this project's train"
     try:
@@ -306,24 +263,15 @@ def trained_checkpoint(path: str | Path) -> dict:
 
 
 def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, path: str | Path, **overrides: object) -> L.LightningModule:
-    """The module of a checkpoint of ``train`` (for eval, predict, generate, export, quantize),
-    built without instantiating anything the checkpoint names.
+    """The module of a ``train`` checkpoint, built without instantiating anything the checkpoint names.
 
-    ``module_class`` comes from the caller (the user's config, ``task.module``); its arguments are
-    the checkpoint's stored groups, checked by :func:`trained_checkpoint`, with ``overrides`` on
-    top.  The stored ``model.fetch`` is never run: it is replaced by the user's config's
-    ``model.fetch`` when that config installs the same ``model.name_or_path`` (an adapter
-    checkpoint's frozen base is re-read from there), else by none.  Then, as Lightning's
-    ``load_from_checkpoint`` does: ``configure_model``, ``on_load_checkpoint``, and the weights
-    (``strict``).
+    Arguments: the checked stored groups plus ``overrides``.  The stored ``model.fetch`` never runs: the config's replaces
+    it if it installs the same ``model.name_or_path`` (an adapter's base is re-read there).  Then as ``load_from_checkpoint``.
 
     Raises:
-        ConfigError: see :func:`trained_checkpoint`; a checkpoint of another task than
-            ``module_class``'s; an adapter checkpoint whose base model folder is not on this
-            machine and that the config does not install, or whose base holds other files than
-            the run's (:func:`adapter_base` finds it, :func:`..identity.fingerprint.base_problem` compares it,
-            before the base weights load); weights that do not fit the model built (including an
-            adapter checkpoint lacking a weight the base would draw at random).
+        ConfigError: see :func:`trained_checkpoint`; another task's checkpoint; an adapter whose base folder is missing and
+            not installed by the config, or differs from the run's (:func:`..identity.fingerprint.base_problem`); weights
+            that do not fit (including an adapter checkpoint lacking a weight the base would draw at random).
     """
     checkpoint = trained_checkpoint(path)
     parameters = inspect.signature(module_class.__init__).parameters
@@ -371,11 +319,8 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
 
 
 def adapter_base(stored: str, entry: dict | None) -> str:
-    """Where the frozen base of an adapter checkpoint is read from: ``model.name_or_path`` given on
-    the command line (it wins), else the folder the run resolved its stored path to when it is
-    still there (a relative path is read from any working directory), else the stored path as
-    given.  Its content is compared with the run's when it is installed
-    (:func:`..identity.fingerprint.base_problem`)."""
+    """Where an adapter checkpoint's frozen base is read: ``model.name_or_path`` on the command line, else the run's resolved
+    folder if still there (so a relative path works from any directory), else the stored path."""
     given = command_line_value("model.name_or_path")
     if given is not None:
         return given
@@ -386,8 +331,7 @@ def adapter_base(stored: str, entry: dict | None) -> str:
 
 
 def fetch_of_same_base(cfg: DictConfig, stored_model: dict) -> dict | None:
-    """The user's ``model.fetch`` (plain) when their config's ``model.name_or_path`` is the stored
-    one (the same folder, compared after resolving), else ``None``."""
+    """The user's ``model.fetch`` (plain) when their ``model.name_or_path`` is the stored one (after resolving), else ``None``."""
     if cfg.get("model") is None or not cfg.model.get("fetch"):
         return None
     mine, theirs = cfg.model.get("name_or_path"), stored_model.get("name_or_path")

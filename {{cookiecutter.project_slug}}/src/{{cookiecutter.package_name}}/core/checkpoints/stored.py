@@ -1,32 +1,13 @@
-"""What a checkpoint may hold: plain values, never a class path, and file names that stay in
-their folder.
+"""What a checkpoint may hold: plain values, no class path, file names that stay in their folder.
 
-A checkpoint is data, and may come from a stranger.  ``torch.load(weights_only=True)`` keeps its
-unpickling from running code, but the *values* it holds are read by our code afterwards: a
-stored ``_target_`` handed to Hydra's ``instantiate`` would run a function of the file's choice,
-and a stored file name joined to a folder would write where the file likes.  So:
+A checkpoint may come from a stranger: ``weights_only=True`` stops unpickled code, but a stored ``_target_`` given to
+``instantiate`` would run code of the file's choice, and a stored file name could write outside its folder.  So:
 
-- **No class paths.**  The settings a checkpoint stores (``hyper_parameters``: the ``model``,
-  ``optimizer``, ``peft``... groups) name what to build by a key of the project's own tables
-  (:mod:`..config.named`: ``optimizer.name``, ``model.fetch.kind``).  A key that carries a class or
-  function path anywhere in the checkpoint (:data:`CLASS_PATH_KEYS`: Hydra's ``_target_``,
-  Lightning's ``_instantiator``/``_class_path``, transformers' ``auto_map``, also inside the stored
-  tokenizer files) is refused, naming the key.  Nothing read from a checkpoint is instantiated
-  or imported anyway (:func:`.io.load_trained_module`): what to build comes from the
-  user's config and these tables.
-- **Bare file names.**  The tokenizer is stored as ``{file name: text}``; each name must be a
-  bare name (no separator, not ``.``/``..``), checked before anything is written.
-- **Checkpoint-callback paths inside their folder.**  Lightning's ``ModelCheckpoint`` restores
-  the paths of its best checkpoints on a resume and later deletes the one a new best replaces:
-  each stored path must be a ``.ckpt`` file inside the stored ``dirpath``, with no ``..``.
+- **No class paths** (:data:`CLASS_PATH_KEYS`, also in tokenizer files): builds use :mod:`..config.named` names only.
+- **Bare tokenizer file names**; **callback paths inside their folder** (``ModelCheckpoint`` later deletes them).
 
-**Migration** (:func:`migrate`): checkpoints written before this format stored the optimizer as
-``optimizer._target_`` and the model fetcher as ``model.fetch._target_`` with ``_partial_: true``.
-Exactly those nodes, holding exactly the class paths this project shipped (:data:`OLD_OPTIMIZERS`,
-:func:`old_fetchers`), are rewritten in memory to the names of today's tables; the file is not
-changed.  Any other class path is refused ("re-train").  Settings stored under a config group's
-former name (``checkpointing``, before it became ``activation_checkpointing``:
-:data:`..config.keys.RENAMED_GROUPS`) are read under the new name, the same way.
+:func:`migrate` rewrites, in memory, exactly the class paths older checkpoints stored (:data:`OLD_OPTIMIZERS`,
+:func:`old_fetchers`) and renamed groups (:data:`..config.keys.RENAMED_GROUPS`); any other class path is refused.
 """
 
 from __future__ import annotations
@@ -39,21 +20,18 @@ from pathlib import PurePosixPath, PureWindowsPath
 from ..config.keys import RENAMED_GROUPS
 from ..config.named import OPTIMIZERS, class_path_of, model_fetchers
 
-# Keys whose value names code to import: Hydra's instantiate keys, Lightning's checkpoint
-# instantiator (CVE-2026-58659), transformers' remote-code map.
+# Keys naming code to import: Hydra's instantiate keys, Lightning's instantiator (CVE-2026-58659), transformers' auto_map.
 CLASS_PATH_KEYS = frozenset(
     {"_target_", "_partial_", "_args_", "_recursive_", "_convert_", "_instantiator", "_class_path", "class_path", "auto_map"}
 )
 # Tensors only (parameter and optimizer-state names as keys): not walked.
 TENSOR_ENTRIES = ("state_dict", "optimizer_states")
-# The class paths the previous checkpoint format stored, and today's name for each (see migrate).
+# The previous format's optimizer class paths -> today's names.
 OLD_OPTIMIZERS = {path: name for name, path in OPTIMIZERS.items()}
 
 
 def old_fetchers() -> dict[str, str]:
-    """The previous format's ``model.fetch._target_`` of each fetcher -> its kind today.  That
-    format was written when the fetchers lived in ``<package>/assets/`` (now ``core/assets/``),
-    so the stored paths are spelled that way."""
+    """The previous format's ``model.fetch._target_`` -> kind today (the fetchers lived in ``<package>/assets/`` then)."""
     paths = {class_path_of(model_fetchers(), kind): kind for kind in model_fetchers()}
     return {path.replace(".core.assets.", ".assets.", 1): kind for path, kind in paths.items()}
 
@@ -63,8 +41,7 @@ CALLBACK_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
 
 
 def migrate(checkpoint: dict) -> list[str]:
-    """Rewrite, in memory, the nodes of earlier formats to today's (see the module docstring);
-    return one line per node rewritten.  Anything else is left for :func:`problems`."""
+    """Rewrite earlier formats' nodes in memory (see the module docstring); one note per node.  The rest is for :func:`problems`."""
     hparams = checkpoint.get("hyper_parameters")
     if not isinstance(hparams, dict):
         return []
@@ -90,9 +67,7 @@ def migrate(checkpoint: dict) -> list[str]:
 
 
 def problems(checkpoint: dict) -> list[str]:
-    """Everything in ``checkpoint`` (after :func:`migrate`) that is not plain data we can trust:
-    class-path keys anywhere (named by their dotted key), names outside our tables, stored file
-    names that are not bare, checkpoint-callback paths outside their folder."""
+    """What in ``checkpoint`` (after :func:`migrate`) is not trusted plain data, one line each (see the module docstring)."""
     found = [f"{key} holds a class path ({_short(value)})" for key, value in _class_path_keys(checkpoint, "")]
     hparams = checkpoint.get("hyper_parameters")
     if isinstance(hparams, dict):
@@ -115,8 +90,7 @@ def problems(checkpoint: dict) -> list[str]:
 
 
 def tokenizer_file_problems(files: object, key: str) -> list[str]:
-    """A stored tokenizer (``{file name: text}``): bare names, text values, and no class path in
-    its JSON files (``auto_map``: remote code)."""
+    """Problems of a stored tokenizer: non-bare names, non-text values, class paths in its JSON (``auto_map``: remote code)."""
     if not isinstance(files, dict):
         return [f"{key} is not a mapping of file names to text"]
     found = []
@@ -136,8 +110,7 @@ def tokenizer_file_problems(files: object, key: str) -> list[str]:
 
 
 def is_bare_name(name: object) -> bool:
-    r"""Whether ``name`` is a plain file name: a non-empty string with no path separator (``/``,
-    ``\\``), no drive or NUL, not ``.`` or ``..``; joined to a folder it stays in that folder."""
+    r"""Whether ``name`` stays in a folder it is joined to: non-empty, no ``/``, ``\\``, drive or NUL, not ``.``/``..``."""
     return (
         isinstance(name, str)
         and name not in ("", ".", "..")

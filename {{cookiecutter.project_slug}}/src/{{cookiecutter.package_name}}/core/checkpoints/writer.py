@@ -1,27 +1,12 @@
-"""Checkpoint writes off the training path: a checkpoint is staged (copied) to host memory on the
-training thread, then serialised and written by one background thread, while training goes on.
+"""Checkpoint writes off the training path: staged (copied) to host memory, then written by one background thread.
 
-Used by :class:`.io.AtomicCheckpointIO` (``background=True``, the shipped
-``trainer.plugins``).  Why not Lightning's ``AsyncCheckpointIO``: it clones every tensor on its
-device (a full fine-tune's weights and optimizer state a second time on the GPU: an
-out-of-memory), and it needs a private base class to wrap another IO.  ``torch.distributed.checkpoint``
-writes folders, which nothing else of the project reads.
+Not Lightning's ``AsyncCheckpointIO``: it clones tensors on their device (a full fine-tune's state twice on the GPU: out of
+memory) and needs a private base class; ``torch.distributed.checkpoint`` writes folders, which nothing here reads.
 
-Staging:
-
-- Every tensor of the checkpoint is copied into a host buffer (pinned when CUDA is available, so
-  the GPU-to-host copy is a DMA; PyTorch's caching host allocator rounds each pinned block up to
-  a power of two, as the planner counts it: ``plan.json`` ``host_staging``).  A tensor that is
-  already on the host is copied too: training changes it in place while the writer reads.
-- The buffers are kept and reused by the next save of the same shapes (one checkpoint's worth of
-  host memory for the whole run, not a new allocation per save).
-- Tensors that share a storage and a place in it (tied embeddings) are staged once, so the file
-  keeps them tied, as ``torch.save`` of the live checkpoint would.
-- Other values are deep-copied (loop counters, RNG states, callback states).
-
-The writer runs one job at a time, in the order queued: two writes never interleave, and a file
-is replaced only by the whole new one (the IO's atomic write).  A job's error is kept and raised
-on the training thread at the next save, :meth:`BackgroundWriter.flush` or the end of the fit.
+Staging copies every tensor into a host buffer, pinned with CUDA (PyTorch's caching host allocator rounds each pinned
+block up to a power of two, as ``plan.json`` ``host_staging`` counts); host tensors too, as training changes them in
+place.  Buffers are reused by the next save; tied tensors are staged once so the file keeps them tied; other values are
+deep-copied.  Jobs run one at a time in order; a job's error is raised on the training thread at the next save or flush.
 """
 
 from __future__ import annotations
@@ -43,8 +28,7 @@ log = logging.getLogger(__name__)
 
 THREAD_NAME = "checkpoint-writer"
 
-# Host memory left free when deciding whether a checkpoint can be staged (the OS, the data loader
-# workers, the page cache the write itself goes through).
+# Host memory (bytes) left free when staging: the OS, data loader workers, the write's page cache.
 HOST_RESERVE = 2 * 2**30
 
 
@@ -73,8 +57,7 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def host_available() -> int | None:
-    """Bytes of host memory available now (psutil's ``available``; else Linux's ``MemAvailable``;
-    ``None`` when neither can be read)."""
+    """Bytes of host memory available (psutil's ``available``, else Linux's ``MemAvailable``, else ``None``)."""
     try:
         import psutil
     except ImportError:
@@ -92,11 +75,7 @@ def host_available() -> int | None:
 
 
 class Stager:
-    """Copies checkpoints into reusable host buffers (see the module docstring).
-
-    Args:
-        pin_memory: allocate pinned (page-locked) buffers; ``None``: when CUDA is available.
-    """
+    """Copies checkpoints into reusable host buffers; ``pin_memory=None``: pinned when CUDA is available."""
 
     def __init__(self, pin_memory: bool | None = None) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -107,7 +86,7 @@ class Stager:
         return (tuple(tensor.shape), tensor.dtype)
 
     def bytes_to_allocate(self, checkpoint: object) -> int:
-        """Bytes of host buffers staging ``checkpoint`` would allocate (those the spare buffers do not cover)."""
+        """Bytes of new host buffers staging ``checkpoint`` would allocate (beyond the spare ones)."""
         spare = {key: len(buffers) for key, buffers in self._spare.items()}
         total = 0
         for tensor in unique_tensors(checkpoint).values():
@@ -119,8 +98,7 @@ class Stager:
         return total
 
     def stage(self, checkpoint: dict) -> dict:
-        """A copy of ``checkpoint`` whose tensors are host buffers holding the same values (same
-        shapes and dtypes, contiguous); returns once every copy is complete."""
+        """A copy of ``checkpoint`` with tensors in contiguous host buffers; returns once every copy is complete."""
         staged: dict[tuple, torch.Tensor] = {}
         from_cuda = False
 
@@ -168,18 +146,15 @@ class Stager:
         return sum(self.held_sizes())
 
 
-# Tensors up to this size are compared by their values in a fingerprint (a state read anew for each
-# save, such as an RNG state, is a new tensor every time); larger ones by storage.
+# Fingerprint tensors up to this many bytes by value (an RNG state is a new tensor per save), larger by storage.
 BY_VALUE_BYTES = 4096
 
 
 def fingerprint(checkpoint: dict) -> object:
-    """What identifies the training state a checkpoint holds, apart from the callbacks' own state:
-    every other entry, with each tensor as its :func:`tensor_key` (up to 4 KiB: its values) and
-    each numpy array as its values.  Two saves with equal fingerprints were taken at the same
-    point of the loop (its progress counters are in ``loops``) of the same weights (no optimizer
-    step runs without moving those counters), so they differ only in the callbacks' bookkeeping
-    (a ``ModelCheckpoint`` records the file it is saving)."""
+    """The training state a checkpoint holds, callbacks' state aside: tensors as :func:`tensor_key` (up to 4 KiB: values).
+
+    Equal fingerprints mean the same loop point (``loops`` counters) and weights, differing only in callback bookkeeping.
+    """
 
     def plain(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
@@ -198,11 +173,8 @@ def fingerprint(checkpoint: dict) -> object:
 
 
 def link_into_place(source: Path, target: Path) -> None:
-    """Make ``target`` a second name of the complete file ``source``, kill-safe: a hard link to a
-    temporary sibling (``.<name>.partial``), then ``os.replace`` onto ``target``; so ``target`` is
-    the old file or the new one at every moment (Lightning's ``save_last="link"`` removes the old
-    file first).  Where hard links are not supported, the bytes are copied into the temporary
-    file (flushed to disk) instead."""
+    """Make ``target`` a second name of ``source``, kill-safe: hard-link ``.<name>.partial`` then ``os.replace`` it (unlike
+    Lightning's ``save_last="link"``, which removes the old file first).  Without hard links, copies and fsyncs instead."""
     partial = target.with_name(f".{target.name}.partial")
     partial.unlink(missing_ok=True)
     try:
@@ -218,10 +190,8 @@ def link_into_place(source: Path, target: Path) -> None:
 
 
 class BackgroundWriter:
-    """One daemon thread running jobs (callables) in the order submitted; the first job that
-    raises is kept, the jobs queued after it are dropped (a link to a file that failed would
-    be wrong), and the error is raised by :meth:`raise_failure` (the next :meth:`submit` and
-    :meth:`flush` call it)."""
+    """One daemon thread running jobs in order.  After a job raises, later jobs are dropped (a link to a failed file would be
+    wrong); the error is raised by :meth:`raise_failure` (called by :meth:`submit` and :meth:`flush`)."""
 
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
@@ -236,7 +206,7 @@ class BackgroundWriter:
         return self._pending
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Queue ``job``; raises the error of an earlier job first, if there was one."""
+        """Queue ``job``; raises an earlier job's error first."""
         self.raise_failure()
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -263,7 +233,7 @@ class BackgroundWriter:
         self._jobs.join()
 
     def flush(self) -> None:
-        """Wait until every queued job has run; then raise the first error of one, if any."""
+        """:meth:`wait`, then raise the first job error, if any."""
         self.wait()
         self.raise_failure()
 

@@ -1,8 +1,7 @@
 """Compression: pruning during training, quantization-aware training, post-training quantization (docs/compression.md)."""
 
-# Model families whose transformer blocks are built from transformers' ``Conv1D`` (a Linear with its
-# weight transposed), not ``nn.Linear``: pruning, QAT and the torchao variants of ``quantize`` act
-# on ``nn.Linear`` layers, so they refuse these families rather than leave them untouched.
+# Families whose blocks use transformers' ``Conv1D`` (a transposed Linear): pruning, QAT and the torchao ``quantize``
+# variants act on ``nn.Linear``, so they refuse these rather than leave them untouched.
 CONV1D_MODEL_TYPES = ("gpt2",)
 
 

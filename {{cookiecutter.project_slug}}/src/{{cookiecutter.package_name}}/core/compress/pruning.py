@@ -1,20 +1,10 @@
-"""Pruning during training (the ``pruning`` group): which tensors each method masks, the masks, the
-schedule, and what to do with a pruned model afterwards.
+"""Pruning during training (the ``pruning`` group) on ``torch.nn.utils.prune``, driven by :class:`..callbacks.pruning.Pruning`.
 
-Methods (all on ``torch.nn.utils.prune``; :class:`..callbacks.pruning.Pruning` drives them):
-
-- ``magnitude``: global magnitude (L1) pruning of every ``nn.Linear`` weight inside the
-  transformer blocks (not the embeddings, not the classifier or LM head), ramped to
-  ``final_sparsity`` along the cubic schedule of Zhu & Gupta 2017 (:func:`scheduled_sparsity`).
-- ``structured``: whole FFN neurons, the same count in every block (:func:`ffn_blocks`), ramped the
-  same way; :func:`shrink_ffn` then removes them for real (a smaller model and file).
-- ``semi_structured_2_4``: in every group of 4 consecutive input weights of a row, the 2 smallest
-  are zeroed, once, at ``begin_step`` (the pattern of NVIDIA's sparse tensor cores, Ampere and
-  later); :func:`to_semi_structured_sparse` converts the weights for a CUDA GPU's sparse kernels.
-
-Unstructured zeros (``magnitude``) save neither memory nor time by themselves: the weights stay
-dense.  torch's pruning keeps, per masked tensor, the trained ``<name>_orig`` parameter, a
-``<name>_mask`` buffer of the same dtype and the recomputed ``<name>`` (:func:`pruning_memory`).
+- ``magnitude``: global L1 pruning of the transformer blocks' ``nn.Linear`` weights, ramped to ``final_sparsity`` along
+  the cubic schedule of Zhu & Gupta 2017 (:func:`scheduled_sparsity`); the zeros stay dense, saving no memory or time.
+- ``structured``: whole FFN neurons, the same count per block, ramped the same way; :func:`shrink_ffn` removes them.
+- ``semi_structured_2_4``: the 2 smallest of every 4 consecutive input weights zeroed once, at ``begin_step`` (NVIDIA's
+  sparse tensor cores, Ampere and later); :func:`to_semi_structured_sparse` converts them.
 """
 
 from __future__ import annotations
@@ -30,28 +20,20 @@ from ..errors import ConfigError
 from . import CONV1D_MODEL_TYPES, conv1d_refusal
 
 METHODS = ("none", "magnitude", "structured", "semi_structured_2_4")
-# Families whose FFN ``structured`` knows (checked from the config, before weights load):
-# BERT-style (layer.intermediate.dense -> layer.output.dense) and gated (mlp.gate_proj, up_proj -> down_proj).
+# Families whose FFN ``structured`` knows: BERT-style (intermediate.dense -> output.dense), gated (gate/up_proj -> down_proj).
 BERT_FFN_TYPES = ("bert", "roberta", "xlm-roberta", "electra")
 GATED_FFN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# The smallest fp16/bf16 weight ``torch.sparse.to_sparse_semi_structured`` takes is a multiple of
-# 32 rows x 64 columns (CUTLASS backend; cuSPARSELt takes less): torch/sparse/semi_structured.py, torch 2.13.
+# to_sparse_semi_structured (CUTLASS) takes fp16/bf16 weights of multiples of 32 x 64: torch/sparse/semi_structured.py, 2.13.
 SEMI_STRUCTURED_ROWS, SEMI_STRUCTURED_COLS = 32, 64
 
 
-# ------------------------------------------------------------------------------ the config
 def pruning_problems(
     pruning: dict, peft: dict | None = None, qat: dict | None = None, trainer: dict | None = None, model: dict | None = None
 ) -> list[str]:
     """What is wrong with a ``pruning`` group (and its conflicts), one line each with the fix; ``[]`` if nothing.
 
-    Refused: an unknown method; ``begin_step`` not an integer >= 0; ``end_step <= begin_step`` or
-    ``frequency < 1`` (``magnitude``/``structured``; ``semi_structured_2_4`` prunes once and takes
-    neither: null); ``final_sparsity`` outside [0, 1) (exactly 0.5 for 2:4); LoRA/QLoRA (the base
-    is frozen: prune a full fine-tune); QAT (one change of the Linear layers at a time); FSDP (it
-    shards the weights the masks cover); ``structured`` on a model family whose FFN it does not
-    know, when ``model.config``/``model.architecture`` names the family (else the callback checks
-    it in ``setup``, still before the weights load).
+    Refused: bad method, steps, frequency or ``final_sparsity`` (0.5 for 2:4, which prunes once); LoRA/QLoRA (frozen
+    base); QAT; FSDP (it shards the masked weights); Conv1D families; ``structured`` on a family whose FFN it does not know.
     """
     method = pruning.get("method")
     if method not in METHODS:
@@ -116,8 +98,7 @@ def pruning_problems(
 
 
 def model_type_named(model: dict) -> str | None:
-    """The model family a ``model`` group names without reading files: ``model.config.model_type``,
-    else ``model.architecture.model_type``, else ``None``."""
+    """The model family a ``model`` group names without reading files (``config``, else ``architecture``), or ``None``."""
     for node in (model.get("config"), model.get("architecture")):
         if node and isinstance(node.get("model_type"), str):
             return node["model_type"]
@@ -125,8 +106,7 @@ def model_type_named(model: dict) -> str | None:
 
 
 def hidden_size_named(model: dict) -> int | None:
-    """The hidden size a ``model`` group names without reading files (``model.config``, else
-    ``model.architecture``: ``hidden_size``, or GPT-2's ``n_embd``), or ``None``."""
+    """The hidden size a ``model`` group names without reading files (``hidden_size``, GPT-2's ``n_embd``), or ``None``."""
     for node in (model.get("config"), model.get("architecture")):
         for key in ("hidden_size", "n_embd"):
             if node and isinstance(node.get(key), int):
@@ -142,17 +122,13 @@ def structured_refusal(model_type: str) -> str:
     )
 
 
-# --------------------------------------------------------------------------- the schedule
 def scheduled_sparsity(step: int, begin_step: int, end_step: int, final_sparsity: float, frequency: int, initial: float = 0.0) -> float:
-    """The sparsity the masks hold after ``step`` optimizer steps: Zhu & Gupta 2017, "To prune, or
-    not to prune", eq. 1,
+    """Sparsity after ``step`` optimizer steps: Zhu & Gupta 2017, "To prune, or not to prune", eq. 1,
 
         s_t = s_f + (s_i - s_f) * (1 - (t - t0) / (n * dt))**3,   t in {t0, t0 + dt, ..., t0 + n * dt}
 
-    with ``t0 = begin_step``, ``dt = frequency``, ``t0 + n * dt = end_step`` (the last point is
-    ``end_step`` itself when ``frequency`` does not divide the ramp) and ``s_i = initial``.  Between
-    pruning points the value of the last point holds; 0 before ``begin_step`` (and ``s_i`` at it),
-    ``final_sparsity`` from ``end_step`` on.
+    with ``t0 = begin_step``, ``dt = frequency``, last point ``end_step``, ``s_i = initial``; held between points, 0
+    before ``begin_step``.
     """
     if step < begin_step:
         return 0.0
@@ -163,13 +139,11 @@ def scheduled_sparsity(step: int, begin_step: int, end_step: int, final_sparsity
     return final_sparsity + (initial - final_sparsity) * (1 - progress) ** 3
 
 
-# ------------------------------------------------------------------------ what is pruned
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face model: the children of its ``nn.ModuleList``(s)
-    as long as ``config.num_hidden_layers`` (``bert.encoder.layer``, ``model.layers``).
+    """The transformer blocks: children of the ``nn.ModuleList``(s) as long as ``config.num_hidden_layers``.
 
     Raises:
-        ConfigError: none found (a model without such a config or layer list).
+        ConfigError: none found.
     """
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     blocks = [block for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers for block in m]
@@ -179,12 +153,10 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """``(qualified name, layer)`` of every ``nn.Linear`` inside the transformer blocks (attention
-    and FFN), in model order: what ``magnitude`` and ``semi_structured_2_4`` prune.  Embeddings,
-    poolers, the classifier and the LM head lie outside the blocks.
+    """``(qualified name, layer)`` of every ``nn.Linear`` inside the transformer blocks (not embeddings or heads), in order.
 
     Raises:
-        ConfigError: no such layer (GPT-2's blocks use ``Conv1D``, not ``nn.Linear``).
+        ConfigError: no such layer (GPT-2's blocks use ``Conv1D``).
     """
     inside = {id(m) for block in transformer_blocks(model) for m in block.modules()}
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) in inside]
@@ -195,8 +167,7 @@ def block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 @dataclass
 class FFNBlock:
-    """One block's FFN: ``rows`` are the layers whose output rows are the neurons (with the bias
-    entries of those that have one), ``columns`` the layer whose input columns are."""
+    """One block's FFN: ``rows``, the layers whose output rows (and biases) are the neurons; ``columns``, whose inputs are."""
 
     rows: list[nn.Linear]
     columns: nn.Linear
@@ -207,12 +178,10 @@ class FFNBlock:
 
 
 def ffn_blocks(model: nn.Module) -> list[FFNBlock]:
-    """The FFN of each transformer block: BERT family ``intermediate.dense`` (rows) and
-    ``output.dense`` (columns); Llama family ``mlp.gate_proj``/``up_proj`` (rows) and
-    ``down_proj`` (columns).
+    """Each block's FFN: BERT ``intermediate.dense`` -> ``output.dense``, Llama ``mlp.gate_proj``/``up_proj`` -> ``down_proj``.
 
     Raises:
-        ConfigError: a block with neither layout (another architecture).
+        ConfigError: a block with neither layout.
     """
     blocks = []
     for block in transformer_blocks(model):
@@ -227,13 +196,10 @@ def ffn_blocks(model: nn.Module) -> list[FFNBlock]:
 
 
 def pruned_tensors(model: nn.Module, method: str) -> list[tuple[nn.Module, str]]:
-    """``(module, tensor name)`` of every tensor ``method`` masks: the block Linear weights
-    (``magnitude``, ``semi_structured_2_4``), or the FFN weights and the row layers' biases
-    (``structured``).
+    """``(module, tensor name)`` of every tensor ``method`` masks: block Linear weights, or (``structured``) FFN weights and biases.
 
     Raises:
-        ConfigError: see :func:`block_linears`, :func:`ffn_blocks`; for ``semi_structured_2_4``
-            a Linear layer whose ``in_features`` is not a multiple of 4.
+        ConfigError: see :func:`block_linears`, :func:`ffn_blocks`; for 2:4, ``in_features`` not a multiple of 4.
     """
     if method == "structured":
         tensors = []
@@ -255,19 +221,11 @@ def pruned_tensors(model: nn.Module, method: str) -> list[tuple[nn.Module, str]]
 
 @dataclass
 class PruningMemory:
-    """Bytes torch's pruning adds to training (what the planner counts; torch 2.13's
-    ``torch.nn.utils.prune``).
+    """Bytes torch's pruning adds to training, for the planner (``torch.nn.utils.prune``, torch 2.13).
 
-    - ``masks``: per masked tensor, the ``<name>_mask`` buffer (the tensor's dtype) plus the
-      1-byte boolean mask ``prune.custom_from_mask`` keeps in its pruning method (always for
-      ``structured``/``semi_structured_2_4``; for ``magnitude`` after a resume).
-    - ``recomputed``: the ``<name>`` recomputed as ``<name>_orig * <name>_mask`` before each
-      forward and kept on the module (the tensor's size again).
-    - ``transient``: the temporaries of one pruning event, alive outside forward/backward:
-      ``global_unstructured`` builds the importance vector, the default-mask vector, the slice of
-      unmasked scores, the cloned mask and ``abs`` for ``topk`` (about 5 copies of all the pruned
-      weights) plus 8-byte ``topk`` indices (at most one per weight); ``structured`` and 2:4 work one
-      tensor at a time (about 4 copies of the largest).
+    ``masks``: per tensor, the ``<name>_mask`` buffer (its dtype) and the 1-byte mask ``prune.custom_from_mask`` keeps;
+    ``recomputed``: ``<name> = <name>_orig * <name>_mask``, kept on the module; ``transient``: one pruning event's
+    temporaries (``global_unstructured``: ~5 copies of all pruned weights + 8-byte ``topk`` indices; else 4 of the largest).
     """
 
     masks: int
@@ -294,21 +252,16 @@ def pruning_memory(model: nn.Module, method: str) -> PruningMemory:
     return PruningMemory(masks, recomputed, transient)
 
 
-# --------------------------------------------------------------------------------- masks
 def apply_mask(module: nn.Module, name: str, mask: torch.Tensor) -> None:
-    """Set ``module.<name>``'s mask to ``mask`` (bool, the tensor's shape) with
-    ``prune.custom_from_mask``, replacing any mask it had (pruned entries must stay pruned: the
-    new mask's zeros include the old ones).  The parameter object is kept (``<name>_orig`` is the
-    same ``nn.Parameter``), so an optimizer holding it is unaffected; the old mask is folded into
-    the parameter first (``prune.remove``), so masks do not pile up in torch's pruning container."""
+    """Set ``module.<name>``'s mask (bool; its zeros must include the old ones) with ``prune.custom_from_mask``, folding the
+    old one in first (``prune.remove``) so masks don't pile up; ``<name>_orig`` stays the same parameter for the optimizer."""
     if prune.is_pruned(module) and hasattr(module, name + "_mask"):
         prune.remove(module, name)
     prune.custom_from_mask(module, name, mask)
 
 
 def neuron_scores(block: FFNBlock) -> torch.Tensor:
-    """The L2 norm of each FFN neuron's weights: its rows in the row layers, its bias entries and
-    its column in the column layer together; ``(width,)`` fp32."""
+    """Each FFN neuron's L2 norm over its rows, bias entries and column; ``(width,)`` fp32."""
     squares = block.columns.weight.detach().float().pow(2).sum(dim=0)  # (width,)
     for layer in block.rows:
         squares += layer.weight.detach().float().pow(2).sum(dim=1)
@@ -318,9 +271,8 @@ def neuron_scores(block: FFNBlock) -> torch.Tensor:
 
 
 def prune_neurons(blocks: list[FFNBlock], count: int) -> None:
-    """Mask the ``count`` lowest-scoring neurons (:func:`neuron_scores`) of every block's FFN:
-    their rows and bias entries, and their column.  Neurons pruned before stay pruned (they score
-    below every live one), so the masks only grow."""
+    """Mask the ``count`` lowest-scoring neurons (:func:`neuron_scores`) of every block; ones pruned before score lowest,
+    so the masks only grow."""
     for block in blocks:
         scores = neuron_scores(block)
         if hasattr(block.columns, "weight_mask"):
@@ -335,8 +287,7 @@ def prune_neurons(blocks: list[FFNBlock], count: int) -> None:
 
 
 def two_four_mask(weight: torch.Tensor) -> torch.Tensor:
-    """The 2:4 mask of a ``(out, in)`` weight: in every group of 4 consecutive input weights of a
-    row, the 2 of largest magnitude kept; bool, ``(out, in)``.  ``in`` must be a multiple of 4."""
+    """2:4 mask of a ``(out, in)`` weight (``in`` a multiple of 4): the 2 largest of every 4 inputs kept; bool ``(out, in)``."""
     groups = weight.detach().abs().reshape(-1, 4)  # (out * in / 4, 4)
     keep = torch.zeros_like(groups, dtype=torch.bool)
     keep.scatter_(1, torch.topk(groups, 2, dim=1).indices, True)
@@ -344,8 +295,7 @@ def two_four_mask(weight: torch.Tensor) -> torch.Tensor:
 
 
 def prune_magnitude(tensors: list[tuple[nn.Module, str]], count: int) -> None:
-    """Mask ``count`` more weights, globally over ``tensors``, the smallest in magnitude among those
-    not masked yet (``prune.global_unstructured`` with ``L1Unstructured`` and an integer amount)."""
+    """Mask the ``count`` smallest unmasked weights over all ``tensors`` (``prune.global_unstructured``, L1)."""
     if count > 0:
         prune.global_unstructured(tensors, pruning_method=prune.L1Unstructured, amount=count)
 
@@ -356,10 +306,8 @@ def masked_count(tensors: list[tuple[nn.Module, str]]) -> int:
     return int(sum((mask == 0).sum() for mask in masks)) if masks else 0
 
 
-# ---------------------------------------------------------------------- after training
 def pruned_with(checkpoint: dict) -> str | None:
-    """The ``pruning.method`` a checkpoint of ``train`` was pruned with (the :class:`..callbacks.pruning.Pruning`
-    state it holds), or ``None``."""
+    """The ``pruning.method`` in a ``train`` checkpoint's :class:`..callbacks.pruning.Pruning` state, or ``None``."""
     for state in (checkpoint.get("callbacks") or {}).values():
         if isinstance(state, dict) and "masks" in state and isinstance(state.get("method"), str):
             return state["method"]
@@ -367,19 +315,13 @@ def pruned_with(checkpoint: dict) -> str | None:
 
 
 def shrink_ffn(model: nn.Module) -> nn.Module:
-    """Remove the FFN neurons that contribute nothing (after ``pruning=structured``), in place:
-    smaller ``nn.Linear`` layers, ``config.intermediate_size`` updated, so ``save_pretrained`` writes
-    a smaller model that ``from_pretrained`` reads back.  Returns ``model``.
-
-    A neuron is removable when its column in the column layer is all zero (nothing it computes
-    reaches the output).  Every block keeps the same width (the config has one
-    ``intermediate_size``): the largest count of live neurons over the blocks, padded with dead
-    ones where a block has fewer, so the outputs are unchanged.
+    """Remove in place the FFN neurons whose column is all zero (after ``pruning=structured``), shrinking the layers and
+    ``config.intermediate_size`` for ``save_pretrained``.  Blocks keep one width, the largest live count, padded with
+    dead neurons: outputs are unchanged.  Returns ``model``.
 
     Raises:
-        ConfigError: an architecture without a known FFN (see :func:`ffn_blocks`).
-        ValueError: masks are still attached (``torch.nn.utils.prune``): make them permanent first
-            (training does at the end of fit).
+        ConfigError: no known FFN (:func:`ffn_blocks`).
+        ValueError: masks still attached (make them permanent first; training does at the end of fit).
     """
     if prune.is_pruned(model):
         raise ValueError("shrink_ffn: the model still has pruning masks; fix: call torch.nn.utils.prune.remove on them first")
@@ -427,13 +369,11 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
 
 
 def to_semi_structured_sparse(model: nn.Module) -> int:
-    """Convert the 2:4-pruned block Linear weights of ``model`` (on a CUDA GPU, fp16/bf16) with
-    ``torch.sparse.to_sparse_semi_structured``, so their matmuls run on the sparse tensor cores
-    (Ampere and later: the RTX 4090's).  Layers whose weight is not 2:4 sparse, or is smaller than
-    or not a multiple of 32 x 64, are left dense.  Returns how many layers were converted.
+    """Convert the 2:4-pruned block Linear weights (CUDA, fp16/bf16) with ``torch.sparse.to_sparse_semi_structured`` for
+    the sparse tensor cores; others, or ones not multiples of 32 x 64, stay dense.  Returns how many were converted.
 
     Raises:
-        RuntimeError: no CUDA GPU, or the model is not on one (the sparse kernels are CUDA only).
+        RuntimeError: no CUDA GPU, or the model is not on one.
         ValueError: masks still attached, or weights neither fp16 nor bf16.
     """
     if not torch.cuda.is_available():

@@ -1,22 +1,13 @@
 """Quantization-aware training (the ``qat`` group) on torchao's QAT flow.
 
-``qat=int8a_int4w`` fine-tunes with *fake-quantised* ``nn.Linear`` layers: in every forward the
-activations are rounded as int8 (asymmetric, per token, range taken dynamically) and the weights
-as int4 (symmetric, per group of ``group_size`` input weights), then computed in floating point,
-so the model learns weights that survive the rounding; the gradient passes the rounding as if it
-were the identity (the straight-through estimator).  After training, ``convert`` replaces the
-fake quantisation by integer weights with the same arithmetic: the converted model's outputs equal
-the fake-quantised ones.  The scheme is torchao's ``Int8DynamicActivationIntxWeightConfig`` (int4
-weights), the one its QAT flow converts for the CPU (torchao README, "Quantization-Aware Training").
+``qat=int8a_int4w`` fine-tunes with fake-quantised ``nn.Linear`` layers: activations rounded as int8 (asymmetric, per
+token, dynamic range), weights as int4 (symmetric, per ``group_size`` input weights), computed in floating point; the
+gradient passes the rounding as the identity (straight-through estimator).  ``convert`` then stores integer weights with
+the same arithmetic, so outputs are unchanged.  The scheme is torchao's ``Int8DynamicActivationIntxWeightConfig``
+(torchao README, "Quantization-Aware Training").
 
-Fake quantisation keeps the parameter names (``FakeQuantizedLinear`` is an ``nn.Linear``), so a
-QAT checkpoint loads into a plain model and the other way round; ``eval`` of a QAT checkpoint
-scores the fake-quantised model, which is what ``quantize`` converts (variant ``qat``).
-
-Linear layers whose ``in_features`` is not a multiple of ``group_size`` keep full precision (a
-group cannot straddle a row), and so does a causal LM's head tied to its input embedding;
-:func:`quantizable` says which.  torchao is imported only here,
-and only when a scheme is chosen (the ``compress`` extra).
+Parameter names are kept, so QAT and plain checkpoints load into each other.  Layers :func:`quantizable` rejects keep
+full precision.  torchao is imported only here, when a scheme is chosen (the ``compress`` extra).
 """
 
 from __future__ import annotations
@@ -34,11 +25,8 @@ SCHEMES = ("none", "int8a_int4w")
 def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = None, model: dict | None = None) -> list[str]:
     """What is wrong with a ``qat`` group (and its conflicts), one line each with the fix; ``[]`` if nothing.
 
-    ``optimizer.step_in_backward`` is refused: the optimizer then steps inside backward, and the
-    fake-quantised weights would have to be re-derived from parameters already stepped; LoRA/QLoRA
-    is refused: QAT here trains the full weights it rounds; so is a model family whose blocks
-    have no ``nn.Linear`` (GPT-2's ``Conv1D``), and a group size that does not divide the hidden
-    size, when the ``model`` group names them.
+    Refused: ``optimizer.step_in_backward`` (weights would be fake-quantised from already-stepped parameters), LoRA/QLoRA
+    (QAT trains the full weights), Conv1D families, and a group size that does not divide the hidden size.
     """
     scheme = qat.get("scheme")
     if scheme not in SCHEMES:
@@ -75,10 +63,8 @@ def qat_problems(qat: dict, optimizer: dict | None = None, peft: dict | None = N
 
 
 def quantizable(model: nn.Module, group_size: int) -> Callable[[nn.Module, str], bool]:
-    """The ``filter_fn`` of torchao's ``quantize_`` for ``model``: an ``nn.Linear`` whose
-    ``in_features`` is a multiple of ``group_size``, except an output embedding tied to the input
-    one (a causal LM's ``lm_head`` sharing ``embed_tokens``' weight: swapping the layer would untie
-    them and train two matrices).  Signature ``(module, fully qualified name) -> bool``."""
+    """``quantize_``'s ``filter_fn(module, fqn) -> bool``: an ``nn.Linear`` with ``in_features`` a multiple of ``group_size``
+    (a group cannot straddle a row), except an LM head tied to the input embedding (swapping it would untie them)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and inputs is not None and head.weight is inputs.weight
@@ -86,9 +72,8 @@ def quantizable(model: nn.Module, group_size: int) -> Callable[[nn.Module, str],
 
 
 def embedding_table(model: nn.Module) -> str | None:
-    """The qualified name of ``model``'s input embedding when QAT rounds it (int8, one scale per
-    row, as every torchao variant of ``quantize`` stores it), or ``None``: no input embedding, or
-    one tied to the output head (swapping the module would untie the two)."""
+    """The qualified name of the input embedding QAT rounds (int8 per row, as ``quantize`` stores it), or ``None`` when
+    there is none or it is tied to the head."""
     get_inputs = getattr(model, "get_input_embeddings", None)
     table = get_inputs() if get_inputs is not None else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -106,8 +91,7 @@ def embedding_config():
 
 
 def base_config(qat: dict):
-    """torchao's post-training config of the scheme (what ``convert`` applies, and what the
-    ``int8a_int4w`` variant of ``quantize`` applies to weights trained without QAT)."""
+    """torchao's post-training config of the scheme: what ``convert`` and the ``ptq_int8a_int4w`` variant apply."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerGroup
 
@@ -115,13 +99,11 @@ def base_config(qat: dict):
 
 
 def prepare_qat(model: nn.Module, qat: dict) -> int:
-    """Swap the quantizable Linear layers of ``model`` for fake-quantised ones, and its input
-    embedding (:func:`embedding_table`) for a fake-quantised int8 one, in place; returns how many
-    Linear layers were swapped.
+    """Swap the quantizable Linear layers and the input embedding (:func:`embedding_table`) for fake-quantised ones in
+    place; return how many Linear layers were swapped.
 
     Raises:
-        ConfigError: none of the model's Linear layers can take the scheme (``qat.group_size``
-            divides no ``in_features``).
+        ConfigError: no Linear layer can take the scheme (none, or ``qat.group_size`` divides no ``in_features``).
     """
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
@@ -148,11 +130,8 @@ def prepare_qat(model: nn.Module, qat: dict) -> int:
 
 
 def convert_qat(model: nn.Module, qat: dict) -> nn.Module:
-    """Replace the fake-quantised Linear layers by integer ones (int8 dynamic activations, int4
-    weights stored by torchao) and the fake-quantised embedding by an int8 one, in place; returns
-    ``model``.  A plain model (a QAT checkpoint's weights loaded without :func:`prepare_qat`) gets
-    the scheme's post-training quantization, which is the same conversion: the weights are the
-    same and the rounding is the same.
+    """Replace the fake-quantised layers by integer ones (int4 weights, int8 dynamic activations; int8 embedding) in place;
+    return ``model``.  A plain model (QAT weights loaded without :func:`prepare_qat`) gets the scheme's PTQ: the same result.
     """
     from torchao.quantization import quantize_
     from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear, QATConfig

@@ -1,28 +1,13 @@
 """Post-training quantization variants: how each is made from the fp32 model, stored, and loaded.
 
-Every PyTorch variant is a Hugging Face folder that loads with ``AutoModelFor...from_pretrained``
-(torchao installed for the torchao ones, bitsandbytes for ``nf4``); the ONNX ones are a
-``model.onnx`` for ``onnxruntime.InferenceSession``.  The torchao variants quantize the model in
-memory with ``torchao.quantization.quantize_`` and are saved through transformers' torchao
-integration (``TorchAoConfig``: safetensors holding torchao's tensor subclasses, flattened), so the
-folder records, in its ``config.json``, which config each module got.
+PyTorch variants are Hugging Face folders for ``from_pretrained`` (torchao ones saved through transformers'
+``TorchAoConfig``, recording each module's config); ONNX ones a ``model.onnx`` for ``onnxruntime.InferenceSession``.
 
-What the torchao variants share:
-
-- the Linear layers get the variant's config (int4 ones only where ``in_features`` is a multiple
-  of ``group_size``: a group cannot straddle a row; the others stay fp32), chosen by
-  :func:`.qat.quantizable`, the same filter quantization-aware training uses;
-- the word-embedding table is quantized too, int8 per row (``IntxWeightOnlyConfig``): in a small
-  encoder it is half of the weights (MiniLM-L6: 11.7M of 22.7M parameters);
-- a causal LM's head tied to that table is untied first (transformers 5.24 cannot reload a tied
-  torchao weight: its tie check calls ``torch.equal``, which torchao's tensors do not implement),
-  so the table is stored twice, int8 each time, and the head is int8 per row too;
-- biases, LayerNorms and position embeddings stay fp32.
-
-torchao's CPU int4 path (``IntxWeightOnlyConfig``, ``Int8DynamicActivationIntxWeightConfig``)
-stores one int4 value per int8 byte (``IntxUnpackedToInt8Tensor``): such a variant is *no
-smaller* on disk than int8, it only rounds harder.  Packed int4 (two values per byte) is
-``Int4WeightOnlyConfig``, whose kernels (the ``mslk`` package) run on CUDA GPUs only.
+The torchao variants: Linear layers get the variant's config where :func:`.qat.quantizable` allows (int4: ``in_features``
+a multiple of ``group_size``); the word embeddings, half of a small encoder's weights, go int8 per row; a tied LM head is
+untied first (transformers 5.24 cannot reload a tied torchao weight: torchao's tensors lack ``torch.equal``); biases,
+LayerNorms and position embeddings stay fp32.  torchao's CPU int4 (``IntxUnpackedToInt8Tensor``) stores one value per
+byte, no smaller than int8 on disk; packed int4 is ``Int4WeightOnlyConfig``, CUDA only (``mslk``).
 """
 
 from __future__ import annotations
@@ -43,9 +28,8 @@ COMPRESS_EXTRA = 'pip install -e ".[compress]"'
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to store the model: ``runtime`` it runs on (``pytorch`` or ``onnxruntime``) and
-    ``storage``: how its weights are kept (report text).  Each task says which variants it offers
-    (``Task.quantize_variants``, tasks/<name>/)."""
+    """One way to store the model: the ``runtime`` it runs on and its ``storage`` (report text); each task offers its own
+    (``Task.quantize_variants``)."""
 
     runtime: str
     storage: str
@@ -104,9 +88,8 @@ INT4_VARIANTS = ("int4_weight_only", "intx4_weight_only", "ptq_int8a_int4w")
 
 
 def variant_problems(names: list[str], task: str, offered: tuple[str, ...]) -> list[str]:
-    """What is wrong with ``variants`` for ``task``, which offers ``offered``, whatever the
-    machine: unknown or repeated names, a variant the task does not offer, no ``fp32`` (the
-    baseline of every ratio).  One line each, naming the field, the value and the fix; ``[]`` if nothing."""
+    """What is wrong with ``variants`` for ``task`` on any machine (unknown, not ``offered``, repeated, no ``fp32`` baseline),
+    one line each with the fix; ``[]`` if nothing."""
     problems = []
     for name in names:
         if name not in VARIANTS:
@@ -122,9 +105,8 @@ def variant_problems(names: list[str], task: str, offered: tuple[str, ...]) -> l
 
 
 def unavailable(name: str, device: str, qat_scheme: str) -> tuple[str, str] | None:
-    """``(reason, fix)`` when variant ``name`` cannot be made here: a package or a CUDA GPU it
-    needs is missing (``device``: where the PyTorch variants run, ``cpu`` or ``cuda``), or the
-    checkpoint does not fit it (``qat_scheme``: the checkpoint's ``qat.scheme``); else ``None``."""
+    """``(reason, fix)`` when variant ``name`` cannot be made here (a package or CUDA GPU missing; ``device``: ``cpu`` or
+    ``cuda``) or does not suit the checkpoint's ``qat_scheme``; else ``None``."""
     missing = [package for package in _packages(name) if importlib.util.find_spec(package) is None]
     if missing:
         return f"needs {', '.join(missing)}, not installed", COMPRESS_EXTRA if name != "nf4" else "pip install 'bitsandbytes>=0.45'"
@@ -158,11 +140,9 @@ def _packages(name: str) -> list[str]:
     return []
 
 
-# ------------------------------------------------------------------------------ making
 def untie_output_embeddings(model: nn.Module) -> bool:
-    """Give an LM head that shares the input embedding's weight its own copy, and say so in the
-    config (``tie_word_embeddings=False``) so the saved folder reloads untied; returns whether it
-    was tied."""
+    """Give an LM head sharing the input embedding's weight its own copy (``tie_word_embeddings=False``, so it reloads
+    untied); return whether it was tied."""
     head, table = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or head.weight is not table.weight:
         return False
@@ -172,8 +152,7 @@ def untie_output_embeddings(model: nn.Module) -> bool:
 
 
 def linear_config(name: str, group_size: int, qat: dict | None):
-    """torchao's config for the Linear layers of torchao variant ``name`` (``group_size``: input
-    weights per int4 scale; ``qat``: the checkpoint's qat group, for ``qat``)."""
+    """torchao's Linear config for variant ``name`` (``group_size``: input weights per int4 scale; ``qat``: the checkpoint's)."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerGroup
 
@@ -190,12 +169,8 @@ def linear_config(name: str, group_size: int, qat: dict | None):
 
 
 def quantize_torchao(model: nn.Module, name: str, group_size: int, qat: dict | None = None) -> dict[str, object]:
-    """Quantize ``model`` in place as torchao variant ``name`` (see the module docstring); return
-    ``module name -> torchao config`` of every module quantized.
-
-    ``qat`` runs :func:`.qat.convert_qat` with the checkpoint's ``qat`` group; the others
-    ``quantize_`` the Linear layers :func:`.qat.quantizable` selects.  Then the embedding table
-    (and an LM head not quantized yet) int8 per row.
+    """Quantize ``model`` in place as torchao variant ``name`` (``qat``: :func:`.qat.convert_qat`), then the embedding table
+    and LM head int8 per row; return ``module name -> torchao config`` of every module quantized.
     """
     from torchao.quantization import quantize_
 
@@ -205,7 +180,7 @@ def quantize_torchao(model: nn.Module, name: str, group_size: int, qat: dict | N
     keep = quantizable(model, qat["group_size"] if name == "qat" else group_size if name in INT4_VARIANTS else 1)
     applied: dict[str, object] = {fqn: config for fqn, module in model.named_modules() if keep(module, fqn)}
     if name == "qat":
-        table = embedding_table(model)  # (converted with the Linear layers, as QAT rounded it)
+        table = embedding_table(model)  # converted with the Linear layers, as QAT rounded it
         convert_qat(model, qat)
         if table is not None:
             applied[table] = embedding_config()
@@ -221,9 +196,8 @@ def quantize_torchao(model: nn.Module, name: str, group_size: int, qat: dict | N
 
 
 def save_torchao(model: nn.Module, applied: dict[str, object], folder: Path) -> None:
-    """``save_pretrained`` a model quantized in memory by torchao, through transformers' torchao
-    integration: the config records ``applied`` (module -> config) and the weights are torchao's
-    tensors flattened into safetensors, which ``from_pretrained`` rebuilds."""
+    """``save_pretrained`` a torchao-quantized model via transformers' torchao integration: the config records ``applied``,
+    the tensors are flattened into safetensors that ``from_pretrained`` rebuilds."""
     from torchao.quantization import FqnToConfig
     from transformers import TorchAoConfig
     from transformers.quantizers import AutoHfQuantizer
@@ -243,8 +217,7 @@ def save_nf4(fp32_dir: Path, folder: Path, auto_class: type, device: str) -> Non
 
 
 class LogitsOf(nn.Module):
-    """``model(**inputs).logits`` as a function of positional tensors named ``names`` (the
-    signature the ONNX exporter traces)."""
+    """``model(**inputs).logits`` of positional tensors named ``names`` (the signature the ONNX exporter traces)."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         super().__init__()
@@ -279,14 +252,12 @@ def export_onnx(model: nn.Module, example: dict[str, torch.Tensor], path: Path) 
 
 
 def quantize_onnx(source: Path, path: Path) -> None:
-    """onnxruntime's dynamic quantization of ``source`` into ``path``: int8 weights (``QInt8``)
-    for MatMul and the embedding Gather, activations quantized at run time."""
+    """onnxruntime's dynamic quantization of ``source`` into ``path``: ``QInt8`` MatMul and Gather weights."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(str(source), str(path), weight_type=QuantType.QInt8)
 
 
-# ----------------------------------------------------------------------------- loading
 def load_line(name: str, folder: Path, auto_class: type) -> str:
     """The one line of Python that loads variant ``name`` saved in ``folder``."""
     if VARIANTS[name].runtime == ONNXRUNTIME:
@@ -295,9 +266,8 @@ def load_line(name: str, folder: Path, auto_class: type) -> str:
 
 
 def load_forward(name: str, folder: Path, auto_class: type, device: str) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
-    """Load the saved variant as its :func:`load_line` does and return ``inputs -> logits``:
-    the PyTorch variants on ``device``, eval mode; the ONNX ones on onnxruntime's CPU provider
-    (inputs the graph does not take are dropped, logits come back as a CPU tensor)."""
+    """Load the variant as :func:`load_line` does; return ``inputs -> logits`` (PyTorch on ``device``, eval; ONNX on the CPU
+    provider, dropping inputs the graph does not take)."""
     if VARIANTS[name].runtime == ONNXRUNTIME:
         import onnxruntime
 

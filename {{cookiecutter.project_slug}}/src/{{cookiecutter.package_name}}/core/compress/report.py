@@ -1,10 +1,7 @@
 """The compression report: each variant's size, task metric and latency against the fp32 baseline.
 
-:func:`build_report` does the arithmetic (sizes in MB and as a ratio of fp32, metric deltas,
-latency percentiles and ratios against the fp32 of the *same* runtime: an onnxruntime variant
-against ``onnx_fp32``, a PyTorch one against ``fp32``, so a runtime's own speed is not credited to
-the quantization); :func:`write_report` writes it as ``compress_report.json`` and
-``compress_report.md`` (one Markdown table, then how each variant is stored, then the refusals).
+Latency is compared with the fp32 of the *same* runtime (``onnx_fp32`` for onnxruntime), so a runtime's own speed is not
+credited to the quantization; :func:`write_report` writes ``compress_report.json`` and ``compress_report.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import numpy as np
 
 REPORT_JSON, REPORT_MD = "compress_report.json", "compress_report.md"
 BYTES_PER_MB = 1_000_000  # MB as in file sizes (10^6 bytes), not MiB
-# The suffixes of weight files: what a variant's size counts (its config and tokenizer files are not weights).
+# Weight-file suffixes: what a variant's size counts.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".onnx", ".onnx.data", ".data", ".pt")
 
 
@@ -27,16 +24,11 @@ class Measurement:
     """What was measured of one variant (the inputs of :func:`build_report`).
 
     Attributes:
-        name: the variant (``fp32``, ``int8_dynamic``, ``onnx_int8``...).
-        runtime: where it was timed (``pytorch-eager-cpu``, ``onnxruntime-cpu``, ``pytorch-eager-cuda``).
-        latency_baseline: the variant its latency is compared with: the fp32 of the same runtime.
+        runtime: where it was timed (``pytorch-eager-cpu``, ``onnxruntime-cpu``...).
+        latency_baseline: the fp32 variant of the same runtime.
         size_bytes: bytes of its weight files (:func:`weight_bytes`).
-        metrics: the task metrics on the evaluation split (``accuracy``, ``f1_macro``, or ``perplexity``).
-        latency_ms: one forward of the timed batch per sample, in milliseconds (after the warm-up);
-            empty when the variant was not timed (``export``'s report: size and quality only).
+        latency_ms: one forward of the timed batch per sample, in ms after warm-up; empty when not timed.
         load: the Python line that loads the saved folder.
-        storage: how its weights are stored, in words.
-        path: the variant's folder.
     """
 
     name: str
@@ -48,20 +40,17 @@ class Measurement:
     load: str
     storage: str
     path: str = ""
-    note: str = ""  # why a metric is missing ("not measured (no evaluation split)"), empty otherwise
+    note: str = ""  # why a metric is missing, if one is
 
 
 def weight_bytes(folder: Path) -> int:
-    """Bytes of the weight files in ``folder`` (recursively): safetensors, bin, onnx and ONNX
-    external data; embeddings included, config and tokenizer files not."""
+    """Bytes of the weight files under ``folder`` (:data:`WEIGHT_SUFFIXES`; embeddings included, config and tokenizer not)."""
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES))
 
 
 def latency_summary(samples_ms: list[float]) -> dict[str, float]:
-    """``p50``, ``p90`` and ``mean`` of ``samples_ms`` (milliseconds) and their count ``n``.
-
-    Percentiles by linear interpolation between the closest ranks (``numpy.percentile``'s
-    default, the "type 7" estimator of Hyndman & Fan 1996, as in R and Excel).
+    """``p50``, ``p90``, ``mean`` (ms) and count ``n`` of ``samples_ms``; percentiles are ``numpy.percentile``'s default
+    (linear, "type 7" of Hyndman & Fan 1996).
 
     Raises:
         ValueError: no samples.
@@ -85,14 +74,10 @@ def ratio(value: float | None, baseline: float | None) -> float | None:
 
 
 def build_report(measurements: list[Measurement], refusals: list[dict], context: dict, baseline: str = "fp32") -> dict:
-    """The report as a JSON-able dict: ``context`` (source, task, metric split, latency setting),
-    one entry per variant, and the ``refusals`` (``{"variant", "reason", "fix"}`` each).
+    """The report as a JSON-able dict: ``context``, one entry per variant, and the ``refusals`` (``variant``, ``reason``, ``fix``).
 
-    Per variant: ``size_mb`` (:data:`BYTES_PER_MB`) and ``size_ratio`` (of ``baseline``'s bytes);
-    each metric and its ``delta`` (variant minus baseline, same units); ``latency_ms`` (p50, p90,
-    mean, n) and ``latency_ratio`` (p50 and p90 over those of ``latency_baseline``, the fp32 of the
-    same runtime; ``None`` when that variant was not measured); ``latency_ms`` is ``None`` for a
-    variant that was not timed.
+    Per variant: size in MB and as a ratio of ``baseline``'s; each metric with its ``delta`` (variant minus baseline);
+    ``latency_ms`` (p50, p90, mean, n; ``None`` if untimed) and its ratio to ``latency_baseline``'s.
 
     Raises:
         ValueError: ``baseline`` is not among the measurements.
@@ -135,9 +120,8 @@ def _number(value: float | None, digits: int = 2, signed: bool = False) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """The variants as one Markdown table: size, metrics with their delta, latency with its ratio
-    (the latency columns only when some variant was timed; a variant's note in a last column when
-    some variant has one)."""
+    """The variants as one Markdown table: size, metrics with delta, latency with ratio (when some variant was timed),
+    notes (when some variant has one)."""
     metric_names = report.get("metric_names") or list(report["variants"][0]["metrics"])
     timed = any(v["latency_ms"] for v in report["variants"])
     noted = any(v["note"] for v in report["variants"])
@@ -165,9 +149,8 @@ def markdown_table(report: dict) -> str:
 
 
 def markdown_report(report: dict) -> str:
-    """The whole ``compress_report.md`` (or ``export_report.md``: ``report["title"]``, no latency):
-    what was measured and how, the table, how each variant is stored and loads, and the refusals
-    with their reasons and fixes."""
+    """The whole ``compress_report.md`` (or ``export_report.md``: ``report["title"]``, no latency): the setup, the table,
+    how each variant is stored and loads, the refusals."""
     latency = report.get("latency")
     measured = (
         f"- metric: {', '.join(report['metric_names'])} on the **{report['split']}** split ({report['rows']} rows"
@@ -212,8 +195,7 @@ def markdown_report(report: dict) -> str:
 
 
 def write_report(folder: Path, report: dict, names: tuple[str, str] = (REPORT_JSON, REPORT_MD)) -> tuple[Path, Path]:
-    """Write the report as JSON (NaN/inf as null) and Markdown into ``folder``, named ``names``
-    (``compress_report.json``/``.md`` by default)."""
+    """Write the report as JSON (NaN/inf as null) and Markdown into ``folder``, named ``names``."""
     json_path, md_path = folder / names[0], folder / names[1]
     json_path.write_text(json.dumps(_finite(report), indent=2) + "\n", encoding="utf-8")
     md_path.write_text(markdown_report(report), encoding="utf-8")

@@ -13,9 +13,7 @@ from ..identity.hashes import content_cache_dir
 
 log = logging.getLogger(__name__)
 
-# File suffix -> (datasets builder, extra builder kwargs).  csv/tsv cells are read as written:
-# no missing-value guessing (pandas would take "NA", "null", "None", "n/a", ... for missing),
-# and every column a string (see :func:`csv_as_written`).
+# File suffix -> (datasets builder, kwargs); csv/tsv cells are read as written: no "NA" guessing, strings (csv_as_written).
 AS_WRITTEN = {"keep_default_na": False, "na_filter": False}
 BUILDERS = {
     ".csv": ("csv", {"sep": ",", **AS_WRITTEN}),
@@ -35,8 +33,7 @@ FORMAT_HINTS = {
 
 
 def split_field(split: str) -> str:
-    """The setting a user typed for ``split``, for messages: ``input`` for predict's file,
-    ``data.splits.<split>`` otherwise."""
+    """The setting a user typed for ``split``, for messages: ``input`` for predict, else ``data.splits.<split>``."""
     return "input" if split == "predict" else f"data.splits.{split}"
 
 
@@ -47,16 +44,10 @@ def load_split(
     hub_config: str | None,
     cache_dir: str | None,
 ) -> datasets.Dataset:
-    """Load one split as a ``datasets.Dataset`` (cached as Arrow by ``datasets``, a local file
-    under its content hash: :func:`..identity.hashes.content_cache_dir`).
-
-    Args:
-        split: our split name (``train``, ``validation``, ``test``, ``predict``), for messages.
-        source: a local file path, or the hub's split name when ``hub_name`` is set.
+    """Load one split as a ``datasets.Dataset``; ``source`` is a local file, or the Hub's split name with ``hub_name``.
 
     Raises:
-        DataError: the file is missing, has an unknown suffix, is empty, has no rows, is not
-            UTF-8 or cannot be parsed (the reader's message is included).
+        DataError: the file is missing, empty, without rows, not UTF-8, of an unknown suffix or unparsable (the reader's message).
     """
     field = split_field(split)
     if hub_name is not None:
@@ -81,8 +72,7 @@ def load_split(
     try:
         if builder == "csv":
             kwargs = {**kwargs, "features": csv_as_written(path, kwargs["sep"], field)}
-        # (cached under the file's content hash: datasets keys it by path and mtime, and would serve
-        # a file rewritten with its mtime kept as the old data)
+        # Cached by content hash: datasets keys by path and mtime, so a rewrite keeping its mtime would serve old data.
         cache = content_cache_dir(cache_dir, [str(path)])
         dataset = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache, **kwargs)
     except DataError:
@@ -105,21 +95,18 @@ def load_split(
 
 
 def csv_as_written(path: Path, sep: str, field: str = "data file") -> datasets.Features:
-    """Every column of a csv/tsv file's header as a string column: cells keep their text
-    ("007", "1.50", "NA" stay as written) and an output file can carry them back unchanged.
+    """Every header column of a csv/tsv as a string column, so cells stay as written ("007", "1.50", "NA").
 
     Raises:
-        DataError: a row has more cells than the header (named by ``field`` and its line).
+        DataError: a row has more cells than the header.
         UnicodeDecodeError, csv.Error: the file cannot be read (reported as a DataError).
     """
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # a long document is one cell (the default stops at 128 KiB)
-    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name;
-    # pandas, which reads the rows, drops it too.
+    # utf-8-sig: drop a byte-order mark (Excel's "CSV UTF-8") from the first name, as pandas does.
     with path.open(newline="", encoding="utf-8-sig") as file:
         reader = csv.reader(file, delimiter=sep)
         header = next(reader, [])
-        # pandas would take the extra leading cells of a longer row as an index and shift the rest
-        # (an unquoted "a, b" in a one-column file): the row's text would reach the model cut.
+        # pandas would take a longer row's extra leading cells as an index and shift the rest, cutting its text.
         for fields in reader:
             if len(fields) > len(header):
                 raise DataError(
@@ -138,13 +125,10 @@ def csv_as_written(path: Path, sep: str, field: str = "data file") -> datasets.F
 
 
 def require_columns(dataset: datasets.Dataset, split: str, source: str, fields: dict[str, str | None]) -> None:
-    """Raise if a configured column is missing from ``dataset``.
-
-    Args:
-        fields: config field name (e.g. ``"text_column"``) -> the column it names (``None`` = unused).
+    """Raise if a configured column (``fields``: config field -> column, ``None`` = unused) is missing.
 
     Raises:
-        DataError: one line per missing column, with the columns the split does have.
+        DataError: one line per missing column, with the split's columns.
     """
     missing = [(field, column) for field, column in fields.items() if column is not None and column not in dataset.column_names]
     if missing:
@@ -159,14 +143,11 @@ def require_columns(dataset: datasets.Dataset, split: str, source: str, fields: 
 def require_column_types(
     dataset: datasets.Dataset, split: str, source: str, text: dict[str, str | None], labels: dict[str, str | None]
 ) -> None:
-    """Raise if a text column does not hold text, or a label column holds lists, records or
-    values of mixed types (JSON lines read one column as several types, e.g. ``1`` and ``"negative"``).
-
-    Args:
-        text, labels: config field name (``"text_column"``) -> the column it names (``None`` = unused).
+    """Raise if a text column does not hold text, or a label column holds lists, records or mixed types (JSON
+    lines can read ``1`` and ``"negative"`` into one column); ``text``/``labels`` as in :func:`require_columns`.
 
     Raises:
-        DataError: one line per such column, naming the field, the file, what it holds and the fix.
+        DataError: one line per such column, with the fix.
     """
     lines = []
     for field, column, wants_text in [(f, c, True) for f, c in text.items()] + [(f, c, False) for f, c in labels.items()]:
@@ -205,8 +186,7 @@ def is_blank(value: object) -> bool:
 
 
 def drop_blank_rows(dataset: datasets.Dataset, split: str, columns: list[str]) -> datasets.Dataset:
-    """Drop the rows whose text ``columns`` are null, empty or whitespace (they carry no input),
-    with a warning that counts them.
+    """Drop (with a warning) the rows whose text ``columns`` are null, empty or whitespace.
 
     Raises:
         DataError: no row is left.

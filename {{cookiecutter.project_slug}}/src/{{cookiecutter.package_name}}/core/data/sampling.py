@@ -1,22 +1,11 @@
 """A training order that a resumed run can re-enter part-way through an epoch.
 
-Exact resume needs the rows of epoch ``e`` in the same order as the uninterrupted run, from the
-row the checkpoint stopped at.  So the order is a pure function of ``(seed, epoch)`` (a generator
-seeded from both, like torch's ``DistributedSampler``), never of the global RNG, and a resumed
-sampler skips the rows the checkpoint's epoch had already trained on.
-
-Where the position lives: :class:`.batching.TokenizedDataModule` saves
-``(epoch, rows done)`` in the checkpoint from Lightning's own loop counters (its ``state_dict``
-hook) and hands them to the sampler in ``train_dataloader``.  A data loader cannot count this
-itself: Lightning fetches one batch ahead, so a loader's count runs one batch past the loop's.
-
-Several processes (DDP): the sampler shards the epoch itself, rank ``r`` of ``W`` taking rows
-``r, r + W, r + 2W, ...`` of the order (padded to a multiple of ``W``, as torch's
-``DistributedSampler`` does).  It subclasses ``DistributedSampler`` so that Lightning leaves it
-alone instead of wrapping it in its ``DistributedSamplerWrapper``, which would neither pass
-``set_epoch`` on nor survive a shortened (resumed) epoch.  Positions are global rows, so a resume
-continues every rank exactly where it stopped.
-"""
+The order is a pure function of ``(seed, epoch)``, never of the global RNG, and a resumed sampler skips the rows
+its epoch had trained on. :class:`.batching.TokenizedDataModule` saves ``(epoch, rows done)`` from Lightning's loop
+counters (a loader's own count runs one prefetched batch ahead). Under DDP the sampler shards the epoch itself
+(rank ``r`` of ``W`` takes rows ``r, r + W, ...``, padded as ``DistributedSampler`` does); it subclasses
+``DistributedSampler`` so Lightning does not wrap it (the wrapper neither passes ``set_epoch`` on nor survives
+a shortened epoch). Positions are global rows, so every rank resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -30,30 +19,20 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
-    """A CPU generator seeded from ``(seed, epoch)``: the same pair, the same stream, in any process.
-
-    ``hash`` of a tuple of ints does not depend on ``PYTHONHASHSEED`` (only str/bytes hashes do).
-    """
+    """A CPU generator seeded from ``(seed, epoch)``, the same in any process (an int tuple's ``hash`` ignores ``PYTHONHASHSEED``)."""
     return torch.Generator().manual_seed(hash((seed, epoch)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 class ResumableSampler(DistributedSampler):
-    """Row indices of one training epoch, shuffled (or length-grouped) as a function of
-    ``(seed, epoch)`` only, optionally starting part-way into the epoch; with ``num_replicas``
-    processes, this rank's share of them.
+    """Row indices of one training epoch, shuffled (or length-grouped) from ``(seed, epoch)`` only, optionally
+    from part-way in; with ``num_replicas`` processes (``trainer.world_size``), this ``rank``'s share.
 
     Args:
-        num_rows: rows in the training split.
-        seed: the run's seed (``seed`` of the train config).
-        lengths: tokens per row; given, the order is transformers' ``get_length_grouped_indices``
-            (random mega-batches of 50 micro-batches, each sorted by length) for ``batch_size``.
-        batch_size: micro-batch size (only used with ``lengths``).
-        num_replicas, rank: processes of a distributed run and this one's rank (``trainer.world_size``,
-            ``trainer.global_rank``); 1 and 0 on one device.
+        lengths: tokens per row; given, the order is transformers' ``get_length_grouped_indices`` for ``batch_size``
+            (random mega-batches of 50 micro-batches, each sorted by length).
 
-    ``len()`` is always this rank's whole epoch, ``ceil(num_rows / num_replicas)`` (Lightning
-    counts an epoch's batches from it); after :meth:`resume_at` the next ``iter()`` yields only
-    the rows not yet trained on.
+    ``len()`` is always this rank's whole epoch (Lightning counts batches from it); after :meth:`resume_at`
+    the next ``iter()`` yields only the rows not yet trained on.
     """
 
     def __init__(
@@ -70,8 +49,7 @@ class ResumableSampler(DistributedSampler):
         self.epoch = epoch
 
     def resume_at(self, epoch: int, rows_done: int) -> None:
-        """Make the next ``iter()`` continue ``epoch`` after its first ``rows_done`` rows (all ranks
-        together); an epoch that was already finished continues with the next one from its first row."""
+        """Make the next ``iter()`` continue ``epoch`` after ``rows_done`` rows (all ranks); a finished epoch goes on to the next."""
         if rows_done >= self.num_rows:
             epoch, rows_done = epoch + 1, 0
         self.epoch, self.start = epoch, rows_done
@@ -96,19 +74,9 @@ class ResumableSampler(DistributedSampler):
 
 
 class EvaluationShardSampler(DistributedSampler):
-    """This rank's share of an evaluation split, in ``order`` and without padding: rank ``r`` of
-    ``n`` gets rows ``order[r], order[r + n], order[r + 2n], ...``, so every row is evaluated
-    exactly once over all ranks (torch's ``DistributedSampler``, which Lightning puts in by
-    default, repeats rows so that every rank gets as many, and they would count twice in the
-    metrics).  The metrics add the ranks' sums and counts up (torchmetrics' sync, Lightning's
-    ``sync_dist`` means), so a rank with one row fewer changes nothing.
-
-    Args:
-        num_rows: rows in the split.
-        num_replicas, rank: ``trainer.world_size`` and ``trainer.global_rank``.
-        order: every row index of the split once (the data module's ``evaluation_order``);
-            ``None``: the split's own order.
-    """
+    """This rank's share of an evaluation split, in ``order`` (default: the split's) and unpadded: rank ``r`` of ``n``
+    gets ``order[r], order[r + n], ...``, so each row counts once (``DistributedSampler`` pads by repeating rows);
+    the metrics sum over ranks, so uneven shares are fine."""
 
     def __init__(self, num_rows: int, num_replicas: int, rank: int, order: Sequence[int] | None = None) -> None:
         # (DistributedSampler's own __init__ would read the process group; nothing of it is used.)
@@ -126,13 +94,9 @@ class EvaluationShardSampler(DistributedSampler):
 
 
 class ResumableDataLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableSampler` that Lightning recognises as resumable.
-
-    Its ``state_dict`` is the sampler's seed: a run resumed with another ``seed`` would see
-    another order, which :meth:`load_state_dict` warns about.  (The position itself is restored
-    by the data module; see the module docstring.)  Lightning may rebuild the loader around
-    another sampler (``overfit_batches``: a sequential one); the state is then empty.
-    """
+    """A ``DataLoader`` over a :class:`ResumableSampler` that Lightning recognises as resumable. Its state is the
+    sampler's seed (a resume with another one warns; empty when Lightning swaps the sampler, e.g. ``overfit_batches``);
+    the data module restores the position."""
 
     def state_dict(self) -> dict[str, int]:
         seed = getattr(self.sampler, "seed", None)

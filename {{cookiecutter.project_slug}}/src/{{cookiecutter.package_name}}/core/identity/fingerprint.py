@@ -1,30 +1,12 @@
 """What a run is made of (its *identity*), and what a resume may change of it.
 
-``train`` writes the identity into the run folder (``identity.json``) and into every checkpoint
-(``checkpoint["identity"]``):
-
-- ``config``: the resolved config, secrets masked, without ``hydra`` and class-path keys
-  (``_target_``...: a checkpoint holds no class path, :mod:`..checkpoints.stored`);
-- ``files``: the content of what the config names on disk (:mod:`.hashes`: full sha256,
-  cached): each data file (``data.splits.<split>``; a folder of ``.txt`` files: each file), the base
-  model's files (``model.name_or_path``: weights, ``config.json``...) and the tokenizer's files
-  (``model.tokenizer``), each with the path as given and resolved.  A Hub name that is not a local
-  folder is recorded by name.
-
-A resume (``ckpt_path=last/auto/<file>``) compares the stored identity with this launch's
-(:func:`resume_changes`), key by key, and each changed key falls in one class
-(:func:`resume_class`, the table in docs/reliability.md):
-
-- **refused** (:data:`REFUSED_ON_RESUME`, and each task's :attr:`..task.Task.identity_keys`):
-  the model, tokenizer, labels, ``peft.*``, architecture, task, data content, ``max_length``, global
-  batch, precision: a different run, whatever the flag;
-- **allowed** (:data:`ALLOWED_ON_RESUME`): ``trainer.max_steps``/``max_epochs`` (logged: the LR
-  schedule stretches to the new length), loggers, the callbacks' display settings, devices and
-  strategy (the global batch is compared on its own);
-- **needs** ``resume.allow_changed=[key, ...]``: everything else (``optimizer.lr``, weight decay,
-  the schedule, the seed, the data order...);
-- not compared (:data:`NOT_IDENTITY`): where the run writes, how it is launched, and the paths of
-  files whose content is compared instead.
+``train`` writes it to ``identity.json`` and every checkpoint: ``config`` (resolved, secrets masked, no ``hydra`` or
+class-path keys: :mod:`..checkpoints.stored`) and ``files`` (sha256 of the data, base model and tokenizer files the
+config names, :mod:`.hashes`; a Hub name by name).  A resume compares each key (:func:`check_resume_config`), and
+:func:`resume_class` sorts a change (table in docs/reliability.md) as **refused** (:data:`REFUSED_ON_RESUME`,
+:attr:`..task.Task.identity_keys`: model, tokenizer, labels, data...), **allowed** (:data:`ALLOWED_ON_RESUME`: ``max_steps``,
+whose LR schedule stretches, loggers, devices...), **ignored** (:data:`NOT_IDENTITY`), or else needing
+``resume.allow_changed=[key, ...]`` (``optimizer.lr``, the seed...).
 """
 
 from __future__ import annotations
@@ -50,8 +32,7 @@ log = logging.getLogger(__name__)
 IDENTITY_FILE = "identity.json"
 VERSION = 1
 
-# Not what a run is made of: where it writes, how it is launched and shown, what installs a
-# file, values derived from compared ones, and the paths of files compared by content.
+# Not identity: output/launch/display settings, installers, derived values, paths compared by content.
 NOT_IDENTITY = (
     "paths.*",
     "ckpt_path",
@@ -139,11 +120,8 @@ class Change:
         return f"{self.key}: {self.old} -> {self.new}"
 
 
-# ---------------------------------------------------------------------------------- building
 def identity_of(config: dict) -> dict:
-    """The identity of a run of the resolved ``config`` (:func:`plain_config`), hashing the
-    files it names that exist now (call after the data and model files are installed:
-    ``prepare_data``)."""
+    """The identity of resolved ``config`` (:func:`plain_config`); call after ``prepare_data`` installed the files it hashes."""
     return {"version": VERSION, "config": config, "files": named_files(config)}
 
 
@@ -155,8 +133,7 @@ def plain_config(cfg: DictConfig) -> dict:
 
 
 def named_files(config: dict) -> dict[str, dict]:
-    """``{config key: entry}`` of the data, model and tokenizer files a resolved config names
-    (see :func:`path_entry`)."""
+    """``{config key: path_entry}`` of the data, model and tokenizer files a resolved config names."""
     files = {}
     data, model = config.get("data") or {}, config.get("model") or {}
     if data.get("hub_name") is None:
@@ -173,9 +150,8 @@ def named_files(config: dict) -> dict[str, dict]:
 
 
 def path_entry(given: str, pick=None) -> dict:
-    """What is at ``given`` now: ``{"given", "resolved", "sha256"}`` for a file, ``{..., "files":
-    {name: sha256}}`` for a folder (``pick`` keeps some of its names), ``{"given", "hub": true}``
-    for a name that is no local path (a Hub id, compared by name)."""
+    """What is at ``given``: ``{"given", "resolved", "sha256"}`` (file), ``{..., "files": {name: sha256}}`` (folder, names
+    filtered by ``pick``), ``{"given", "hub": true}`` (a Hub id), or ``{..., "missing": true}``."""
     path = Path(given).expanduser()
     if not path.exists():
         return (
@@ -193,12 +169,12 @@ def path_entry(given: str, pick=None) -> dict:
 
 
 def tokenizer_files(name: str) -> bool:
-    """Whether a folder's file ``name`` is one that makes a tokenizer (:data:`TOKENIZER_FILES`)."""
+    """Whether a folder's file ``name`` belongs to the tokenizer."""
     return name in TOKENIZER_FILES or name.endswith(TOKENIZER_SUFFIXES)
 
 
 def model_files(name: str) -> bool:
-    """Whether a model folder's file ``name`` is the model's (weights, ``config.json``...), not the tokenizer's."""
+    """Whether a model folder's file ``name`` is the model's, not the tokenizer's."""
     return not tokenizer_files(name)
 
 
@@ -219,8 +195,7 @@ def content_digest(entry: dict | None) -> str | None:
 
 
 def differing_files(old: dict | None, new: dict | None) -> list[str]:
-    """The names whose hash differs between two folder entries (one missing on a side included);
-    ``[]`` unless both are folders."""
+    """Names whose hash differs (or is on one side only) between two folder entries; ``[]`` unless both are folders."""
     if not (old and new and "files" in old and "files" in new):
         return []
     before, after = old["files"], new["files"]
@@ -246,7 +221,6 @@ def write_identity(identity: dict, run_dir: Path) -> Path:
     return path
 
 
-# -------------------------------------------------------------------------------- comparing
 def flatten(node: object, prefix: str = "") -> dict[str, object]:
     """``{dotted key: leaf}`` of nested dicts (a list is one leaf)."""
     if not isinstance(node, dict) or (not node and prefix):
@@ -258,9 +232,8 @@ def flatten(node: object, prefix: str = "") -> dict[str, object]:
 
 
 def resume_class(key: str, task_keys: tuple[str, ...] = ()) -> str:
-    """``ignored`` | ``refused`` | ``allowed`` | ``allow_changed`` (needs ``resume.allow_changed``)
-    for a changed config key (module docstring); a file's content (``<key> (content)``) and
-    ``labels`` are refused, except the test split's content (the test after the fit is an evaluation)."""
+    """``ignored`` | ``refused`` | ``allowed`` | ``allow_changed`` for a changed key (module docstring); file content and
+    ``labels`` are refused, except the test split's."""
     if key.endswith(" (content)") or key == "labels":
         return "allowed" if key in ALLOWED_ON_RESUME else "refused"
     if any(fnmatch(key, pattern) for pattern in NOT_IDENTITY):
@@ -276,7 +249,7 @@ ABSENT = object()
 
 
 def config_changes(old: dict, new: dict) -> list[Change]:
-    """The keys whose value differs between two resolved configs (a key in one only included)."""
+    """Keys whose value differs (or is on one side only) between two resolved configs."""
     old_flat, new_flat = flatten(old), flatten(new)
     changes = []
     for key in sorted(set(old_flat) | set(new_flat)):
@@ -304,14 +277,8 @@ def file_changes(old: dict, new: dict) -> list[Change]:
 
 
 def resume_problems(changes: list[Change], task_keys: tuple[str, ...], allow_changed: list[str], where: str) -> tuple[list[str], list[str]]:
-    """``(problems, notes)`` of resuming with ``changes``: a problem line per refused change and
-    per change not named in ``allow_changed`` (with the fix); a note per change the flag allowed,
-    per schedule length and per allowed file (the other allowed changes, loggers and display, pass
-    without a word).
-
-    Args:
-        where: the checkpoint, as messages name it (``ckpt_path=...``).
-    """
+    """``(problems, notes)`` of resuming with ``changes``: problems for refused or not-allowed changes; notes for flagged,
+    schedule-length and file changes.  ``where`` names the checkpoint in messages (``ckpt_path=...``)."""
     refused, unasked, notes = [], [], []
     for change in changes:
         kind = resume_class(change.key, task_keys)
@@ -343,10 +310,10 @@ def resume_problems(changes: list[Change], task_keys: tuple[str, ...], allow_cha
 
 
 def check_allow_changed(allow_changed: list[str], task_keys: tuple[str, ...]) -> None:
-    """``resume.allow_changed`` must name keys a resume may change with the flag.
+    """Check that ``resume.allow_changed`` names only keys a resume may change.
 
     Raises:
-        ConfigError: an entry names a refused or not compared key.
+        ConfigError: an entry names a refused key.
     """
     for pattern in allow_changed:
         kind = resume_class(str(pattern), task_keys)
@@ -359,13 +326,11 @@ def check_allow_changed(allow_changed: list[str], task_keys: tuple[str, ...]) ->
 
 
 def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys: tuple[str, ...]) -> None:
-    """Before any data or weights load: compare the config of a resume with the one the
-    checkpoint's run was made of (module docstring); log the allowed changes.  A checkpoint from
-    before identities were stored gets a one-line warning.
+    """Before data or weights load: compare a resume's config with the checkpoint's identity; log allowed changes.
 
     Raises:
-        ConfigError: a refused change, a change not named in ``resume.allow_changed``, or an
-            entry of ``resume.allow_changed`` that names a refused key.
+        ConfigError: a refused change, a change not in ``resume.allow_changed``, or an entry of it that is refused or
+            (without wildcards) names no key.
     """
     allow = [str(key) for key in OmegaConf.select(cfg, "resume.allow_changed", default=None) or []]
     check_allow_changed(allow, task_keys)
@@ -391,10 +356,8 @@ def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys
 
 
 def base_problem(entry: dict, name_or_path: str, where: str) -> str | None:
-    """What is wrong with reading an adapter checkpoint's frozen base from ``name_or_path``: its
-    files (weights, config; not the tokenizer's) differ from those the adapters were trained on
-    (``entry``, the run's :func:`path_entry`), naming both paths, both hashes and the differing
-    files; ``None`` when they are the same (a base trained from a Hub name: the same name)."""
+    """Why ``name_or_path`` is not the base an adapter checkpoint was trained on (``entry``): its model files differ
+    (message names paths, hashes, differing files); ``None`` when the same (a Hub base: the same name)."""
     now = path_entry(name_or_path, model_files)
     if entry.get("hub") and entry.get("given") == now.get("given"):
         return None  # (a Hub name: its revision is the Hub's to keep)
@@ -409,7 +372,7 @@ def base_problem(entry: dict, name_or_path: str, where: str) -> str | None:
 
 
 def command_line_value(key: str) -> str | None:
-    """The value of ``key=...`` on this Hydra app's command line (``None``: not given there)."""
+    """The value of ``key=...`` on this Hydra app's command line, else ``None``."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():

@@ -1,18 +1,10 @@
-"""Content hashes of files: full sha256, cached by what the file system says of the file.
+"""Content hashes of files: full sha256 (no sampled blocks), cached by what the file system says of the file.
 
-A run's identity (:mod:`.fingerprint`) and the ``datasets`` cache (:func:`content_cache_dir`) name
-data and model files by their content, not by their path or modification time: a file rewritten
-in place with its mtime kept (``cp -p``, ``rsync -t``) is different data, and a folder replaced by
-another with the same name is a different model.
-
-Every byte is hashed (sha256, no sampled blocks: about 1 GB/s on one core, so a 16 GB base takes
-about 15 s once).  The digest is cached under the file's ``(device, inode, size, mtime_ns,
-ctime_ns)``: an unchanged file is never read again, in this process or a later one.  ``ctime`` is
-set by the kernel on every write and cannot be set back (``cp -p`` and ``touch -d`` restore only
-``mtime``), so a rewritten file always misses the cache.  The cache is a JSON file,
-``~/.cache/<package>/file_hashes.json`` (``$XDG_CACHE_HOME`` honoured; ``FILE_HASH_CACHE=<file>``
-names another), rewritten atomically; two processes writing it at once lose at most an entry,
-which costs one more read later.
+Run identity (:mod:`.fingerprint`) and the ``datasets`` cache (:func:`content_cache_dir`) name files by content, not path
+or mtime: a file rewritten with its mtime kept (``cp -p``, ``rsync -t``) is different data.  Digests are cached under
+``(device, inode, size, mtime_ns, ctime_ns)``; ``ctime`` is set by the kernel on every write and cannot be set back, so a
+rewritten file always misses.  Cache: ``~/.cache/<package>/file_hashes.json`` (``$XDG_CACHE_HOME``; ``FILE_HASH_CACHE``
+overrides), rewritten atomically; concurrent writers lose at most an entry (one more read later).
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ _loaded_from: Path | None = None
 
 
 def cache_file() -> Path:
-    """Where the digests are kept (see the module docstring)."""
+    """The cache file (see the module docstring)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -46,7 +38,7 @@ def stat_key(path: Path) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    """The sha256 (hex) of every byte of ``path``, from the cache when the file is unchanged.
+    """The sha256 (hex) of ``path``, cached while unchanged.
 
     Raises:
         OSError: the file cannot be read (missing, a folder, no permission).
@@ -55,8 +47,7 @@ def file_sha256(path: str | Path) -> str:
 
 
 def files_sha256(paths: list[str | Path]) -> list[str]:
-    """:func:`file_sha256` of each of ``paths``, the cache file written once at the end (a
-    folder of 10,000 documents is one write, not 10,000 of a growing file).
+    """:func:`file_sha256` of each of ``paths``, writing the cache file once at the end.
 
     Raises:
         OSError: a file cannot be read.
@@ -79,9 +70,7 @@ def files_sha256(paths: list[str | Path]) -> list[str]:
 
 
 def folder_sha256(folder: str | Path) -> dict[str, str]:
-    """``{file name: sha256}`` of the regular files at the top level of ``folder`` (a model folder
-    is flat: weights, ``config.json``, tokenizer files), hidden files (``.gitattributes``, an
-    installer's markers) and ``*.md`` left out."""
+    """``{file name: sha256}`` of the top-level regular files of ``folder`` (a model folder is flat), except hidden and ``*.md``."""
     paths = [
         path for path in sorted(Path(folder).iterdir()) if path.is_file() and not path.name.startswith(".") and path.suffix.lower() != ".md"
     ]
@@ -94,13 +83,9 @@ def combined(digests: dict[str, str]) -> str:
 
 
 def content_cache_dir(cache_dir: str | None, files: list[str]) -> str:
-    """The ``datasets`` cache folder for data read from ``files``: ``cache_dir`` (or the
-    ``datasets`` default) / ``by_content/<first 16 hex digits of their combined sha256>``.
+    """``datasets`` cache folder for ``files``: ``cache_dir`` (or the default) / ``by_content/<16 hex of combined sha256>``.
 
-    ``datasets`` keys a local file's cache by its path and modification time, so a file
-    rewritten with its mtime kept would be served from the cache as the old data; a folder
-    named by the content is always the data's own (the tokenised ``map`` caches follow, as
-    they live next to it)."""
+    ``datasets`` keys a local file's cache by path and mtime, so a rewrite with the mtime kept would serve stale data."""
     import datasets
 
     base = Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
@@ -109,8 +94,7 @@ def content_cache_dir(cache_dir: str | None, files: list[str]) -> str:
 
 
 def forget() -> None:
-    """Drop this process's copy of the cache: the next hash reads the cache file again (as a new
-    process would)."""
+    """Drop this process's copy of the cache; the next hash rereads the cache file."""
     global _loaded_from
     _memo.clear()
     _loaded_from = None

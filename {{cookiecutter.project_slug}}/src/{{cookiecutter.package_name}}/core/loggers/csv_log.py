@@ -29,9 +29,9 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
+from ..models.contract import TrainedModule
 from ..run.entry import atomic_write_path
 from ..run.secrets import MaskedHyperparameters
-from ..models.contract import TrainedModule
 
 
 def _contains(row: dict, part: dict) -> bool:

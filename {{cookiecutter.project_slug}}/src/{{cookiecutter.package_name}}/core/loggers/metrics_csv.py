@@ -21,16 +21,11 @@ def launch_files(csv_dir: Path) -> list[Path]:
 
 
 def read_metrics(csv_dir: Path) -> list[dict[str, str]]:
-    """A run's CSV log, its launches merged: every launch's rows up to the first step the next
-    launch logged (that launch resumed from a checkpoint before them and logged them again), in
-    the order written.
-
-    Args:
-        csv_dir: ``<run>/csv``, the folder of the launches' ``version_<n>/metrics.csv``.
+    """A run's CSV log (``csv_dir``: ``<run>/csv``), launches merged: each launch's rows before the next one's first step
+    (that launch resumed earlier and logged them again).
 
     Returns:
-        One dict per row, the cells as written (``""`` where a row has no value for a column);
-        empty when no launch logged anything.
+        One dict per row, cells as written (``""`` where empty); empty when nothing was logged.
     """
     launches = []
     for path in launch_files(csv_dir):

@@ -1,8 +1,5 @@
 """The planner's questions beyond "does it fit" (``plan.mode``), each from a few fake-tensor traces:
-
-- :func:`longest_context`: the largest ``data.max_length`` that fits the GPU and host budgets;
-- :func:`fastest_levers`: the lever sets that fit a fixed global batch, ranked by predicted step time;
-- :func:`time_to_end`: the predicted step time and the time to the end of the run.
+:func:`longest_context`, :func:`fastest_levers`, :func:`time_to_end`.
 
 Times come from the roofline of :mod:`.steptime`; memory from :func:`.planner.plan_memory`'s trace.
 """
@@ -31,7 +28,7 @@ MODES = ("fit", "longest", "fastest", "time")
 
 
 def check_mode(cfg: DictConfig) -> str:
-    """``plan.mode``, checked before any trace (with the step-time model's peaks where it needs them).
+    """``plan.mode``, checked before any trace.
 
     Raises:
         ConfigError: an unknown mode, or ``fastest``/``time`` on a ``hardware`` without peaks.
@@ -53,21 +50,18 @@ def with_changes(cfg: DictConfig, changes: dict) -> DictConfig:
 
 
 def _fits_host(sizes: list[int], length: int, traced_length: int, budget: int) -> bool:
-    """Whether the offloaded tensors of a trace at ``traced_length`` (their byte ``sizes``), grown
-    in proportion to ``length`` (each is (B, T, d)-shaped) and rounded up to a power of two each
-    (the pinned blocks, :class:`..models.levers.ActivationOffload`), fit ``budget`` bytes."""
+    """Whether the offloaded tensors traced at ``traced_length`` (byte ``sizes``, each (B, T, d)), scaled to ``length``
+    and each rounded up to a pinned block (a power of two), fit ``budget`` bytes."""
     if not budget:
         return True
     pinned = sum(pinned_block(math.ceil(size * length / traced_length)) for size in sizes)
     return pinned <= budget
 
 
-# --------------------------------------------------------------------------- longest context
 @dataclass
 class LongestContext:
-    """``length``: the largest ``data.max_length`` on the ``step`` grid that fits (0: none);
-    ``plan``: its plan; ``above``: what stops ``length + step`` (the budget that binds);
-    ``traces``: how many traces the search took."""
+    """``length``: the largest ``data.max_length`` on the ``step`` grid that fits (0: none); ``above``: the budget that
+    stops ``length + step``; ``traces``: how many the search took."""
 
     length: int
     step: int
@@ -87,19 +81,14 @@ class LongestContext:
 
 
 def longest_context(cfg: DictConfig, task: Task, config: PretrainedConfig) -> LongestContext:
-    """Search the largest ``data.max_length`` (a multiple of ``plan.length_step``, at most
-    ``plan.max_length`` or the model's ``max_position_embeddings``) whose plan fits both budgets,
-    at the config's micro-batch.
+    """The largest ``data.max_length`` (a multiple of ``plan.length_step``, at most ``plan.max_length`` or the model's
+    ``max_position_embeddings``) whose plan fits the GPU and host budgets at the config's micro-batch.
 
-    Method: the host's pinned memory is arithmetic (the offloaded tensors of one trace, grown in
-    proportion and rounded as pinned blocks are), so the host's bound is found without traces.
-    On the GPU the plan is close to linear in the length (plus T^2 for SDPA's mask): a first
-    guess from one trace (what is fixed, and what grows per token), then interpolation between
-    the closest lengths that fit and do not fit, alternating with bisection so that it ends in
-    about log2(range / step) traces at worst.
+    The host bound is arithmetic (no trace); the GPU plan is near linear in the length, so interpolation alternates
+    with bisection: about log2(range / step) traces at worst.
 
     Raises:
-        ConfigError: the bound is above the model's positions, or the step is not positive.
+        ConfigError: no bound or one above the model's positions, a bad step, or no length fits.
     """
     step = int(cfg.plan.length_step)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -186,8 +175,7 @@ def _nothing_fits(cfg: DictConfig, first: MemoryPlan, step: int, plans: dict) ->
 
 
 def _length_levers(cfg: DictConfig, task: Task, config: PretrainedConfig) -> list[str]:
-    """The levers that lower activation memory and are off in ``cfg`` (none traced here: ``plan``
-    each with ``plan.mode=longest`` to see its gain)."""
+    """The levers lowering activation memory that are off in ``cfg`` (not traced: plan each to see its gain)."""
     ac = cfg.activation_checkpointing
     levers = []
     if ac.mode == "none":
@@ -201,8 +189,7 @@ def _length_levers(cfg: DictConfig, task: Task, config: PretrainedConfig) -> lis
     return levers
 
 
-# --------------------------------------------------------------------------- fastest levers
-# Activation-memory levers, each a set of activation_checkpointing keys (the group's own options).
+# Activation-memory levers, each a set of activation_checkpointing keys.
 CHECKPOINTING = {
     "activation_checkpointing=none": {"mode": "none", "offload": False, "mlp_tiles": 1},
     "activation_checkpointing=full": {"mode": "full", "offload": False, "mlp_tiles": 1},
@@ -213,8 +200,7 @@ CHECKPOINTING = {
 
 @dataclass
 class Candidate:
-    """One lever set: its overrides, micro-batch, accumulation, the predicted step and memory
-    (``confirmed``: both from a trace at this micro-batch, not scaled from micro-batch 1)."""
+    """One lever set with its predicted step and memory (``confirmed``: traced at this micro-batch, not scaled from 1)."""
 
     overrides: list[str]
     micro_batch: int
@@ -232,8 +218,7 @@ class Candidate:
 
 
 def _variants(cfg: DictConfig, task: Task) -> list[tuple[list[str], dict]]:
-    """The traced lever sets: each activation-checkpointing choice, with and without each task
-    lever (``memory_advice``: e.g. the chunked loss), that the config's checks accept."""
+    """Each activation-checkpointing choice, with and without each of the task's ``memory_advice`` levers."""
     tried, _ = task.memory_advice(cfg, weights_dominate=False)
     out = []
     for (ac_name, ac), *task_levers in itertools.product(CHECKPOINTING.items(), *[[None, item] for item in tried.items()]):
@@ -257,29 +242,21 @@ def _accepts(cfg: DictConfig, task: Task) -> bool:
 
 
 def _optimizer_variant(cost: StepCost, trainable: list[tuple[int, int]]) -> StepCost:
-    """The step with a bitsandbytes 8-bit AdamW: its update is one kernel per tensor that reads the
-    parameter, gradient and two 8-bit moments and writes the parameter and moments (bytes per value
-    ``3 x size + 4``), in place of the traced fp32 AdamW's kernels."""
+    """The step with bitsandbytes 8-bit AdamW for the traced fp32 one: per tensor one kernel of ``3 x size + 4`` bytes
+    per value (reads parameter, gradient, two 8-bit moments; writes parameter, moments)."""
     optimizer = [(0, numel * (3 * size + 4), False, False) for numel, size in trainable]
     return StepCost(cost.micro_batch, cost.micro, optimizer, cost.host_bytes)
 
 
 def fastest_levers(cfg: DictConfig, task: Task, config: PretrainedConfig) -> tuple[list[Candidate], int, str]:
-    """The lever sets that fit, for the config's global batch, best predicted step time first.
+    """The lever sets that fit the config's global batch, best predicted step time first.
 
-    Space: micro-batch (each divisor of the process's global batch share) x activation
-    checkpointing / offloading / tiled MLP x the task's levers (``memory_advice``, e.g. the chunked
-    loss) x AdamW or 8-bit AdamW x ``compile`` off/default, the combinations the config checks
-    accept.  Each activation/task lever set is traced once at micro-batch 1 (memory and kernels);
-    other micro-batches scale what grows with it (activations and temporaries, each kernel's FLOPs
-    and bytes), the optimizer variant is arithmetic (:func:`.planner.optimizer_state_bytes`), and
-    compile keeps eager's memory (an upper bound) and drops the pointwise kernels' launches.  The
-    ``plan.top`` best (one per activation lever set and micro-batch: its fastest optimizer and
-    compile choice) are then traced at their own micro-batch and ranked again.
+    Space: micro-batch (divisors of the process's share) x checkpointing/offload/tiled MLP x the task's levers x AdamW or
+    8-bit AdamW x ``compile`` off/default, as the config checks accept.  Each memory lever set is traced at micro-batch 1
+    and scaled (compile keeps eager's memory, an upper bound); the ``plan.top`` best are traced again and re-ranked.
 
     Returns:
-        (the ranked candidates that fit, at most ``plan.top``, confirmed; the number traced; a
-        line on what is closest when none fits).
+        (the confirmed candidates that fit, at most ``plan.top``; the number traced; what is closest when none fits).
     """
     peaks = Peaks.of(cfg.hardware)
     _, share, _ = process_batch(cfg)
@@ -329,7 +306,7 @@ def fastest_levers(cfg: DictConfig, task: Task, config: PretrainedConfig) -> tup
             ),
         )
     confirmed: list[Candidate] = []
-    shown = set()  # one line per memory lever set and micro-batch: its fastest optimizer/compile choice
+    shown = set()  # one per memory lever set and micro-batch: its fastest optimizer/compile choice
     for candidate, trial, saved in fitting:
         if len(confirmed) >= int(cfg.plan.top):
             break
@@ -368,11 +345,9 @@ def fastest_text(cfg: DictConfig, ranked: list[Candidate], traced: int, closest:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- time to end
 @dataclass
 class TimeToEnd:
-    """``steps`` optimizer steps of ``time`` each: ``hours`` in total (tokenisation, validation and
-    checkpoint writes aside); ``plan``: the traced step's memory."""
+    """``steps`` optimizer steps of ``time`` each (training steps only); ``plan``: the traced step's memory."""
 
     steps: int
     time: StepTime
@@ -397,8 +372,7 @@ class TimeToEnd:
 
 
 def run_steps(cfg: DictConfig) -> int:
-    """Optimizer steps of the run: ``trainer.max_steps``, else ``max_epochs`` x
-    ceil(``plan.train_examples`` / global batch).
+    """Optimizer steps of the run: ``trainer.max_steps``, else ``max_epochs`` x ceil(``plan.train_examples`` / global batch).
 
     Raises:
         ConfigError: neither is known (the plan reads no data).
@@ -454,12 +428,9 @@ def candidate_json(candidate: Candidate) -> dict:
 
 
 def predicted_step_ms(cfg: DictConfig, task: Task, plan: MemoryPlan | None) -> float | None:
-    """``train``'s prediction of its own step in ms (logged beside the measured one by
-    :class:`..callbacks.step_time.StepTimeCheck`): from ``plan``'s kernels when the pre-fit plan
-    counted them, else from a count of its own (a CPU run); ``None`` when the hardware has no
-    peaks (``hardware=cpu`` unless given), when it is not what the run runs on (a GPU's
-    ``hardware`` for a run on the CPU: the tests, a laptop), or when the architecture cannot be
-    read yet, and on a GPU run without the pre-fit plan (``plan_before_fit=false``, FSDP)."""
+    """``train``'s prediction of its step in ms (for :class:`..callbacks.step_time.StepTimeCheck`), from ``plan``'s kernels
+    or, on the CPU, a count of its own; ``None`` without peaks, when ``hardware`` is not what the run runs on, when the
+    architecture is unknown yet, or on a GPU run without a pre-fit plan."""
     describes_a_cpu = not cfg.hardware.get("kernels_overlap", True)
     if not has_peaks(cfg.hardware) or uses_cuda(cfg) == describes_a_cpu:
         return None

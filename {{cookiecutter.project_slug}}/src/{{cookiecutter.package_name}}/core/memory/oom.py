@@ -1,5 +1,4 @@
-"""The report a CUDA out-of-memory stop leaves behind: where it happened, how full the card was,
-what was saved, and the micro-batch / accumulation the memory planner suggests instead."""
+"""The report a CUDA out-of-memory stop leaves: where, how full the card was, what was saved, and the planner's fix."""
 
 from __future__ import annotations
 
@@ -17,15 +16,11 @@ log = logging.getLogger(__name__)
 
 
 def suggest_batch(cfg: DictConfig, task: Task) -> tuple[int | None, list[str], str]:
-    """``(micro_batch, other levers, planner line)`` for a run that ran out of memory.
-
-    The micro-batch is the largest divisor of one process's share of ``batch.global_batch_size``
-    (the whole of it on one GPU; :func:`.planner.process_batch`) (so the optimization is
-    unchanged) that is smaller than the one that failed and that the planner says fits; ``None``
-    at micro-batch 1, where only the planner's levers are left.  The planner runs on the CPU, on
-    fake tensors; when it cannot (an unknown architecture), the divisor rule alone decides.
+    """``(micro_batch, other levers, planner line)`` after an OOM: the largest divisor of the process's batch share
+    (:func:`.planner.process_batch`) below the failed one that the planner says fits (the divisors alone when it cannot
+    plan); ``None`` when there is none.
     """
-    micro_batch, global_batch, _ = process_batch(cfg)  # one process's (DDP: its share of the global batch)
+    micro_batch, global_batch, _ = process_batch(cfg)  # one process's share under DDP
     smaller = [d for d in range(1, micro_batch) if global_batch % d == 0]
     try:
         plan = plan_memory(cfg, task)
@@ -42,10 +37,8 @@ def suggest_batch(cfg: DictConfig, task: Task) -> tuple[int | None, list[str], s
 
 
 def write_oom_report(cfg: DictConfig, task: Task, run_dir: Path, report: dict | None, error: BaseException) -> str:
-    """Write ``oom_report.txt`` and ``oom_report.json`` into ``run_dir``; return the text.
-
-    ``report`` is :attr:`..callbacks.guards.OutOfMemoryGuard.report` (``None`` when that
-    callback is off: the report then has the error and the advice only).
+    """Write ``oom_report.txt``/``.json`` into ``run_dir`` and return the text; ``report``:
+    :attr:`..callbacks.guards.OutOfMemoryGuard.report` (``None`` when that callback is off).
     """
     facts = dict(report or {})
     micro_batch, levers, planner_line = suggest_batch(cfg, task)

@@ -1,35 +1,15 @@
-"""Predict the peak GPU memory of a training run from its config, on the CPU.
+"""Predict the peak GPU memory of one device's training step from its config, on the CPU.
 
-Method: build the configured model (same builder, precision, PEFT, attention, activation
-checkpointing, loss and optimizer as ``train``) on fake tensors, run one steady-state training
-step (optimizer state already allocated) of one micro-batch of ``data.max_length`` tokens under
-the memory tracker (:mod:`.tracer`), then add what the trace cannot see:
+Builds the model as ``train`` does on fake tensors and traces one steady-state step of one micro-batch of
+``data.max_length`` tokens (:mod:`.tracer`), then adds what the trace cannot see:
 
-- **4-bit weights (QLoRA)**: traced in bf16, counted as NF4: 0.5 byte/weight plus one 8-bit
-  constant per 64 weights and one fp32 constant per 64 x 256 with double quantization, else one
-  fp32 constant per 64 (QLoRA paper, Section 3); plus one bf16 copy of the largest quantized
-  weight, dequantized for each matmul (a temporary).
-- **8-bit optimizer state** (bitsandbytes): traced as fp32 AdamW, counted as 2 bytes/param plus
-  two fp32 block maxima per 256 values, for tensors of at least 4,096 values; smaller tensors keep
-  8 bytes/param (bitsandbytes' ``min_8bit_size``; block size measured on bitsandbytes 0.50).
-  Paged state lives in CUDA unified memory, outside PyTorch's allocator: reported, not in the total.
-- **CUDA vs CPU**: the trace runs on CPU fake tensors.  Attention: CPU sdpa runs the flash-
-  attention CPU kernel, which saves the same (output, log-sum-exp) as CUDA's flash/memory-
-  efficient kernels, so no correction; ``flash_attention_2`` is traced as sdpa (same saved
-  tensors), and so is ``flex_attention`` (FlexAttention saves the same); with either, packed rows
-  are traced without the dense ``(B, 1, T, T)`` mask SDPA builds for them.  Autocast: the CPU list keeps layer_norm/softmax in bf16 where CUDA computes them in
-  fp32; the tracer emulates CUDA's float32 list (:class:`.tracer.CudaAutocastEmulation`).
-  Logits: bf16 from the lm_head under autocast on both, and fp32 in our loss on both.
-- **Pruning** (``pruning`` group): torch's masks are not traced; each masked tensor adds a mask
-  buffer of its dtype and the recomputed weight for the whole fit, and each pruning event its
-  temporaries on top of every gradient and the optimizer state
-  (:class:`..compress.pruning.PruningMemory`): that event is the peak when it is the larger.
-- **CUDA context + allocator reserve**: one fixed margin, ``hardware.context_gib`` (its source
-  is in ``configs/hardware/rtx4090_24gb.yaml``; 0 for ``hardware=cpu``).
-- ``compile`` is not traced (eager): Inductor's fusions usually lower activation memory, so the
-  plan is an upper bound there.
-
-The figures are for one device; the global batch only decides the accumulation.
+- QLoRA: 4-bit weights traced in bf16, counted as NF4 (QLoRA paper, Section 3) plus one dequantized bf16 weight.
+- 8-bit optimizer state: counted as bitsandbytes 0.50 stores it (``min_8bit_size``); paged state is reported, not totalled.
+- CPU vs CUDA: CPU sdpa saves what CUDA's flash kernels save; ``flash_attention_2``/``flex_attention`` are traced as sdpa
+  without the dense ``(B, 1, T, T)`` mask; autocast follows CUDA's fp32 list (:class:`.tracer.CudaAutocastEmulation`).
+- Pruning masks and events (:class:`..compress.pruning.PruningMemory`).
+- CUDA context + allocator reserve: ``hardware.context_gib`` (source in ``configs/hardware/rtx4090_24gb.yaml``).
+- ``compile`` is not traced: the plan is an upper bound there.
 """
 
 from __future__ import annotations
@@ -60,19 +40,17 @@ from . import tracer
 from .steptime import StepCost
 
 GIB = 2**30
-# bitsandbytes 8-bit state: 1 byte per moment (2 moments), block-wise fp32 maxima per 256 values.
+# bitsandbytes 8-bit state: 1 byte per moment (2 moments), fp32 block maxima per 256 values.
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
-# QLoRA NF4 (Dettmers et al. 2023, Section 3): 64-weight blocks; double quantization stores the
-# block constants in 8 bits with one fp32 constant per 256 of them.
+# QLoRA NF4 (Dettmers et al. 2023, Section 3): 64-weight blocks; double quantization: 8-bit constants, one fp32 per 256.
 NF4_BLOCK = 64
 NF4_SECOND_BLOCK = 256
 
 
 def table_unit(sizes: list[int]) -> tuple[str, int]:
-    """The unit of a plan table (``GiB``, ``MiB`` or ``KiB``, with its bytes): the largest one in
-    which every non-zero size shows as at least 0.01 with two decimals, so that a small model's
-    rows do not all read 0.00 GiB.  ``plan.json`` keeps bytes and ``*_gib`` whatever is printed."""
+    """``(unit, its bytes)`` of a plan table: the largest of GiB/MiB/KiB in which every non-zero size shows as >= 0.01,
+    so a small model's rows do not all read 0.00 GiB."""
     smallest = min((size for size in sizes if size > 0), default=GIB)
     for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
         if smallest / scale >= 0.005:
@@ -82,9 +60,8 @@ def table_unit(sizes: list[int]) -> tuple[str, int]:
 
 @dataclass
 class MemoryPlan:
-    """What ``plan`` reports.  Byte fields are what is alive at the peak moment of a step (they
-    sum to ``peak_allocated``, the figure ``torch.cuda.max_memory_allocated`` measures);
-    ``total = peak_allocated + overhead`` is what the card must hold."""
+    """What ``plan`` reports.  Byte fields are alive at the step's peak and sum to ``peak_allocated`` (what
+    ``torch.cuda.max_memory_allocated`` measures); ``total = peak_allocated + overhead``."""
 
     micro_batch: int
     seq_len: int
@@ -106,14 +83,13 @@ class MemoryPlan:
     counts: dict = field(default_factory=dict)
     corrections: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
-    processes: int = 1  # trainer.devices x trainer.num_nodes: the plan is one process's (one GPU's)
-    host_pinned: int = 0  # bytes of pinned host memory: the offloaded activations of one micro-batch (allocator blocks)
-    offloaded_bytes: int = 0  # their bytes as tensors (numel x element size)
+    processes: int = 1  # trainer.devices x trainer.num_nodes; the plan is one process's (one GPU's)
+    host_pinned: int = 0  # bytes of pinned host memory for one micro-batch's offloaded activations (allocator blocks)
+    offloaded_bytes: int = 0  # their bytes as tensors
     host_budget: int = 0  # hardware.host_budget_gib in bytes (0: not planned)
-    offloaded_tensors: int = 0  # how many tensors one micro-batch's forward offloads
-    host_staging: int = 0  # bytes of host memory staging a checkpoint for its background write (pinned blocks; 0: synchronous)
-    # For plan.mode (core/memory/modes.py), not in plan.json: the step's kernels (count=True), the
-    # trainable tensors' (numel, bytes per value), each offloaded tensor's bytes.
+    offloaded_tensors: int = 0
+    host_staging: int = 0  # bytes of pinned host memory staging a background checkpoint write (0: synchronous)
+    # For modes.py, not in plan.json: the step's kernels, trainable (numel, bytes per value), offloaded tensors' bytes.
     cost: StepCost | None = field(default=None, repr=False)
     trainable: list = field(default_factory=list, repr=False)
     offloaded_sizes: list = field(default_factory=list, repr=False)
@@ -200,18 +176,13 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------- configs
 def architecture(cfg: DictConfig) -> PretrainedConfig:
-    """The HF config the planner builds, read without network or weights.
-
-    From scratch (``model.config``): that config, with the tokenizer's vocabulary size when the
-    tokenizer is on disk, else ``model.architecture.vocab_size``.  Pretrained: ``config.json`` of a
-    local ``model.name_or_path`` when there is one, else the published ``model.architecture``
-    numbers of the model file, but only when ``model.architecture.of`` names that same model (a
-    ``model.name_or_path=`` override must not be planned with another model's shape).
+    """The HF config to plan, without network or weights: ``model.config`` (vocabulary from the on-disk tokenizer, else
+    ``model.architecture.vocab_size``), a local ``model.name_or_path``'s ``config.json``, or ``model.architecture``
+    when its ``of`` names that same model.
 
     Raises:
-        ConfigError: none of these is available (the message says what to set).
+        ConfigError: none of these is available.
     """
     spec = cfg.model
     published = to_plain(spec.architecture) if spec.get("architecture") else {}
@@ -249,7 +220,6 @@ def _tokenizer_vocab(name: str | None) -> int | None:
         return None
 
 
-# --------------------------------------------------------------------------------- trace
 @dataclass
 class _Traced:
     peak: dict[str, int]
@@ -258,7 +228,7 @@ class _Traced:
     trainable: list[tuple[int, int]]  # (numel, bytes per value) of each trainable tensor
     param_bytes: int
     quantized_numels: list[int]
-    pruning: PruningMemory | None = None  # pruning != none: what its masks add
+    pruning: PruningMemory | None = None
     offloaded_tensors: int = 0  # activation offloading: tensors and bytes sent to host memory
     offloaded_bytes: int = 0
     pinned_bytes: int = 0
@@ -267,9 +237,8 @@ class _Traced:
 
 
 def trace(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch: int, count: bool = False) -> _Traced:
-    """Trace one training step of ``micro_batch`` sequences of ``data.max_length`` tokens on fake
-    tensors; the autocast ops follow CUDA's rules (see the module docstring).  ``count``: also count
-    its kernels (``_Traced.cost``, for :mod:`.steptime`)."""
+    """Trace one training step of ``micro_batch`` x ``data.max_length`` tokens on fake tensors, autocast as on CUDA;
+    ``count``: also count its kernels (for :mod:`.steptime`)."""
     with _fake_step(cfg, task, config, micro_batch) as setup:
         optimizer = setup.optimizer
         tracked = [setup.loss, *(optimizer.inner.values() if isinstance(optimizer, StepInBackward) else [optimizer])]
@@ -299,9 +268,8 @@ def trace(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch: in
 
 
 def step_cost(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch: int) -> tuple[StepCost, list[tuple[int, int]]]:
-    """The kernels of one training step of ``cfg`` at ``micro_batch`` (a fake-tensor run without
-    the memory tracker: a fraction of a plan's time), for :func:`.steptime.predict`, and the
-    trainable tensors' ``(numel, bytes per value)``."""
+    """The kernels of one step at ``micro_batch`` (fake tensors, no memory tracker), for :func:`.steptime.predict`,
+    and the trainable tensors' ``(numel, bytes per value)``."""
     cfg = for_the_card(cfg)
     with _fake_step(cfg, task, config, micro_batch) as setup:
         with tracer.OpCounter() as counter:
@@ -316,9 +284,7 @@ def step_cost(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch
 
 @contextlib.contextmanager
 def _fake_step(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch: int) -> Iterator[StepSetup]:
-    """:func:`training_step` of ``cfg`` at ``micro_batch`` on fake tensors (built on ``meta`` and
-    materialized fake), for use inside the context; a step-in-backward optimizer's hooks are
-    removed at its end."""
+    """:func:`training_step` on fake tensors (built on ``meta``) inside the context; step-in-backward hooks removed after."""
     with torch.device("meta"):
         built = _build(cfg, task, config, str(cfg.trainer.precision))
     with tracer.fake_tensors():
@@ -332,17 +298,15 @@ def _fake_step(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batc
 
 
 def _counted(counter: tracer.OpCounter, setup: StepSetup, cfg: DictConfig, micro_batch: int) -> StepCost:
-    """The :class:`.steptime.StepCost` of a counted step: its kernels, the offloaded bytes, and a
-    QLoRA base's dequantizations."""
+    """The :class:`.steptime.StepCost` of a counted step: kernels, offloaded bytes, QLoRA dequantizations."""
     host = setup.offload.bytes if setup.offload else 0
     cost = StepCost(micro_batch, counter.ops["micro"], counter.ops["optimizer"], host)
     return _with_dequantization(cost, setup.quantized_numels, cfg)
 
 
 def _with_dequantization(cost: StepCost, quantized_numels: list[int], cfg: DictConfig) -> StepCost:
-    """A QLoRA base is traced in bf16; on the GPU each use of a 4-bit weight first dequantizes it:
-    one kernel reading 0.5 byte and writing 2 bytes per weight, for the forward, the backward
-    (gradient of the input) and, under activation checkpointing, the recomputed forward."""
+    """Add a QLoRA base's dequantizations (traced in bf16): per use of a 4-bit weight, one kernel reading 0.5 and writing
+    2 bytes/weight, in forward, backward and any checkpointed recompute."""
     uses = 3 if cfg.activation_checkpointing.mode != "none" else 2
     extra = [(0, numel // 2 + 2 * numel, False, True) for numel in quantized_numels for _ in range(uses)]
     return StepCost(cost.micro_batch, cost.micro + extra, cost.optimizer, cost.host_bytes)
@@ -350,16 +314,15 @@ def _with_dequantization(cost: StepCost, quantized_numels: list[int], cfg: DictC
 
 @dataclass
 class StepSetup:
-    """What :func:`training_step` builds: ``step()`` runs forward (``loss()``, a module call
-    wrapping the model), backward and the optimizer step."""
+    """What :func:`training_step` builds; ``step()`` runs forward (``loss()``), backward and the optimizer step."""
 
     loss: torch.nn.Module
     optimizer: torch.optim.Optimizer
     quantized_numels: list[int]
-    offload: ActivationOffload | None = None  # activation offloading's hooks (their counters)
+    offload: ActivationOffload | None = None
 
     def step(self, counter: tracer.OpCounter | None = None) -> None:
-        """``counter``: told when the micro-step (forward, backward) ends and the optimizer step starts."""
+        """``counter``: told when the optimizer step starts."""
         self.loss().backward()
         if counter is not None:
             counter.phase = "optimizer"
@@ -376,23 +339,19 @@ def training_step(
     device: str = "cpu",
     trace: bool = False,
 ) -> StepSetup:
-    """The model, optimizer (state allocated) and a ``step()`` closure doing one training step of
-    ``micro_batch`` x ``data.max_length`` random tokens, as ``train`` would: same builder,
-    precision, PEFT, activation checkpointing, loss and optimizer (bitsandbytes classes replaced
-    by fp32 AdamW, corrected by :func:`optimizer_state_bytes`).  Real tensors unless called
-    inside :func:`.tracer.fake_tensors` (``bench/planner_accuracy.py`` runs it for real) with
-    ``built``, the :func:`_build` output materialized as fake tensors.  ``device``: where real
-    tensors are made and autocast runs (``"cuda"``: ``bench/gpu_check.py`` measures the plan there).
-    ``trace``: inside the fake-tensor trace (activation offloading then copies nothing, see
-    :class:`..models.levers.ActivationOffload`).
+    """Model, optimizer (state allocated) and ``step()`` of one training step on ``micro_batch`` x ``data.max_length``
+    random tokens, as ``train`` builds them (8-bit optimizers as fp32 AdamW; :func:`optimizer_state_bytes` corrects them).
+
+    Real tensors on ``device`` unless inside :func:`.tracer.fake_tensors` with ``built`` (:func:`_build`'s output, fake).
+    ``trace``: inside the fake trace (activation offloading then copies nothing).
 
     Returns:
-        the :class:`StepSetup`; ``quantized_numels`` are the weights a QLoRA base holds in 4 bits.
+        the :class:`StepSetup`; ``quantized_numels``: the weights a QLoRA base holds in 4 bits.
     """
     precision = str(cfg.trainer.precision)
     mixed = is_mixed(precision)
     autocast_dtype = compute_dtype(precision)
-    # (On the CPU no device context: the planner's fake-tensor trace runs this too.)
+    # No device context on the CPU: the fake-tensor trace runs this too.
     with torch.device(device) if device != "cpu" else contextlib.nullcontext():
         model, module, quantized = built or _build(cfg, task, config, precision)
         model.train()
@@ -412,8 +371,8 @@ def training_step(
 
 
 class _Loss(torch.nn.Module):
-    """The forward + loss of a step as one module call: the memory tracker accepts a submodule
-    called several times per step (the chunked loss's lm_head) only inside a root module."""
+    """Forward + loss as one module call: the memory tracker accepts a submodule called several times per step
+    (the chunked loss's lm_head) only inside a root module."""
 
     def __init__(self, model: torch.nn.Module, loss_fn) -> None:
         super().__init__()
@@ -424,14 +383,11 @@ class _Loss(torch.nn.Module):
 
 
 def _build(cfg: DictConfig, task: Task, config: PretrainedConfig, precision: str):
-    """The model as ``train`` builds it, from ``config`` (random fake weights) through the task
-    module's own builder (``build_model``: dtype, LoRA adapters, the spec's checks); returns the
-    model, the task module holding it (its ``model_step`` is the loss) and the numels of the
-    weights a QLoRA base would hold in 4 bits."""
+    """``(model, task module, numels of the weights a QLoRA base holds in 4 bits)``, built as ``train`` does (the module's
+    ``build_model``) from ``config`` with random weights."""
     module = build_module(cfg)
     if module.attn_implementation in MASK_FREE_ATTENTION:
-        # The same saved tensors as CPU sdpa (output, log-sum-exp), and no dense mask; neither runs
-        # on the CPU (flex has no CPU backward): traced as SDPA with no mask (tracer.mask_free_sdpa).
+        # Neither runs on the CPU (flex has no CPU backward); both save what sdpa does, without a dense mask.
         module.hparams.attention = {"implementation": tracer.mask_free_sdpa()}
     model, quantized = task.planned_model(module, cfg, config, precision)
     if precision.endswith("-true"):
@@ -440,8 +396,8 @@ def _build(cfg: DictConfig, task: Task, config: PretrainedConfig, precision: str
 
 
 def has_mlp_layers(cfg: DictConfig, task: Task, config: PretrainedConfig) -> bool:
-    """Whether every transformer layer (``GradientCheckpointingLayer``) of ``cfg``'s model has an
-    ``mlp`` (what ``activation_checkpointing.mlp_tiles`` slices), from a build on the ``meta`` device."""
+    """Whether every ``GradientCheckpointingLayer`` of ``cfg``'s model has an ``mlp`` (what
+    ``activation_checkpointing.mlp_tiles`` slices); built on ``meta``."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     with torch.device("meta"):
@@ -461,14 +417,10 @@ def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
         opt.zero_grad(set_to_none=True)
 
 
-# ------------------------------------------------------------------------------ the plan
 def optimizer_state_bytes(trainable: list[tuple[int, int]], name: str) -> int:
-    """Optimizer state bytes of AdamW-style optimizers for trainable tensors of ``(numel, bytes
-    per value)``: torch AdamW keeps two moments in the parameter's dtype (8 bytes/value in fp32)
-    and a 4-byte ``step`` tensor per parameter; bitsandbytes 8-bit (see module docstring) 2
-    bytes/value plus two fp32 maxima per 256 values for tensors of >= 4,096 values, 8 bytes/value
-    below that (the bytes bitsandbytes 0.50 allocates: ``tests/test_planner.py`` compares them).
-    ``name``: the ``optimizer.name`` (:data:`..config.named.OPTIMIZERS`)."""
+    """AdamW-style optimizer state bytes for trainable ``(numel, bytes per value)``: torch AdamW, two moments in the
+    parameter's dtype plus a 4-byte ``step`` each; bitsandbytes 8-bit, 2 bytes/value plus two fp32 maxima per 256 values
+    from 4,096 values, else 8 bytes/value (as bitsandbytes 0.50 allocates; ``tests/test_planner.py`` compares)."""
     if not is_8bit_optimizer(name):
         return sum(2 * numel * size + 4 for numel, size in trainable)
     numels = [numel for numel, _ in trainable]
@@ -484,29 +436,24 @@ def optimizer_state_bytes(trainable: list[tuple[int, int]], name: str) -> int:
 
 
 def nf4_bytes(numel: int, double_quant: bool) -> int:
-    """Bytes of one weight of ``numel`` values in 4-bit NF4 with its quantization constants (as
-    ``bitsandbytes.functional.quantize_4bit`` stores them, less its ~1 KiB of code tables)."""
+    """Bytes of a weight in NF4 with its constants, as ``bitsandbytes.functional.quantize_4bit`` stores it (less its
+    ~1 KiB of code tables)."""
     blocks = math.ceil(numel / NF4_BLOCK)
     constants = blocks + 4 * math.ceil(blocks / NF4_SECOND_BLOCK) if double_quant else 4 * blocks
     return math.ceil(numel / 2) + constants
 
 
 def process_batch(cfg: DictConfig) -> tuple[int, int, int]:
-    """``(micro-batch, global batch share, processes)`` of one process of ``cfg``'s run.
-
-    One GPU holds one process: under DDP/FSDP (``trainer.devices x trainer.num_nodes``
-    processes) each runs micro-batches of ``batch.device_batch_size`` and accumulates its share
-    ``global_batch_size / processes`` of every optimizer step, as the batch group derives them.
-    """
+    """``(micro-batch, share of the global batch, processes)`` of one process (one GPU); under DDP/FSDP each of
+    ``trainer.devices x trainer.num_nodes`` processes accumulates ``global_batch_size / processes`` per step."""
     devices, nodes = world_size(cfg)
     processes = devices * nodes
     return cfg.batch.device_batch_size, cfg.batch.global_batch_size // processes, processes
 
 
 def for_the_card(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with ``precision=auto`` resolved for the ``hardware`` group's card, not for the
-    machine the planner runs on: ``bf16-mixed`` where ``hardware.bf16``, else ``16-mixed``
-    (a copy; ``cfg`` itself when the precision was named)."""
+    """``cfg`` (a copy) with ``precision=auto`` resolved for the ``hardware`` card, not this machine: ``bf16-mixed`` if
+    ``hardware.bf16``, else ``16-mixed``."""
     if not precision_is_auto(cfg):
         return cfg
     planned = copy.deepcopy(cfg)
@@ -523,19 +470,14 @@ def plan_memory(
     config: PretrainedConfig | None = None,
     count: bool = False,
 ) -> MemoryPlan:
-    """The :class:`MemoryPlan` of one process of ``cfg`` (a composed ``train`` config) at
-    ``micro_batch`` (default: the process's micro-batch, :func:`process_batch`), with the largest
-    micro-batch that fits when ``search`` (a divisor of the process's share of the global batch).
+    """The :class:`MemoryPlan` of one process of a composed ``train`` config at ``micro_batch`` (default
+    :func:`process_batch`'s); ``count``: also count the step's kernels (``MemoryPlan.cost``, for :mod:`.steptime`).
 
-    The search traces micro-batches 1 and 2, extrapolates linearly (activations grow with the
-    micro-batch, the rest does not), takes the largest divisor of the global batch under the
-    estimate (so the global batch is kept), and confirms it with a trace of its own, stepping
-    down through the divisors until one fits.  ``count``: also count the step's kernels
-    (``MemoryPlan.cost``, for :mod:`.steptime`).
+    ``search``: also find the largest micro-batch that fits and divides the process's batch share: trace 1 and 2,
+    extrapolate linearly (only activations grow), then trace the divisors down from the estimate until one fits.
 
     Raises:
-        ConfigError: the architecture cannot be read (see :func:`architecture`; or pass ``config``),
-            or the module's own checks (max positions, LoRA targets...).
+        ConfigError: the architecture cannot be read (:func:`architecture`; or pass ``config``), or the module's checks fail.
     """
     cfg = for_the_card(cfg)
     config = config or architecture(cfg)
@@ -659,14 +601,9 @@ def background_checkpoints(cfg: DictConfig) -> bool:
 
 
 def checkpoint_staging_bytes(cfg: DictConfig, trainable: list[tuple[int, int]], param_bytes: int, state_bytes: int) -> int:
-    """Bytes of host memory a background checkpoint write stages (:mod:`..checkpoints.writer`;
-    0 when writes are synchronous): the checkpoint's tensors, each in a pinned block (PyTorch's
-    caching host allocator rounds a block up to a power of two: :func:`..models.levers.pinned_block`).
-
-    The checkpoint holds the trained tensors (``trainable``: (numel, bytes per value)) and, without
-    PEFT, the frozen ones too (``param_bytes`` less the trained, one block), plus ``state_bytes``
-    (optimizer state and EMA): each whole fp32 copy of the trained tensors in it (AdamW's two
-    moments, the EMA) one block per tensor, the rest (step counters, 8-bit state) unrounded.
+    """Host bytes a background checkpoint write stages (:mod:`..checkpoints.writer`; 0 when synchronous), each tensor in a
+    pinned block (:func:`..models.levers.pinned_block`): the trained tensors, without PEFT the frozen ones (one block),
+    and ``state_bytes`` (optimizer state, EMA): each whole fp32 copy one block per tensor, the rest unrounded.
     """
     if not background_checkpoints(cfg) or not trainable:
         return 0
@@ -681,10 +618,8 @@ def checkpoint_staging_bytes(cfg: DictConfig, trainable: list[tuple[int, int]], 
 
 
 def _with_pruning(cfg: DictConfig, peak: dict[str, int], traced: _Traced, notes: list[str]) -> dict[str, int]:
-    """The peak with pruning on (see :class:`..compress.pruning.PruningMemory`): the masks (buffers)
-    and recomputed weights (parameters) are alive throughout; a pruning event, after an optimizer
-    step, holds every gradient (unless they were stepped in backward), the optimizer state and its
-    own temporaries, and is the peak when that sum is above the traced step's."""
+    """The peak with pruning (:class:`..compress.pruning.PruningMemory`): masks and recomputed weights live throughout; a
+    pruning event (gradients, optimizer state, its temporaries) is the peak when larger than the traced step."""
     cost = traced.pruning
     peak = {**peak, "buffers": peak["buffers"] + cost.masks, "params": peak["params"] + cost.recomputed}
     grads = 0 if cfg.optimizer.step_in_backward else sum(numel * size for numel, size in traced.trainable)
@@ -700,9 +635,8 @@ def _with_pruning(cfg: DictConfig, peak: dict[str, int], traced: _Traced, notes:
 
 
 def _advice(cfg: DictConfig, task: Task, config: PretrainedConfig, budget: int, one: MemoryPlan) -> list[str]:
-    """When not even micro-batch 1 fits: the levers not pulled yet, each planned at micro-batch 1
-    and kept only if it lowers the total (with the saving), largest saving first; then the
-    levers the planner cannot try by itself (a PEFT method needs its own config group)."""
+    """When micro-batch 1 does not fit: each lever not pulled yet that lowers its total, largest saving first; then the
+    levers the planner cannot try (a PEFT method needs its own group)."""
     if not one.host_fits:  # the host binds: no GPU lever helps that
         return [
             f"the offloaded activations need {one.host_pinned / GIB:.2f} GiB of pinned host memory, over "
@@ -735,7 +669,7 @@ def _advice(cfg: DictConfig, task: Task, config: PretrainedConfig, budget: int, 
         if saved > 0:
             savings.append((saved, f"{advice} (-{saved / GIB:.2f} GiB)"))
     advice = [text for _, text in sorted(savings, reverse=True)]
-    if told:  # (a PEFT method needs its own group: only when the config could take adapters, not with qat, pruning)
+    if told:  # only when the config could take adapters (not with qat, pruning)
         adapters = copy.deepcopy(cfg)
         OmegaConf.update(adapters, "peft.method", "lora", merge=False)
         try:
@@ -748,8 +682,7 @@ def _advice(cfg: DictConfig, task: Task, config: PretrainedConfig, budget: int, 
 
 
 def write_plan(plan: MemoryPlan | None, run_dir: Path, hardware: str, text: str | None = None, extra: dict | None = None) -> None:
-    """``plan.json`` (the plan's fields and ``extra``) and ``plan.txt`` (``text``, default the
-    plan's table) in ``run_dir``."""
+    """Write ``plan.json`` (fields and ``extra``) and ``plan.txt`` (``text``, default the table) into ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fields = plan.as_json() if plan is not None else {}
     (run_dir / "plan.json").write_text(json.dumps({**fields, **(extra or {}), "hardware": hardware}, indent=2) + "\n")
@@ -757,21 +690,17 @@ def write_plan(plan: MemoryPlan | None, run_dir: Path, hardware: str, text: str 
 
 
 def check_memory_plan(cfg: DictConfig, task: Task, run_dir: Path, count: bool = False) -> tuple[str, MemoryPlan | None]:
-    """Before a GPU run (``plan_before_fit: true``), plan it and refuse one that will not fit.
+    """Before a GPU run (``plan_before_fit: true``), plan it into ``run_dir`` and refuse one that will not fit.
 
-    Writes ``plan.json``/``plan.txt`` into ``run_dir`` either way.  Skipped on the CPU (the
-    budget is a GPU's), with ``plan_before_fit=false``, (with a warning) when the
-    architecture cannot be read yet, and (with a warning) under FSDP: the plan is one GPU
-    holding the whole training state, which FSDP shards.
+    Skipped on the CPU, with ``plan_before_fit=false``, and (warning) when the architecture is unknown yet or under FSDP
+    (the planner models one GPU holding the whole state).
 
     Returns:
-        One line for the run's header: the planned peak in GiB and the budget, or why there is
-        no plan (``not planned (CPU)``...); and the plan (``None`` when there is none), with the
+        The run header's line (planned peak in GiB and budget, or why not planned) and the plan or ``None``; with the
         step's kernels when ``count`` (for :func:`.modes.predicted_step_ms`).
 
     Raises:
-        ConfigError: the plan's total is above ``hardware.budget_gib``; the message holds the
-            table and the levers to pull.
+        ConfigError: the plan does not fit ``hardware.budget_gib`` (or the host budget); the message has the table and levers.
     """
     if not cfg.get("plan_before_fit"):
         return "not planned (plan_before_fit=false)", None

@@ -1,23 +1,13 @@
 """Predict the time of one optimizer step from its kernels, without running it: a roofline.
 
-Each kernel of the step (counted on fake tensors by :class:`.tracer.OpCounter`: its FLOPs by
-PyTorch's own formulas, and the bytes of its inputs and outputs) takes
+Each kernel (counted by :class:`.tracer.OpCounter`) takes ``max(FLOPs / peak FLOP/s, bytes / memory bandwidth)``
+(Williams, Waterman and Patterson, "Roofline", CACM 2009) plus a launch overhead: ``max(compute, memory, overhead)`` on a
+GPU (the CPU issues while kernels run), ``max(compute, memory) + overhead`` on a CPU.  An optimizer step is
+``accumulation x micro-step + optimizer step + hardware.step_overhead_ms``.
 
-    max(FLOPs / peak FLOP/s, bytes / memory bandwidth)
-
-(the roofline model: Williams, Waterman and Patterson, "Roofline", CACM 2009), plus a fixed
-launch/dispatch overhead per kernel.  On a GPU the CPU issues kernels while earlier ones run, so
-a kernel costs ``max(compute, memory, overhead)``; on a CPU the same cores do both, so
-``max(compute, memory) + overhead``.  An optimizer step is
-
-    accumulation x micro-step + optimizer step + hardware.step_overhead_ms
-
-The peaks are the ``hardware`` group's: for the RTX 4090, 165.2 TFLOP/s dense bf16 and
-1,008 GB/s (NVIDIA Ada whitepaper, Appendix A); for a CPU, what ``doctor --measure`` measures
-(:func:`measure_peaks`).  What it leaves out: kernels below their peak (small matmuls, attention
-tiles), caches (an op whose bytes fit in cache runs faster than the bandwidth says), data loading,
-and, for ``compile``, everything Inductor changes except the launches of fused pointwise kernels.
-``bench/step_time.py`` checks it against measured steps (docs/performance.md).
+Peaks are the ``hardware`` group's: RTX 4090, 165.2 TFLOP/s dense bf16 and 1,008 GB/s (NVIDIA Ada whitepaper,
+Appendix A); a CPU, :func:`measure_peaks`.  Left out: kernels below peak, caches, data loading, and of ``compile`` all
+but the fused pointwise launches (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -41,10 +31,8 @@ def has_peaks(hardware: DictConfig) -> bool:
 
 @dataclass(frozen=True)
 class Peaks:
-    """A device's peaks: ``tflops`` (dense 16-bit matmul, TFLOP/s), ``tflops_fp32`` (fp32 matmul,
-    TFLOP/s), ``memory_gbps`` (GB/s, 1e9 bytes), ``op_overhead_us`` (µs per kernel),
-    ``step_overhead_ms`` (ms per optimizer step: the training loop, logging), ``overlaps`` (kernels
-    run while the next is issued: a GPU)."""
+    """A device's peaks: ``tflops`` (dense 16-bit matmul, TFLOP/s), ``tflops_fp32`` (TFLOP/s), ``memory_gbps`` (GB/s,
+    1e9 bytes), ``op_overhead_us`` (µs per kernel), ``step_overhead_ms`` (ms per optimizer step), ``overlaps`` (a GPU)."""
 
     tflops: float
     tflops_fp32: float
@@ -95,9 +83,8 @@ class StepCost:
         return sum(op[0] for op in self.micro)
 
     def scaled(self, micro_batch: int) -> StepCost:
-        """An estimate at another micro-batch: every micro-step kernel's FLOPs and bytes in
-        proportion (an upper bound on bytes: the weights are read once per kernel at any
-        micro-batch); the optimizer step is unchanged."""
+        """Estimate at another micro-batch: micro-step FLOPs and bytes in proportion (bytes an upper bound: weights are
+        read once per kernel); the optimizer step unchanged."""
         ratio = micro_batch / self.micro_batch
         micro = [(int(f * ratio), int(b * ratio), p, low) for f, b, p, low in self.micro]
         return StepCost(micro_batch, micro, self.optimizer, int(self.host_bytes * ratio))
@@ -105,9 +92,8 @@ class StepCost:
 
 @dataclass
 class StepTime:
-    """A predicted optimizer step, in ms: ``total`` and its parts (``compute``: kernels bound by
-    FLOPs, ``memory``: by bytes, ``overhead``: launches and the per-step overhead), with
-    ``flops`` per optimizer step and ``tokens_per_s``."""
+    """A predicted optimizer step in ms: ``total`` and its parts (``compute``/``memory``: kernels bound by FLOPs/bytes,
+    ``overhead``: launches and per-step), ``flops`` per step and ``tokens_per_s``."""
 
     total_ms: float
     compute_ms: float
@@ -144,11 +130,9 @@ def _kernels_ms(ops: list[tuple[int, int, bool, bool]], peaks: Peaks, compiled: 
 
 
 def predict(cost: StepCost, peaks: Peaks, accumulate: int, tokens_per_micro_batch: int, compiled: bool = False) -> StepTime:
-    """The time of one optimizer step: ``accumulate`` micro-steps of ``cost`` and one optimizer
-    step, plus ``peaks.step_overhead_ms``.  ``compiled``: pointwise kernels launch nothing of their
-    own (Inductor fuses them into their neighbours; their bytes still count).  Offloaded
-    activations (``cost.host_bytes``) come back over PCIe at ``peaks.pcie_gbps`` before their layer's
-    backward, not overlapped (the copy to the host is, on a side stream): memory time."""
+    """One optimizer step: ``accumulate`` micro-steps of ``cost``, the optimizer step and ``peaks.step_overhead_ms``.
+    ``compiled``: pointwise kernels launch nothing (Inductor fuses them; their bytes count).  Offloaded activations come
+    back over PCIe at ``peaks.pcie_gbps``, not overlapped: memory time."""
     micro = _kernels_ms(cost.micro, peaks, compiled)
     opt = _kernels_ms(cost.optimizer, peaks, compiled)
     compute, memory, overhead = (accumulate * a + b for a, b in zip(micro, opt))
@@ -167,12 +151,9 @@ def predict(cost: StepCost, peaks: Peaks, accumulate: int, tokens_per_micro_batc
 
 
 def measure_peaks(device: str = "cpu", seconds: float = 0.5) -> dict[str, float]:
-    """This machine's sustained peaks, as ``hardware.*`` values: fp32 (and on CUDA bf16) matmul
-    TFLOP/s of square 2,048 (CPU) or 8,192 (CUDA) matmuls, the memory bandwidth in GB/s of STREAM's
-    triad ``a = b + s * c`` on 256 MiB vectors (McCalpin's STREAM benchmark: two reads and a write
-    per element), and the µs per kernel of a training step on tiny tensors (module calls, autograd, dispatch and
-    launch: what bounds a step of small kernels).  Each figure is the median
-    rate of repeats lasting about ``seconds``."""
+    """This machine's sustained peaks as ``hardware.*`` values, each the median rate over about ``seconds``: matmul
+    TFLOP/s (fp32; bf16 on CUDA), GB/s of the triad ``a = b + s * c`` on 256 MiB vectors (McCalpin's STREAM benchmark),
+    and µs per kernel of a tiny training step."""
 
     def rate(fn, work: float) -> float:
         fn()  # warm-up
@@ -193,9 +174,7 @@ def measure_peaks(device: str = "cpu", seconds: float = 0.5) -> dict[str, float]
     b, c = (torch.ones(2**26, device=device) for _ in range(2))  # 256 MiB of fp32 each
     a = torch.empty_like(b)
     peaks["memory_gbps"] = round(rate(lambda: torch.add(b, c, alpha=3.0, out=a), 3 * a.numel() * 4) / 1e9, 2)
-    # The overhead of one kernel inside a training step: a forward and backward through eight
-    # 8 x 8 Linear layers, whose kernels are all overhead (module calls, autograd, dispatch, launch),
-    # divided by its kernel count as the step-time model counts kernels (tracer.OpCounter).
+    # Per-kernel overhead: forward + backward through eight 8 x 8 Linears (all overhead), over the kernels OpCounter counts.
     from .tracer import OpCounter
 
     layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8, device=device) for _ in range(8)])

@@ -1,11 +1,7 @@
-"""Peak memory of one training step, traced on fake tensors.
+"""Peak memory of one training step, traced on fake tensors (shape, dtype and device, no storage).
 
-The only module that touches PyTorch's private tracing API
-(``torch._subclasses.fake_tensor.FakeTensorMode`` and
-``torch.distributed._tools.mem_tracker.MemTracker``, both underscored: they may change between
-PyTorch releases, and ``tests/test_planner.py`` pins what we rely on).  Fake tensors carry shape,
-dtype and device but no storage, so an 8B-parameter step is traced in seconds with no real memory;
-the tracker counts every allocation and free by category and keeps the moment of the peak.
+The only module on PyTorch's private tracing API (``torch._subclasses.fake_tensor.FakeTensorMode``,
+``torch.distributed._tools.mem_tracker.MemTracker``); ``tests/test_planner.py`` pins what we rely on.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ CATEGORIES = {
     "OTH": "temporaries",  # anything else (inputs, loss scalars)
 }
 
-# Ops CUDA autocast runs in float32 ("CUDA Ops that can autocast to float32", PyTorch AMP docs),
-# where CPU autocast keeps the input's bf16.  Emulated so the CPU trace holds CUDA's dtypes.
+# Ops CUDA autocast runs in float32 ("CUDA Ops that can autocast to float32", PyTorch AMP docs); CPU autocast keeps bf16.
 CUDA_FP32_FUNCTIONS = {
     F.layer_norm,
     F.group_norm,
@@ -48,9 +43,8 @@ CUDA_FP32_FUNCTIONS = {
 
 
 class CudaAutocastEmulation(TorchFunctionMode):
-    """Under CPU autocast, run the ops CUDA autocast promotes to float32 in float32 (cast the
-    floating inputs up, autocast off), as CUDA would; everything else is untouched.  CPU and CUDA
-    autocast agree on the matmul-class ops (linear, matmul, bmm, baddbmm, sdpa run in bf16/fp16)."""
+    """Under CPU autocast, run the ops CUDA autocast runs in float32 in float32, as CUDA would; both already agree on
+    the matmul-class ops."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -65,16 +59,11 @@ MASK_FREE_SDPA = "planner_mask_free_sdpa"
 
 
 def mask_free_sdpa() -> str:
-    """Register (once; idempotent) and return the name of an attention implementation for the
-    trace of kernels that need no dense mask (``flash_attention_2``'s varlen kernel,
-    ``flex_attention``'s block mask): transformers' own SDPA function called with no mask (its
-    ``is_causal`` path: the CPU flash kernel, saving output and log-sum-exp as those kernels do).
+    """Register (idempotent) and name an attention implementation tracing kernels that need no dense mask
+    (``flash_attention_2``, ``flex_attention``): transformers' SDPA with no mask (its ``is_causal`` path).
 
-    Why: on fake tensors transformers cannot prove that a causal mask may be skipped (its offsets
-    are fake tensors), so plain ``sdpa`` always materialises a ``(B, 1, T, T)`` boolean mask in
-    the trace; an implementation registered without a mask function gets none
-    (``transformers.AttentionInterface``, the public way to add one: transformers' "Attention
-    Interface" docs wrap ``sdpa_attention_forward`` the same way)."""
+    Why: on fake tensors transformers cannot prove a causal mask skippable, so plain ``sdpa`` materialises a
+    ``(B, 1, T, T)`` mask; one registered via ``transformers.AttentionInterface`` without a mask function gets none."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -95,13 +84,9 @@ def fake_tensors() -> Iterator[None]:
 
 
 def materialize_fake(model: torch.nn.Module) -> None:
-    """Replace every parameter and buffer of a model built on the ``meta`` device by a fake CPU
-    tensor of the same shape, dtype and ``requires_grad``; shared (tied) parameters stay shared.
-    Call inside :func:`fake_tensors`.
-
-    Why build on ``meta`` first: ``nn.Module.to`` cannot convert fake parameters in place
-    (``_apply`` must swap them, and fake tensors carry weakrefs that forbid swapping), and peft
-    and Lightning-style casts call it; on ``meta`` every builder step runs as usual.
+    """Replace every parameter and buffer of a ``meta``-built model by a fake CPU tensor alike (tied ones stay tied);
+    call inside :func:`fake_tensors`.  Built on ``meta`` first: ``nn.Module.to`` (peft and Lightning casts call it)
+    cannot swap fake parameters in place.
     """
     replaced: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
@@ -122,14 +107,8 @@ class _NoHook:
 
 
 def _tracker():
-    """``MemTracker`` with two changes, both pinned by ``tests/test_planner.py``:
-
-    - only the global peak is kept: its per-op update also walks every tracked module for
-      per-module peaks we do not use, which makes a trace quadratic in depth (an 8B model took
-      minutes); without it an 8B step traces in seconds;
-    - frozen parameters are left alone: it installs a gradient hook on every parameter, which
-      PyTorch refuses for one that needs no gradient (LoRA's frozen base); marking those as hooked
-      already (with a handle whose ``remove`` does nothing) skips them.
+    """``MemTracker`` with two changes, pinned by ``tests/test_planner.py``: only the global peak is kept (per-module
+    peaks make a trace quadratic in depth), and frozen parameters get no gradient hook (PyTorch refuses one).
     """
     from copy import deepcopy
 
@@ -152,24 +131,18 @@ def _tracker():
 
 
 def peak_bytes(step: Callable[[], None], tracked: list[torch.nn.Module | torch.optim.Optimizer], mixed: bool) -> dict[str, int]:
-    """Run ``step`` (one forward + backward + optimizer step, built inside :func:`fake_tensors`)
-    under the memory tracker.
-
-    Args:
-        step: the training step.  Optimizer state should exist already (the steady state): the
-            first step of a run allocates it only at its end.
-        tracked: the modules and optimizers whose tensors are named params/buffers/grads/state.
-        mixed: the step runs under CPU autocast; emulate CUDA's float32 ops (see above).
+    """Run ``step`` (forward + backward + optimizer step built inside :func:`fake_tensors`, optimizer state already
+    there) under the memory tracker; ``tracked``: the modules and optimizers whose tensors are params/buffers/grads/state;
+    ``mixed``: under CPU autocast, emulate CUDA's float32 ops.
 
     Returns:
-        Bytes alive at the peak, by category (``params``, ``buffers``, ``grads``, ``optimizer``,
-        ``activations``, ``temporaries``), and ``total``.
+        Bytes alive at the peak by category (``params``, ``buffers``, ``grads``, ``optimizer``, ``activations``,
+        ``temporaries``), and ``total``.
     """
     tracker = _tracker()
     tracker.track_external(*tracked)
     with tracker, warnings.catch_warnings():
-        # Under optimizer.step_in_backward our hook frees each gradient before the tracker's own
-        # hook reads it; the tracker then warns that it got None (the free is still counted).
+        # step_in_backward frees each gradient before the tracker's hook reads it: a None warning (the free still counts).
         warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
         if mixed:
             with CudaAutocastEmulation():
@@ -187,19 +160,13 @@ def peak_bytes(step: Callable[[], None], tracked: list[torch.nn.Module | torch.o
 
 
 class OpCounter:
-    """Counts the kernels of a step: for each aten op that is not a view, its FLOPs (PyTorch's own
-    formulas: ``torch.utils.flop_counter.flop_registry``, what ``FlopCounterMode`` reads; an op
-    without a formula counts 0) and the bytes of its tensor inputs and outputs (each read or
-    written once: the roofline's memory traffic).  Works on fake tensors, and changes nothing
-    that runs (``FlopCounterMode`` itself decomposes ops it has no formula for, which changes
-    what autograd saves: a checkpointed 8B step's activations went from 3 to 39 GiB).
+    """Counts a step's kernels: per non-view aten op, its FLOPs (``torch.utils.flop_counter.flop_registry``, 0 without a
+    formula) and the bytes of its tensor inputs and outputs (the roofline's memory traffic).  Not ``FlopCounterMode``: it
+    decomposes ops without a formula, which changes what autograd saves.
 
-    Use ``with counter:`` around the step; set ``counter.phase`` between parts (``"micro"``: forward
-    and backward, ``"optimizer"``: the optimizer step); ``counter.ops[phase]`` is a list of
-    ``(flops, bytes, pointwise, low_precision)``, one per kernel (``low_precision``: its first
-    floating input is 16-bit, so a matmul runs at the card's bf16/fp16 peak).  A
-    ``torch.utils._python_dispatch.TorchDispatchMode`` (private module; ``tests/test_planner.py``
-    pins it).
+    Use ``with counter:`` around the step, ``counter.phase`` ``"micro"`` (forward, backward) or ``"optimizer"``;
+    ``counter.ops[phase]``: ``(flops, bytes, pointwise, low_precision)`` per kernel (``low_precision``: first floating
+    input 16-bit).  A ``torch.utils._python_dispatch.TorchDispatchMode`` (private; ``tests/test_planner.py`` pins it).
     """
 
     def __init__(self) -> None:
@@ -214,8 +181,7 @@ class OpCounter:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
-                # Kernels only: aten ops that return tensors or nothing (in-place foreach, fused optimizers),
-                # not a Python value (sym_size, item, ...), not prim.device, and not views.
+                # Kernels only: aten ops returning tensors or nothing (in-place foreach), not Python values or views.
                 if (
                     func.namespace == "aten"
                     and not func.is_view

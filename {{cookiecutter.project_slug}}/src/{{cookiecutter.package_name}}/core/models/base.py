@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
+from transformers import AutoConfig, PretrainedConfig
 
 from ..assets import fetch_model_files
 from ..config.groups import rewrites_base
@@ -14,9 +15,11 @@ from ..identity.fingerprint import base_problem
 from ..optim import build_optimizer, lightning_allows_fused
 from ..run.secrets import mask
 from ..task import task_folder
-from .adapters import adapter_tensors, restore_residual, uses_peft, wrap_with_lora
+from .adapters import adapter_tensors, check_adapter_spec, quantized_loading, restore_residual, target_modules, uses_peft, wrap_with_lora
+from .builder import check_max_length, config_to_dict, linear_layer_names, spec_config
 from .inputs import ModelInputs
 from .levers import apply_levers
+from .precision import weights_dtype
 
 
 class HFModule(L.LightningModule):
@@ -53,6 +56,7 @@ class HFModule(L.LightningModule):
 
     TASK_NAME = ""  # the task folder the subclass is defined in (core.task.task_folder), stored in checkpoints
     AUTO_CLASS: type  # the transformers Auto class of the task's model (AutoModelForCausalLM, ...)
+    PEFT_TASK_TYPE = "CAUSAL_LM"  # peft's task type (a classifier's keeps its new head trainable)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -127,12 +131,14 @@ class HFModule(L.LightningModule):
         return {"tokenizer": self.tokenizer} if self.tokenizer is not None else {}
 
     def prepare_data(self) -> None:
-        """Install the model files once (``model.fetch``: a fetcher of the project's table, by
-        name), before anything reads them; an adapter checkpoint's base is then compared with the
-        one it was trained on (:attr:`expected_base`, set by ``core.checkpoints.io.load_trained_module``).
+        """Install the model files once (``model.fetch``, by its name in the project's table); an
+        adapter checkpoint's base is compared with the run's (:attr:`expected_base`); a fresh
+        module's spec is checked against its architecture (:meth:`check_spec`), all before the data
+        is tokenised and any weights load (Lightning calls this first).
 
         Raises:
-            ConfigError: the base at ``model.name_or_path`` holds other files than the run's.
+            ConfigError: the base at ``model.name_or_path`` holds other files than the run's, or
+                the spec does not fit the architecture (see :meth:`check_spec`).
         """
         if self.hparams.model.get("fetch"):
             fetch_model_files(self.hparams.model["fetch"])
@@ -141,6 +147,94 @@ class HFModule(L.LightningModule):
             problem = base_problem(entry, str(self.hparams.model["name_or_path"]), where)
             if problem:
                 raise ConfigError(problem)
+        if self.hparams.hf_config is None and self.inputs is not None:  # (the config's facts: no tokenizer yet, none needed)
+            self.check_spec(self.architecture(), self.inputs.precision, self.inputs.max_length)
+
+    # ------------------------------------------------------------------ the model
+    def architecture(self) -> PretrainedConfig:
+        """The HF config of the model, read without weights: the checkpoint's (``hf_config``), else
+        the spec's (:func:`.builder.spec_config`, with :meth:`config_fields` from the data)."""
+        if self.hparams.hf_config is not None:
+            fields = dict(self.hparams.hf_config)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        return spec_config(self.hparams.model, self.tokenizer, **self.config_fields())
+
+    def config_fields(self) -> dict:
+        """Config fields the task's data gives a model (a classifier's labels: :meth:`build_model`
+        passes them to ``from_pretrained`` too); ``{}`` by default."""
+        return {}
+
+    def check_spec(self, config: PretrainedConfig, precision: str, max_length: int | None) -> list[str] | str:
+        """Check the spec against ``config`` before any weights load; return the LoRA targets
+        (``[]`` without adapters).  A task adds its own checks.
+
+        Raises:
+            ConfigError: ``max_length`` above the positions, LoRA/QLoRA the spec or precision cannot
+                take, a LoRA target that matches no linear layer.
+        """
+        check_max_length(config, max_length)
+        check_adapter_spec(self.hparams.get("peft"), self.hparams.model, precision)
+        if self.peft_method == "none":
+            return []
+        return target_modules(self.hparams.peft, config, linear_layer_names(config, self.AUTO_CLASS))
+
+    def build_model(self, precision: str, config: PretrainedConfig | None = None) -> torch.nn.Module:
+        """The one builder of a task's model (train, plan, eval, export all call it), its weights in
+        the dtype of :func:`.precision.weights_dtype`: random weights of ``config`` (the planner's)
+        or of :meth:`architecture` (a checkpoint then sets them; a model from scratch), or the
+        pretrained weights of ``model.name_or_path`` (a fresh start; the frozen base an adapter
+        checkpoint re-reads); then the LoRA adapters (``peft``) and QAT.
+
+        Raises:
+            ConfigError: see :meth:`check_spec`; QLoRA's 4-bit load failing.
+        """
+        spec, method, stored = self.hparams.model, self.peft_method, self.hparams.hf_config
+        architecture = config if config is not None else self.architecture()
+        targets = self.check_spec(architecture, precision, self.inputs.max_length if self.inputs is not None else None)
+        options = {"attn_implementation": self.attn_implementation, "dtype": weights_dtype(precision, method)}
+        from_base = config is None and bool(spec.get("name_or_path")) and (method != "none" or stored is None)
+        if not from_base:
+            model = self.AUTO_CLASS.from_config(architecture, **options)
+        else:
+            if stored is not None:  # an adapter checkpoint: its base is read again
+                HFModule.prepare_data(self)
+            if method == "qlora":
+                trainer = self.attached_trainer()
+                options.update(quantized_loading(self.hparams.peft, precision, trainer.strategy.root_device if trainer else None))
+            try:
+                model, info = self.AUTO_CLASS.from_pretrained(
+                    spec["name_or_path"], output_loading_info=True, **options, **self.config_fields()
+                )
+            except (ImportError, RuntimeError, ValueError) as error:
+                if method != "qlora":
+                    raise
+                raise ConfigError(
+                    f"peft=qlora could not load {spec['name_or_path']!r} in 4-bit: {error}\nfix: bitsandbytes with a "
+                    "backend for this device (CUDA, or the CPU from bitsandbytes 0.45: pip install -U bitsandbytes), or peft=lora"
+                ) from error
+            self.remember_fresh(model, info)
+        if method != "none":
+            model = self.add_adapters(model, targets, task_type=self.PEFT_TASK_TYPE, pretrained=from_base)
+        self.prepare_qat(model)
+        return model
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        # Loaded from a checkpoint (eval/export), the module has no inputs yet: fp32 weights.
+        self.model = self.build_model(self.inputs.precision if self.inputs is not None else "32-true")
+        if self.hparams.hf_config is None:  # (the first fit: the architecture, stored for eval/export)
+            self.hparams.hf_config = config_to_dict(self.model.config)
+        self.model.train()  # from_pretrained returns eval mode, and Lightning keeps the modes it finds
+        self.apply_levers(compile_target=self.compile_target())
+        self.configure_metrics()
+
+    def compile_target(self) -> torch.nn.Module | None:
+        """What ``compile`` compiles (``None``: the model)."""
+        return None
+
+    def configure_metrics(self) -> None:
+        """Build the task's metrics (after the model: they follow its device)."""
 
     def setup_optimization(self) -> None:
         """Call after ``save_hyperparameters``: manual optimization when the optimizer steps

@@ -17,77 +17,14 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.pytorch_utils import Conv1D
 
 from ..checkpoints.stored import tokenizer_file_problems
-from ..data.tokenization import use_eos_as_pad
 from ..errors import ConfigError
-
-
-def build_sequence_classifier(
-    spec: dict,
-    id2label: dict[int, str],
-    tokenizer: PreTrainedTokenizerBase,
-    attn_implementation: str = "sdpa",
-    dtype: torch.dtype = torch.float32,
-    loading: dict | None = None,
-    loading_info: dict | None = None,
-    auto_class: type = AutoModelForSequenceClassification,
-) -> PreTrainedModel:
-    """An ``auto_class`` classifier (``AutoModelForSequenceClassification``: one label per row;
-    ``AutoModelForTokenClassification``: one per token) with a fresh head of ``len(id2label)`` outputs.
-
-    ``config.pad_token_id`` is the tokenizer's pad id (a decoder's classifier reads the logits
-    at each row's rightmost non-pad token), also for pretrained weights whose ``config.json``
-    names another or none; a tokenizer without a pad token gets its EOS as pad first
-    (:func:`..data.tokenization.use_eos_as_pad`, done by the data module before this).
-
-    Args:
-        spec: ``name_or_path`` (pretrained) or ``config`` (from scratch: ``model_type`` plus
-            architecture fields; ``vocab_size`` and ``pad_token_id`` are taken from ``tokenizer``,
-            their one source).
-        attn_implementation: HF's ``sdpa`` | ``flash_attention_2`` | ``eager`` (``attention`` group).
-        dtype: of the weights (see :func:`.precision.weights_dtype`).
-        loading: more ``from_pretrained`` options: QLoRA's 4-bit base (:func:`.adapters.quantized_loading`);
-            pretrained weights only.
-        loading_info: filled with ``from_pretrained``'s loading info (``missing_keys``: the
-            weights drawn at random, e.g. the new head), pretrained weights only.
-
-    Raises:
-        ValueError: the spec gives neither ``name_or_path`` nor ``config``.
-        DataError: the tokenizer has neither a pad nor an EOS token.
-    """
-    use_eos_as_pad(tokenizer)
-    labels = {
-        "num_labels": len(id2label),
-        "id2label": dict(id2label),
-        "label2id": {name: index for index, name in id2label.items()},
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    if spec.get("config"):
-        fields = dict(spec["config"])
-        model_type = fields.pop("model_type")
-        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **fields, **labels)
-        return auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    if spec.get("name_or_path"):
-        model, info = auto_class.from_pretrained(
-            spec["name_or_path"],
-            attn_implementation=attn_implementation,
-            dtype=dtype,
-            output_loading_info=True,
-            **(loading or {}),
-            **labels,
-        )
-        if loading_info is not None:
-            loading_info.update(info)
-        return model
-    raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 
 
 def config_to_dict(config: PretrainedConfig) -> dict:
@@ -96,19 +33,6 @@ def config_to_dict(config: PretrainedConfig) -> dict:
     fields = json.loads(config.to_json_string(use_diff=False))
     fields.pop("quantization_config", None)
     return fields
-
-
-def sequence_classifier_from_dict(
-    config_dict: dict,
-    attn_implementation: str = "sdpa",
-    dtype: torch.dtype = torch.float32,
-    auto_class: type = AutoModelForSequenceClassification,
-) -> PreTrainedModel:
-    """Rebuild the architecture stored by :func:`config_to_dict`, with random weights, as an
-    ``auto_class`` model (see :func:`build_sequence_classifier`)."""
-    fields = dict(config_dict)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
 
 
 def tokenizer_to_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
@@ -178,30 +102,25 @@ def check_max_length(config: PretrainedConfig, max_length: int | None) -> None:
         )
 
 
-def spec_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None) -> PretrainedConfig:
-    """The HF config a model spec describes (a causal LM's, or any other task's), read without
-    loading any weights.
-
-    From scratch (``config``), ``vocab_size`` and the BOS/EOS/pad ids follow the tokenizer
-    (their one source; with ``tokenizer=None``, the architecture's defaults, enough for checks
-    of positions and layer names); pretrained (``name_or_path``), the model's own ``config.json``.
+def spec_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None, **fields: object) -> PretrainedConfig:
+    """The HF config a model spec describes, read without loading any weights, with ``fields``
+    set (a classifier's labels).  From scratch (``config``), ``vocab_size`` and the BOS/EOS/pad ids
+    follow the tokenizer (their one source; with ``tokenizer=None`` the architecture's defaults,
+    enough for checks of positions and layer names); pretrained, the model's own ``config.json``.
 
     Raises:
         ValueError: the spec gives neither ``name_or_path`` nor ``config``.
     """
     if spec.get("config"):
-        fields = dict(spec["config"])
-        model_type = fields.pop("model_type")
-        if tokenizer is None:
-            return AutoConfig.for_model(model_type, **fields)
-        token_ids = {
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        }
-        return AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **token_ids, **fields)
+        given = dict(spec["config"])
+        model_type = given.pop("model_type")
+        if tokenizer is not None:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+            given = {**given, **ids, "pad_token_id": pad}
+        return AutoConfig.for_model(model_type, **{**given, **fields})
     if spec.get("name_or_path"):
-        return AutoConfig.from_pretrained(spec["name_or_path"])
+        return AutoConfig.from_pretrained(spec["name_or_path"], **fields)
     raise ValueError("model.name_or_path and model.config are both null; fix: set one (see configs/model/)")
 
 

@@ -39,11 +39,9 @@ GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 
 def command_line_problems(args: list[str]) -> list[str]:
-    """One line for each command-line override that Hydra would refuse with a parser message
-    naming no key, or whose folder is a file (Hydra would fail creating it, with a traceback).
+    """One line per override Hydra would refuse without naming the key (bad syntax, renamed key, a folder key that is a file).
 
-    Flags (``-m``, ``--cfg job``, ``--config-name=...``) are left to Hydra.  Only the typed value
-    is seen here: a folder that an interpolation builds is checked where it is used.
+    Flags (``-m``, ``--cfg job``...) are left to Hydra; folders built by interpolation are checked where used.
     """
     problems, parser = [], OverridesParser.create()
     for arg in args:
@@ -69,15 +67,12 @@ def command_line_problems(args: list[str]) -> list[str]:
     return problems
 
 
-# Warnings a user can do nothing about, by the start of their message: Lightning's own use of a
-# torch API that torch 2.10 deprecated (lightning/pytorch/utilities/_pytree.py), once per run.
+# Unactionable warnings (message start): Lightning's use of an API torch 2.10 deprecated (lightning/pytorch/utilities/_pytree.py).
 IGNORED_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
 
 
 def quiet_terminal() -> None:
-    """What an entry point leaves off the terminal: the ``datasets`` progress bars ("Generating
-    train split", one per split and map) and :data:`IGNORED_WARNINGS`.  Log lines go by level
-    (``configs/hydra/default.yaml``); the config tree by ``print_config``."""
+    """Keep the ``datasets`` progress bars and :data:`IGNORED_WARNINGS` off the terminal."""
     import warnings
 
     import datasets
@@ -88,9 +83,8 @@ def quiet_terminal() -> None:
 
 
 def hydra_main(config_name: str):
-    """``hydra.main`` for an entry point of this package (its ``configs/``, version_base 1.3),
-    with the command line checked first (:func:`command_line_problems`): a bad override exits 1
-    with one line per problem naming the key, before Hydra composes or creates anything."""
+    """``hydra.main`` (``configs/``, version_base 1.3) that first exits 1 on :func:`command_line_problems`, before Hydra
+    composes or creates anything."""
 
     def decorate(task_function):
         hydra_entry = hydra.main(version_base="1.3", config_path="configs", config_name=config_name)(task_function)
@@ -111,8 +105,7 @@ def hydra_main(config_name: str):
 
 
 def print_config_tree(cfg: DictConfig, save_to: Path, show: bool = True) -> None:
-    """Save the resolved config as a rich tree to ``save_to`` and, with ``show``, print it
-    (``train`` shows it only with ``print_config=true``), secrets masked (:func:`.secrets.mask`)."""
+    """Save the resolved config as a rich tree to ``save_to`` (and print it with ``show``), secrets masked."""
     tree = rich.tree.Tree("CONFIG", style="dim")
     keys = [k for k in TREE_ORDER if k in cfg] + sorted(k for k in cfg if k not in TREE_ORDER and k != "hydra")
     for key in keys:
@@ -126,16 +119,14 @@ def print_config_tree(cfg: DictConfig, save_to: Path, show: bool = True) -> None
         Console(file=file, width=120, color_system=None).print(tree)
 
 
-# The copy of the composed config Hydra would write (hydra.output_subdir): written by us instead
-# (configs/hydra/default.yaml turns Hydra's off), after the run folder is checked and secrets masked.
+# Hydra's output_subdir, written by us instead (Hydra's is off) after the run folder is checked and secrets masked.
 RUN_CONFIG_DIR = ".hydra"
 RUN_CONFIG_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
 
 def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
-    """Write ``.hydra/config.yaml`` (the task's config as composed, interpolations unresolved),
-    ``hydra.yaml`` and ``overrides.yaml`` into ``run_dir``, as Hydra does, with secrets masked
-    (:func:`.secrets.mask`); nothing outside a Hydra app (tests composing configs)."""
+    """Write ``.hydra/{config,hydra,overrides}.yaml`` into ``run_dir`` as Hydra does (unresolved), secrets masked; no-op
+    outside a Hydra app."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -153,8 +144,7 @@ def save_run_config(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def write_metrics(path: Path, metrics: dict, announce: bool = True) -> Path:
-    """Write ``metrics`` as JSON (NaN/inf become null, which JSON cannot hold) and, with
-    ``announce``, print where (``train`` shows it in its results instead)."""
+    """Write ``metrics`` as JSON (NaN/inf become null, which JSON cannot hold); print the path with ``announce``."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
@@ -165,10 +155,7 @@ def write_metrics(path: Path, metrics: dict, announce: bool = True) -> Path:
 
 
 def close_loggers(loggers: list[Logger], failed: bool) -> None:
-    """Finish each W&B run of this Hydra job, with a failing exit code if the job failed.
-
-    One W&B run per job: without this, the next job of a multirun would re-use the open run.
-    """
+    """Finish this job's loggers and W&B run (failing exit code if ``failed``); else a multirun's next job reuses the run."""
     for logger in loggers:
         logger.finalize("failed" if failed else "success")  # (our WandbLogger sends its held row here)
         if isinstance(logger, WandbLogger):
@@ -180,11 +167,8 @@ def close_loggers(loggers: list[Logger], failed: bool) -> None:
 
 @contextmanager
 def atomic_write_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path`` (``.<name>.partial``) to write; on success it is
-    flushed to disk and renamed onto ``path`` (``os.replace``: atomic on one file system), on
-    error it is deleted.  So ``path`` is either the complete new file or what it was before,
-    never half-written (a kill leaves at most the ``.partial`` file, which the next write of the
-    same path replaces)."""
+    """Yield ``.<name>.partial`` to write; on success fsync and ``os.replace`` it onto ``path`` (atomic on one file system),
+    on error delete it.  So ``path`` is never half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     try:
@@ -198,11 +182,8 @@ def atomic_write_path(path: Path) -> Iterator[Path]:
 
 @contextmanager
 def exit_on_bad_input() -> Iterator[None]:
-    """Around an entry point's work: a :class:`ConfigError` or :class:`DataError` (bad input; its
-    message names the field, the value and the fix) is printed alone and exits with code 1,
-    instead of under the traceback Hydra prints for other errors.  Also when Hydra's
-    ``instantiate`` wrapped it (a callback refusing its arguments).  A full disk (``ENOSPC``,
-    ``EDQUOT``) is one line too, with the fix."""
+    """Print a :class:`ConfigError`/:class:`DataError` (also wrapped by ``instantiate``) or a full disk (``ENOSPC``,
+    ``EDQUOT``) as one line and exit 1, without Hydra's traceback."""
     try:
         yield
     except (ConfigError, DataError, InstantiationException) as error:
@@ -225,13 +206,8 @@ def exit_on_bad_input() -> Iterator[None]:
 
 @contextmanager
 def exit_cleanly_on_sigterm(outcome: str = "the partial output is removed") -> Iterator[None]:
-    """Around an entry point's work: SIGTERM (``kill``, a scheduler's time limit) raises
-    ``SystemExit(143)`` in the main thread, printing ``Stopped by SIGTERM: <outcome>``, so the
-    ``with`` blocks unwind (``export``/``quantize`` remove their temporary folder) and the exit
-    code says "killed".  Inside Lightning's test and predict loops this matters twice over:
-    Lightning alone would end a SIGTERM there with exit code 0 (test) or not at all (predict),
-    so a killed ``eval`` or ``predict`` would count as done.  The previous handler is restored on
-    the way out."""
+    """Make SIGTERM raise ``SystemExit(143)`` (printing ``Stopped by SIGTERM: <outcome>``) so ``with`` blocks unwind; the
+    previous handler is restored after.  Lightning alone ends a SIGTERM in test with exit 0 and ignores it in predict."""
 
     def stop(signum: int, frame: object) -> None:
         print(f"Stopped by {signal.Signals(signum).name}: {outcome}", file=sys.stderr, flush=True)

@@ -1,23 +1,11 @@
-"""A run folder has one owner: what ``train`` may start or resume in a folder, and its lock.
+"""A run folder has one owner: what ``train`` may start or resume in a folder, and its lock (other entry points: :mod:`.outputs`).
 
-Rules (``train``; every other entry point checks each file it writes instead, see :mod:`.outputs`):
-
-- A folder **holds a run** when it has ``checkpoints/*.ckpt``, ``metrics.json`` or the lock file
-  (``run.lock``, left behind by every launch).  A missing or empty folder holds none.
-- ``ckpt_path=null`` (a fresh run) into a folder that holds a run is refused: it would replace that
-  run's checkpoints and metrics.  Fix: resume it, or another ``hydra.run.dir``.
-- ``ckpt_path=last`` resumes the folder's ``checkpoints/last.ckpt``; with none there it is an error
-  naming the folder it looked in (without ``hydra.run.dir`` every launch gets a new folder).
-- ``ckpt_path=auto`` resumes ``last.ckpt`` when there is one, else starts (what a requeued SLURM job
-  wants: ``launcher=slurm`` sets it).
-- ``ckpt_path=<file>`` resumes that checkpoint; into a folder that holds a run only when the file is
-  one of that folder's own checkpoints.
-- **The lock**: global rank 0 of a launch takes an exclusive kernel lock (``fcntl.flock``) on
-  ``run.lock`` for as long as it trains; the kernel releases it when the process ends, however it
-  ends, so a lock is never stale.  A second launch on a locked folder is refused, naming the owner
-  (pid, host, SLURM job id: what the file records, for the message only).  DDP ranks >= 1 and the
-  processes Lightning re-launches for them (rank set in the environment) neither lock nor check:
-  their rank 0 has.
+- A folder **holds a run** when it has ``checkpoints/*.ckpt``, ``metrics.json`` or ``run.lock``.
+- ``ckpt_path=null`` there is refused (it would replace that run's files); ``<file>`` only if one of its own checkpoints.
+- ``ckpt_path=last`` resumes ``checkpoints/last.ckpt``, an error if none; ``auto`` resumes it or starts (requeued SLURM jobs).
+- **The lock**: global rank 0 holds ``fcntl.flock`` on ``run.lock`` while it trains; the kernel releases it however the
+  process ends, so it is never stale.  A second launch is refused, naming the owner recorded in the file.  Ranks >= 1
+  neither lock nor check.
 """
 
 from __future__ import annotations
@@ -47,8 +35,7 @@ RESUME_LAST, RESUME_AUTO = "last", "auto"
 
 
 def run_contents(folder: Path, checkpoint_dir: Path | None = None) -> list[str]:
-    """What makes ``folder`` hold a run: its checkpoint files, ``metrics.json``, the lock file
-    (paths relative to ``folder``); empty when it holds none."""
+    """What makes ``folder`` hold a run (checkpoints, ``metrics.json``, lock file; relative paths); empty if none."""
     checkpoint_dir = checkpoint_dir or folder / "checkpoints"
     found = sorted(str(path.relative_to(folder)) if path.is_relative_to(folder) else str(path) for path in checkpoint_dir.glob("*.ckpt"))
     found += [name for name in (METRICS_FILE, LOCK_FILE) if (folder / name).exists()]
@@ -56,8 +43,7 @@ def run_contents(folder: Path, checkpoint_dir: Path | None = None) -> list[str]:
 
 
 def newest_resumable(cfg: DictConfig) -> Path | None:
-    """The newest ``runs/*`` folder of this task name with a ``checkpoints/last.ckpt`` (for the fix of
-    a ``ckpt_path=last`` that found none), or ``None``."""
+    """The newest ``runs/*`` folder of this task name with a ``checkpoints/last.ckpt``, or ``None``."""
     runs = Path(str(cfg.paths.log_dir)) / str(cfg.get("task_name", "train")) / "runs"
     found = sorted(runs.glob("*/checkpoints/last.ckpt"), key=lambda path: path.stat().st_mtime) if runs.is_dir() else []
     return found[-1].parent.parent if found else None
@@ -65,12 +51,7 @@ def newest_resumable(cfg: DictConfig) -> Path | None:
 
 @contextmanager
 def owned_run_folder(cfg: DictConfig, last: Path) -> Iterator[Path | None]:
-    """Around a ``train`` run: on global rank 0, hold the folder's lock (:func:`run_lock`) and check
-    the folder (:func:`resume_checkpoint`); yields the checkpoint to resume from, or ``None``.  The
-    other ranks only resolve ``ckpt_path`` the same way (their rank 0 checked the folder).
-
-    Args:
-        last: where this run's ``last.ckpt`` lives (the checkpoint callbacks' folder).
+    """Around ``train``: rank 0 holds :func:`run_lock` and checks the folder; yields the checkpoint to resume, or ``None``.
 
     Raises:
         ConfigError: see :func:`run_lock` and :func:`resume_checkpoint` (before anything is written).
@@ -85,14 +66,11 @@ def owned_run_folder(cfg: DictConfig, last: Path) -> Iterator[Path | None]:
 
 
 def resume_checkpoint(cfg: DictConfig, run_dir: Path, last: Path, held: list[str] | None) -> Path | None:
-    """The checkpoint ``ckpt_path`` resumes from (``None``: a fresh start), by the rules of the
-    module docstring.  ``held``: what makes the folder hold a run (:func:`run_contents`), or
-    ``None`` to skip the folder checks (DDP ranks >= 1).
+    """The checkpoint to resume (``None``: fresh start) by the module's rules; ``held=None`` skips folder checks (ranks >= 1).
 
     Raises:
-        ConfigError: a fresh run into a folder that holds a run; ``ckpt_path=last`` with no
-            ``last.ckpt``; ``ckpt_path=auto`` in a folder whose checkpoints are not a ``last.ckpt``;
-            a checkpoint from elsewhere resumed into a folder that holds another run.
+        ConfigError: a fresh run into a folder that holds a run; ``last`` with no ``last.ckpt``; ``auto`` with checkpoints
+            but no ``last.ckpt``; a checkpoint from elsewhere into a folder that holds another run.
     """
     value = cfg.get("ckpt_path")
     checks, held = held is not None, held or []
@@ -133,11 +111,10 @@ def resume_checkpoint(cfg: DictConfig, run_dir: Path, last: Path, held: list[str
 
 @contextmanager
 def run_lock(run_dir: Path) -> Iterator[bool]:
-    """Hold the exclusive lock of ``run_dir`` (see the module docstring) while the block runs;
-    yields whether the lock file was there before (a run was started in this folder already).
+    """Hold ``run_dir``'s exclusive lock during the block; yields whether the lock file existed before.
 
     Raises:
-        ConfigError: another live process holds the lock (named by what its lock file records).
+        ConfigError: another live process holds the lock.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE

@@ -1,10 +1,6 @@
 """Is a Hugging Face Hub model here, or can it be fetched?  Asked before anything loads.
 
-``transformers`` finds out only when it loads the weights, after the data was tokenised, and on a
-machine without internet its answer is a long traceback after half a minute of retries.  Here a
-Hub id (``model.name_or_path``, ``model.tokenizer``) that is neither a local folder nor in the Hub
-cache, on a machine that cannot reach the Hub, is one line: what to fetch, where to put it, and
-the key to point at it.
+``transformers`` finds out only after tokenising, with a long traceback offline; here it is one line with the fix.
 """
 
 from __future__ import annotations
@@ -23,11 +19,8 @@ CONNECT_TIMEOUT_S = 3.0
 
 
 def hub_problems(cfg: DictConfig) -> list[str]:
-    """One line per ``model.<key>`` that names a Hub id this run cannot have: not a local path,
-    not in the Hub cache, and the Hub unreachable (``HF_HUB_OFFLINE``, or no TCP connection to
-    its endpoint within :data:`CONNECT_TIMEOUT_S` seconds).  A model group with a ``fetch``
-    (which installs its files) is not checked.  Values are read resolved (the shipped
-    ``tokenizer: ${.name_or_path}``): each id is reported once, under the first key naming it."""
+    """One line per ``model.<key>`` Hub id that is not local, not cached, and the Hub unreachable (:func:`unreachable_reason`);
+    each id once.  A model with a ``fetch`` (which installs its files) is not checked."""
     model = cfg.get("model")
     if model is None or model.get("fetch"):
         return []
@@ -60,7 +53,7 @@ def available(name_or_path: str) -> bool:
 
 
 def unreachable_reason() -> str | None:
-    """Why the Hub cannot be reached, or ``None`` when a TCP connection to its endpoint opens."""
+    """Why the Hub cannot be reached (``HF_HUB_OFFLINE``, no TCP connection in :data:`CONNECT_TIMEOUT_S` s), else ``None``."""
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"

@@ -1,17 +1,8 @@
-"""Nothing overwritten: the files and folders an entry point writes are checked before the first
-byte is written.
+"""Nothing overwritten: an entry point's outputs are checked before the first byte is written.
 
-An output path is refused when it
-
-- **is an input** of the command (``input=``, ``prompts_file=``, the checkpoint), or lies inside an
-  input folder (``model_dir=``): always, ``overwrite=true`` or not -- the user's data is never
-  replaced by our output;
-- **is a checkpoint** (a ``.ckpt`` file): always;
-- **exists**, or lies **inside another run's folder** (one that holds a run, see
-  :func:`.folder.run_contents`, other than this command's own): unless ``overwrite=true``.
-
-Paths are compared resolved (symbolic links followed, ``..`` removed), so another spelling of the
-same file is the same file.  ``train`` owns its run folder instead (:mod:`.folder`).
+An output is refused when it **is an input** or inside an input folder, or **is a** ``.ckpt`` (always: user data is never
+replaced), or **exists** or lies **inside another run's folder** (:func:`.folder.run_contents`; unless ``overwrite=true``).
+Paths are compared resolved (symlinks, ``..``).  ``train`` owns its run folder instead (:mod:`.folder`).
 """
 
 from __future__ import annotations
@@ -34,12 +25,10 @@ from .folder import run_contents
 def output_problems(
     outputs: dict[str, Path], inputs: dict[str, Path | None], own_run_dir: Path | None, overwrite: bool, fixes: dict[str, str] | None = None
 ) -> list[str]:
-    """One line per output of ``outputs`` (field -> path, the field as the user types it) that may
-    not be written, by the rules of the module docstring.
+    """One line per output (field -> path) that may not be written, by the module's rules.
 
     Args:
-        inputs: field -> a file or folder the command reads (``None`` entries are skipped).
-        own_run_dir: this command's run folder (``paths.output_dir``): not "another run's".
+        inputs: field -> a file or folder the command reads (``None`` skipped).
         fixes: field -> the fix to name (default ``<field>=<a new path>``).
     """
     problems = []
@@ -90,14 +79,8 @@ def claim_outputs(
     run_files: tuple[str, ...] = ("config_tree.log",),
     folder_markers: dict[str, str] | None = None,
 ) -> None:
-    """Before an entry point (eval, predict, generate, export, quantize) writes anything: check
-    ``outputs`` (config field -> path), the files ``run_files`` it writes into its run folder and
-    ``.hydra/*.yaml`` with :func:`check_outputs` (``overwrite`` from the config), then write
-    ``.hydra/`` (secrets masked).
-
-    Args:
-        folder_markers: output field -> the file a folder of that output holds (``config.json``):
-            with ``overwrite=true`` an existing folder without it is still refused.
+    """Before a non-train entry point writes: check ``outputs``, its ``run_files`` and ``.hydra/*.yaml``, then write ``.hydra/``.
+    ``folder_markers``: output field -> the file its folder holds; even ``overwrite=true`` refuses a folder without it.
 
     Raises:
         ConfigError: see :func:`check_outputs`.
@@ -108,7 +91,7 @@ def claim_outputs(
     files = {name: run_dir / name for name in run_files}
     if HydraConfig.initialized():
         files.update({f"{RUN_CONFIG_DIR}/{name}": run_dir / RUN_CONFIG_DIR / name for name in RUN_CONFIG_FILES})
-    # The run folder's own files: the fix is another run folder (each launch gets a new one by default).
+    # The run folder's own files: the fix is another run folder.
     fixes = dict.fromkeys(files, "a new run folder (drop hydra.run.dir, or hydra.run.dir=<a new folder>)")
     overwrite = bool(cfg.get("overwrite"))
     problems = output_problems({**files, **outputs}, inputs, run_dir, overwrite, fixes)
@@ -125,13 +108,11 @@ def claim_outputs(
 
 
 def replace_folder(staging: Path, target: Path, marker: str) -> None:
-    """Move the complete folder ``staging`` to ``target``; an existing ``target`` (allowed by
-    ``overwrite=true``) is replaced only if it holds ``marker`` (it is one this command wrote:
-    ``config.json`` of an export, ``compress_report.json`` of quantize), and is moved aside before
-    being deleted, so ``target`` is never half old, half new.
+    """Move the complete ``staging`` to ``target``; an existing ``target`` is moved aside then deleted (never half old, half
+    new), and only if it holds ``marker`` (a folder this command wrote).
 
     Raises:
-        ConfigError: ``target`` exists and is not a folder this command wrote.
+        ConfigError: ``target`` exists without ``marker``.
     """
     if target.exists():
         if not (target / marker).is_file():
@@ -149,10 +130,8 @@ def replace_folder(staging: Path, target: Path, marker: str) -> None:
 
 
 def staging_folder(output: Path, kind: str) -> tempfile.TemporaryDirectory:
-    """A temporary folder next to ``output`` to build it in (renamed into place when complete),
-    named ``.<kind>-staging-<host>-<pid>-<random>``: its owner is on the name.  First, the
-    staging folders of ``kind`` there whose owner is this host's and no longer alive (a SIGKILLed
-    export or quantize) are removed; nothing else is touched."""
+    """A temporary ``.<kind>-staging-<host>-<pid>-<random>`` folder next to ``output``; first removes ``kind`` staging
+    folders there whose owner on this host is dead (a SIGKILLed export or quantize)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{kind}-staging-{socket.gethostname()}"
     for left in output.parent.glob(f"{glob.escape(prefix)}-*"):

@@ -1,21 +1,9 @@
-"""Secrets never written: credentials refused in the config, secret values masked in every file
-and log line the project writes.
+"""Secrets never written: credentials refused in the config, secret values masked in every file and log line we write.
 
-- **Refused**: a credential typed into the config (a leaf named like :data:`CREDENTIAL_LEAF`:
-  ``api_key``, ``password``, ``secret``, ...; or a URL with ``user:password@``) -- it would land in
-  ``.hydra/``, the logs and the W&B run.  Fix: the tool's own environment variable
-  (``WANDB_API_KEY``) or login (``wandb login``), or ``${oc.env:NAME}`` in the config.
-- **Masked**: a value interpolated from an environment variable whose name contains KEY, TOKEN,
-  SECRET or PASSWORD (``${oc.env:WANDB_API_KEY}``) is replaced by ``***`` wherever this project
-  writes the config or prints it (``config_tree.log`` and the terminal, ``.hydra/``, the CSV,
-  TensorBoard and W&B hyperparameters, checkpoints' stored settings, log lines: the terminal and
-  Hydra's ``<job>.log``); so is the password of any
-  URL (``scheme://user:***@host``, e.g. an Optuna storage URL).  Masking is by value: a secret that
-  reached another key through an interpolation is masked there too.
-
-:func:`register` (at the start of each entry point) records the secret values of the composed
-config; :func:`mask` masks a string, mapping or list with them.  Keys such as
-``model.tokenizer`` are not credentials: leaves are matched by whole words.
+- **Refused**: a credential typed into the config (a leaf matching :data:`CREDENTIAL_LEAF` by whole words, or a URL with
+  ``user:password@``): it would land in ``.hydra/``, the logs and W&B.  Fix: an environment variable or ``${oc.env:NAME}``.
+- **Masked** (``***``, by value, wherever we write or print the config, hyperparameters or log lines): values of
+  ``${oc.env:NAME}`` where NAME contains KEY, TOKEN, SECRET or PASSWORD (recorded by :func:`register`), and URL passwords.
 """
 
 from __future__ import annotations
@@ -43,8 +31,7 @@ _SECRET_VALUES: set[str] = set()
 
 
 def credential_problems(cfg: DictConfig) -> list[str]:
-    """One line per credential typed into ``cfg`` (read raw: interpolations are not resolved, and
-    one of an environment variable is the fix, not a problem)."""
+    """One line per credential typed into ``cfg`` (read unresolved: an ``oc.env`` interpolation is the fix, not a problem)."""
     problems = []
     for path, value in _leaves(OmegaConf.to_container(cfg, resolve=False), ""):
         if not isinstance(value, str) or not value or ENV_REFERENCE.search(value):
@@ -66,9 +53,8 @@ def credential_problems(cfg: DictConfig) -> list[str]:
 
 
 def register(*configs: DictConfig | None) -> set[str]:
-    """Record the values of the environment variables with secret names that ``configs``
-    interpolate (``${oc.env:NAME}``); return them.  Idempotent; values shorter than 4 characters
-    are not recorded (masking them would mask ordinary text)."""
+    """Record (and return) secret-named env values ``configs`` interpolate; install :class:`MaskingFilter`.  Idempotent;
+    values under 4 characters are skipped (masking them would mask ordinary text)."""
     for cfg in configs:
         if cfg is None:
             continue
@@ -84,8 +70,7 @@ def register(*configs: DictConfig | None) -> set[str]:
 
 
 class MaskingFilter(logging.Filter):
-    """A logging filter that writes each record's message with :func:`mask` applied (installed on
-    the root logger's handlers by :func:`register`)."""
+    """A logging filter applying :func:`mask` to each record's message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if _SECRET_VALUES or "://" in str(record.msg):
@@ -94,8 +79,7 @@ class MaskingFilter(logging.Filter):
 
 
 def mask(value: object) -> object:
-    """``value`` (a string, or mappings and lists of them, at any depth) with every registered
-    secret and every URL password replaced by ``***``; other values as they are."""
+    """``value`` (strings in nested mappings and lists) with registered secrets and URL passwords replaced by ``***``."""
     if isinstance(value, str):
         for secret in sorted(_SECRET_VALUES, key=len, reverse=True):
             value = value.replace(secret, MASK)
@@ -113,9 +97,7 @@ def mask_url_passwords(text: str) -> str:
 
 
 class MaskedHyperparameters:
-    """Mixin for a Lightning logger: the hyperparameters it is given (the config, the module's
-    stored groups) pass through :func:`mask` before it writes them (``hparams.yaml``, TensorBoard's
-    and W&B's config)."""
+    """Mixin for a Lightning logger: hyperparameters pass through :func:`mask` before they are written."""
 
     def log_hyperparams(self, params: object, *args, **kwargs) -> None:
         plain = vars(params) if isinstance(params, argparse.Namespace) else dict(params)

@@ -1,11 +1,7 @@
 """One job of a Hydra multirun (a grid or an Optuna sweep): what it returns, and how it fails.
 
-A single run reports failure by its exit code (see ``train``).  Inside a multirun the jobs share
-one process, so a job must not exit: a failed job (a bad trial config, a CUDA out-of-memory error,
-non-finite losses, any exception) raises :class:`TrialFailed`, which Hydra records on the job and
-the sweeper records as a failed trial, and the sweep goes on with the next one.  Two things still
-end the sweep: a signal (Ctrl-C, SIGTERM: the user or the scheduler wants it over) and
-:class:`MetricNotLogged` (every trial would fail the same way).
+Jobs share one process, so a failed job must not exit: it raises :class:`TrialFailed` (a failed trial) and the sweep
+goes on.  A signal or :class:`MetricNotLogged` (every trial would fail the same way) ends the sweep.
 """
 
 from __future__ import annotations
@@ -30,17 +26,15 @@ log = logging.getLogger(__name__)
 
 
 def is_multirun() -> bool:
-    """Whether this process runs a job of a Hydra multirun (``-m``, or ``hydra.mode=MULTIRUN``)."""
+    """Whether this process runs a Hydra multirun job."""
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def objective(metrics: dict, cfg: DictConfig) -> float | None:
-    """The value of ``cfg.optimized_metric`` in a finished run's ``metrics`` (what ``train``
-    returns to a sweeper), ``None`` when it is not set.
+    """``metrics[cfg.optimized_metric]`` (what ``train`` returns to a sweeper), ``None`` when not set.
 
     Raises:
-        MetricNotLogged: in a multirun, when the run did not log ``optimized_metric`` (names the
-            metrics it did log).
+        MetricNotLogged: in a multirun, when the run did not log ``optimized_metric``.
     """
     name = cfg.get("optimized_metric")
     if name is None:
@@ -55,23 +49,19 @@ def objective(metrics: dict, cfg: DictConfig) -> float | None:
 
 
 def release_memory() -> None:
-    """Free what a finished job left: Python cycles (trainer <-> module), then CUDA's cached blocks,
-    so the next trial starts with the whole GPU."""
+    """Free a finished job's cycles (trainer <-> module), then CUDA's cached blocks, so the next trial gets the whole GPU."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def run_multirun_job(work: Callable[[], float | None], job_dir: Path) -> float | None:
-    """Run one multirun job: return ``work()``'s value, or raise :class:`TrialFailed` with the
-    error's message (the traceback goes to stderr and ``job_dir/error.txt``).  Memory is released
-    either way.
+    """Return ``work()``'s value; memory is released either way.
 
     Raises:
-        TrialFailed: the job failed (bad config or data, out of memory, non-finite losses, any
-            exception).
+        TrialFailed: any exception of the job (:func:`failure_message`).
         MetricNotLogged: ``optimized_metric`` was not logged (the sweep stops).
-        SystemExit: a signal stopped the job (exit code ``128 + N``): the sweep stops too.
+        SystemExit: a signal stopped the job (exit code ``128 + N``; the sweep stops).
     """
     message = None
     try:
@@ -85,8 +75,7 @@ def run_multirun_job(work: Callable[[], float | None], job_dir: Path) -> float |
         message = failure_message(stop, job_dir)
     except Exception as error:  # noqa: BLE001  (any failure of a trial is recorded, not fatal)
         message = failure_message(error, job_dir)
-    # Here, outside the except blocks, the exception (and the frames holding the model and the
-    # trainer) is gone, no local refers to it: the collection frees them.
+    # Outside the except blocks no local holds the exception's frames (model, trainer), so they can be freed.
     release_memory()
     if message is None:
         return value
@@ -95,9 +84,8 @@ def run_multirun_job(work: Callable[[], float | None], job_dir: Path) -> float |
 
 
 def failure_message(error: Exception, job_dir: Path) -> str:
-    """One line for a failed job, also written to ``job_dir/error.txt``: a bad-input error's own
-    message (it names the field and the fix), else ``Type: message``, with the traceback printed
-    and written under it."""
+    """One line for a failed job (a bad-input error's message, else ``Type: message`` plus the printed traceback), also
+    written to ``job_dir/error.txt``."""
     cause = error.__cause__ if isinstance(error, InstantiationException) else error
     if isinstance(cause, (ConfigError, DataError, RunStopped)):
         message, text = str(cause), str(cause) + "\n"  # says what and how to fix; no traceback needed

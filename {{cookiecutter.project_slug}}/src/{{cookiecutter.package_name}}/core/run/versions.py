@@ -1,17 +1,9 @@
-"""The set of package versions this project was tested with, and how this environment differs.
+"""The package versions this project was tested with, and how this environment differs.
 
-``tested_versions.txt`` (next to the package's ``__init__.py``) is a pip constraints file: the
-exact version of every distribution the project needs with its ``dev`` extra, transitively, as
-installed when the tests last passed.  ``pip install -c src/<package>/tested_versions.txt -e ".[dev]"``
-installs that set; ``doctor`` says which installed versions differ from it.
-
-It is written, never edited by hand: after a dependency change, in a fresh environment
-(``pip install torch`` first, then ``pip install -e ".[dev]"``), run the tests, then
-``python -m <package>.doctor --write-tested-versions src/<package>/tested_versions.txt``.
-
-torch is left out on purpose (with triton and the ``nvidia-*`` CUDA libraries that come with a
-CUDA build): which torch build to use (CPU, CUDA 12.x) is the user's choice, and pyproject.toml
-gives its range.
+``tested_versions.txt`` (next to ``__init__.py``) is a pip constraints file of every distribution ``.[dev]`` needs,
+transitively, as installed when the tests last passed; ``doctor`` reports differences.  Never edit it by hand: after a
+dependency change, run the tests in a fresh environment, then ``python -m <package>.doctor --write-tested-versions ...``.
+torch (with triton and ``nvidia-*``) is left out: its build (CPU, CUDA 12.x) is the user's choice.
 """
 
 from __future__ import annotations
@@ -25,16 +17,15 @@ from packaging.utils import canonicalize_name
 
 TESTED_VERSIONS = Path(__file__).resolve().parents[2] / "tested_versions.txt"
 TESTED_EXTRAS = ("dev",)  # what CI installs: tests, lint, sweeps, SLURM, tensorboard
-# torch and the CUDA runtime it pulls (triton, nvidia-cublas-cu12, ...): a range only, so a GPU
-# machine keeps its own build.  nvidia-ml-py is a direct dependency (NVML), and pinned.
+# torch and its CUDA runtime: a range only, so a GPU machine keeps its build.  nvidia-ml-py (NVML) is pinned.
 NOT_PINNED = re.compile(r"^(torch|triton|nvidia-(?!ml-py$).+)$")
 
 
 def project_distribution() -> str:
-    """The installed distribution that provides this package (pyproject's ``[project] name``).
+    """The installed distribution that provides this package.
 
     Raises:
-        LookupError: the package is not installed (run from a source tree without ``pip install -e .``).
+        LookupError: the package is not installed (no ``pip install -e .``).
     """
     package = __package__.split(".")[0]
     names = metadata.packages_distributions().get(package)
@@ -47,11 +38,9 @@ def project_distribution() -> str:
 
 
 def dependency_versions(root: str, extras: tuple[str, ...] = TESTED_EXTRAS) -> dict[str, str]:
-    """``{distribution: installed version}`` of everything ``root[extras]`` needs, transitively.
+    """``{distribution: installed version}`` of what ``root[extras]`` needs, transitively; names normalised (PEP 503).
 
-    Requirements whose environment marker is false here, and distributions that are not
-    installed, are skipped; ``root`` itself and :data:`NOT_PINNED` are left out.  Names are
-    normalised (PEP 503: ``Hydra_Core`` -> ``hydra-core``).
+    Skips false markers, uninstalled distributions, ``root`` and :data:`NOT_PINNED`.
     """
     found: dict[str, str] = {}
     seen: set[tuple[str, str]] = set()
@@ -76,11 +65,11 @@ def dependency_versions(root: str, extras: tuple[str, ...] = TESTED_EXTRAS) -> d
 
 
 def read_tested_versions(path: Path = TESTED_VERSIONS) -> dict[str, str]:
-    """``{distribution: version}`` of a constraints file (``name==version`` lines; ``#`` comments).
+    """``{distribution: version}`` of a constraints file.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: a line is not ``name==version``; the message names the line.
+        ValueError: a line is not ``name==version`` (named in the message).
     """
     versions = {}
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -95,8 +84,7 @@ def read_tested_versions(path: Path = TESTED_VERSIONS) -> dict[str, str]:
 
 
 def version_differences(tested: dict[str, str], installed: dict[str, str]) -> list[str]:
-    """One line per distribution installed at another version than the tested one, or needed
-    and not in the tested set (a dependency added since the file was written)."""
+    """One line per distribution installed at another version than tested, or needed but not in the tested set."""
     lines = [
         f"{name}=={installed[name]} is installed; tested with {name}=={version}"
         for name, version in sorted(tested.items())
@@ -111,7 +99,7 @@ def version_differences(tested: dict[str, str], installed: dict[str, str]) -> li
 
 
 def write_tested_versions(path: Path, versions: dict[str, str], package: str) -> None:
-    """Write ``versions`` as a constraints file with the header that says how it was made."""
+    """Write ``versions`` as a constraints file, with a header saying how it was made."""
     import platform
 
     header = [

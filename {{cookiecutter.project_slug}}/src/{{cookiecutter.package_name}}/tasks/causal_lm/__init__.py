@@ -85,7 +85,7 @@ class CausalLM(Task):
     def planned_model(self, module, cfg: DictConfig, config, precision: str) -> tuple[torch.nn.Module, list[int]]:
         if module.loss_implementation == "liger":  # Triton: no CPU; traced as the chunked loss
             module.hparams.loss = {"implementation": "chunked", "chunk_size": liger_chunk_positions(config, cfg.data.max_length)}
-        model = module.build_model(precision, cfg.data.max_length, config=config, pretrained=False)
+        model = module.build_model(precision, config=config)
         module.model = model
         return model, quantized_weights(model) if module.peft_method == "qlora" else []
 

@@ -1,11 +1,8 @@
 """Evaluate the skill, not only the loss: greedy answers to the test prompts of chat data.
 
-``test/exact_match`` is the fraction of the test rows (the first ``data.answer_rows``, or all)
-whose greedy answer, up to the end-of-turn token, equals the reference answer after
-:func:`normalize_answer` (Unicode NFKC, case-folded, whitespace runs made one space, trailing
-punctuation of any script removed): the whole answer, never a prefix or a substring, so "positive, mostly" does not count as "positive".
-Each answer is written to ``predictions.jsonl`` with its reference and verdict.
-"""
+``test/exact_match`` is the fraction of test rows (the first ``data.answer_rows``, or all) whose whole greedy answer
+equals the reference after :func:`normalize_answer` (never a prefix: "positive, mostly" is not "positive"); each
+answer goes to ``predictions.jsonl`` with its reference and verdict."""
 
 from __future__ import annotations
 
@@ -19,17 +16,9 @@ from ...core.run.entry import atomic_write_path
 
 
 def normalize_answer(text: str) -> str:
-    """``text`` as exact match compares it, the same in every script:
-
-    1. Unicode NFKC (compatibility forms folded: full-width ``ｐｏｓｉｔｉｖｅ！`` reads as
-       ``positive!``, the ellipsis ``…`` as ``...``);
-    2. case-folded (``str.casefold``: ``Straße`` equals ``STRASSE``);
-    3. every whitespace run made one space, surrounding whitespace dropped;
-    4. trailing characters of the Unicode punctuation categories (``P*``: ``.!?…。！、」``...)
-       and whitespace dropped.
-
-    Leading punctuation and symbols (``S*``: ``$``, ``✓``, emoji) are kept: they are content.
-    """
+    """``text`` as exact match compares it, in any script: Unicode NFKC (``ｐｏｓｉｔｉｖｅ！`` reads ``positive!``),
+    case-folded, whitespace runs made one space, trailing punctuation (categories ``P*``) and whitespace dropped.
+    Leading punctuation and symbols (``S*``: ``$``, ``✓``, emoji) are content and kept."""
     text = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
     end = len(text)
     while end and (unicodedata.category(text[end - 1]).startswith("P") or text[end - 1].isspace()):
@@ -43,13 +32,8 @@ def exact_match(prediction: str, reference: str) -> bool:
 
 
 def evaluate_answers(module, datamodule, output: Path, split: str = "test", prefix: str = "test") -> dict[str, float]:
-    """Greedy answers of ``module`` (a language-model task module: ``complete`` and ``tokenizer``) to the prompts of
-    ``datamodule.answer_prompts(split)``; writes ``output`` (jsonl: ``row``, ``prompt``,
-    ``reference``, ``prediction``, ``exact_match``) atomically.
-
-    Runs on the GPU when there is one (the module is moved there), else the CPU; greedy
-    decoding, ``datamodule.answer_max_new_tokens`` new tokens at most, ``datamodule.answer_batch_size``
-    prompts a batch (sorted by length, left-padded).
+    """Greedy answers of ``module`` (``complete``, ``tokenizer``) to ``datamodule.answer_prompts(split)``, on the GPU if any,
+    ``answer_batch_size`` prompts a batch, ``answer_max_new_tokens`` at most; writes ``output`` (jsonl) atomically.
 
     Returns:
         ``{f"{prefix}/exact_match": fraction, f"{prefix}/answers": count}``.
@@ -84,8 +68,7 @@ def evaluate_answers(module, datamodule, output: Path, split: str = "test", pref
 
 
 def answer_metrics(module, datamodule, output: Path, trainer, split: str = "test", name: str | None = None) -> dict[str, float]:
-    """:func:`evaluate_answers`, as ``{name: exact match}`` (default name ``<split>/exact_match``),
-    also sent to the trainer's loggers at the current step and printed."""
+    """:func:`evaluate_answers` as ``{name: exact match}`` (default ``<split>/exact_match``), logged at this step and printed."""
     found = evaluate_answers(module, datamodule, output, split=split)
     name = name or f"{split}/exact_match"
     metrics = {name: found[f"{split}/exact_match"]}

@@ -52,7 +52,6 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import datasets

@@ -11,14 +11,12 @@ from ...core.models.builder import max_positions
 
 
 class TextGeneration:
-    """Mixed into a LightningModule that holds ``model`` (a ``*ForCausalLM``, maybe peft-wrapped),
-    ``tokenizer`` and ``inputs`` (:class:`...core.models.inputs.ModelInputs`: ``end_of_turn`` and
-    ``system_prompt`` for chat data)."""
+    """Mixed into a LightningModule holding ``model`` (a ``*ForCausalLM``, maybe peft-wrapped), ``tokenizer`` and
+    ``inputs`` (:class:`...core.models.inputs.ModelInputs`: ``end_of_turn`` and ``system_prompt`` for chat data)."""
 
     @property
     def chat(self) -> bool:
-        """Trained on chat rows (:mod:`.chat`): prompts are rendered with the chat template
-        and generation stops at the end-of-turn token."""
+        """Trained on chat rows (:mod:`.chat`): prompts get the chat template; generation stops at the end-of-turn token."""
         return self.inputs is not None and self.inputs.end_of_turn is not None
 
     def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
@@ -35,18 +33,11 @@ class TextGeneration:
 
     @torch.no_grad()
     def complete(self, prompt_ids: list[list[int]], batch_size: int = 1, **generation: object) -> list[list[int]]:
-        """The new token ids for each prompt, up to (not including) the first end token: the
-        end-of-turn token for a chat model, else the generation config's EOS.
+        """The new token ids for each prompt, up to the first end token (end-of-turn for a chat model, else EOS).
 
-        Prompts go ``batch_size`` at a time, longest first (sorted by length, so a batch holds
-        prompts of similar length and little padding; an out-of-memory error comes with the
-        first batch), padded on the left (the attention mask hides the padding); the
-        completions come back in the order of ``prompt_ids``.  ``generation`` goes to ``model.generate`` (``max_new_tokens``, ``do_sample``,
-        ``temperature``...).  The model is put in eval mode and restored afterwards.  Prompt and
-        new tokens together never pass the model's positions (:func:`...core.models.builder.max_positions`):
-        with a warning, ``max_new_tokens`` is capped to ``positions - 1`` and a prompt too long
-        for the rest is cut from the left (its end, next to the completion, is kept).
-        """
+        ``batch_size`` prompts a call, longest first (little padding; an OOM comes first), left-padded; results in
+        ``prompt_ids`` order; ``generation`` goes to ``model.generate``. Prompt plus new tokens never pass the model's
+        positions: with a warning, ``max_new_tokens`` is capped at ``positions - 1`` and a long prompt loses its start."""
         limit = max_positions(self.model.config)
         new_tokens = generation.get("max_new_tokens") or self.model.generation_config.max_new_tokens or 20
         if limit is not None and new_tokens >= limit:
@@ -92,8 +83,7 @@ class TextGeneration:
         return completions
 
     def generate_text(self, prompts: list[str], batch_size: int = 1, **generation: object) -> list[str]:
-        """Complete each prompt (:meth:`prompt_ids`, ``batch_size`` at a time); return only the
-        new text, up to the end token (:meth:`complete`)."""
+        """Complete each prompt (:meth:`prompt_ids`, :meth:`complete`); return only the new text."""
         completions = self.complete(self.prompt_ids(prompts), batch_size=batch_size, **generation)
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
 

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import torch
 from torchmetrics import MeanMetric
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from ...core.errors import ConfigError
-from ...core.models.adapters import quantized_loading, uses_peft
 from ...core.models.base import HFModule
-from ...core.models.builder import config_to_dict, spec_config
-from ...core.models.precision import weights_dtype
 from .generation import TextGeneration
 from .loss import (
     causal_body,
     causal_lm_of,
-    check_causal_spec,
+    check_causal_config,
     chunked_token_loss_sum,
     liger_token_loss_sum,
     model_arguments,
@@ -26,37 +22,16 @@ CHAT_FILE = "chat.json"
 
 
 class CausalLMModule(TextGeneration, HFModule):
-    """Train an ``AutoModelForCausalLM``: from scratch (``model.config``) or from pretrained
-    weights (``model.name_or_path``), fully or with LoRA/QLoRA adapters (``peft``).
+    """Train an ``AutoModelForCausalLM`` from scratch (``model.config``) or from pretrained weights
+    (``model.name_or_path``), fully or with LoRA/QLoRA adapters (``peft``).
 
-    Batches are dicts of ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)``
-    (see :class:`.text.CausalLMCollator`); ``forward`` returns logits ``(B, T, V)``.
-
-    **Loss normalisation**: per target token over the whole accumulated batch (see
-    :class:`...core.models.base.HFModule`), so micro-batch 1 x accumulation 2 gives the same gradient as
-    micro-batch 2, even when the sequences have different lengths (averaging per-micro-batch
-    means would weight the tokens of a short sequence more).
-
-    Logged: ``train/loss`` (per optimizer step, the token mean above), ``train/tokens`` (input
-    tokens seen, padding excluded), ``train/padding_fraction``, ``val/loss``, ``val/ppl``
-    (``exp(val/loss)``, both token-weighted over the whole validation set), ``test/*`` alike.
-
-    Args:
-        model: the ``model`` config group as a plain dict (``name_or_path`` or ``config``,
-            ``tokenizer``, ``fetch``).
-        optimizer: the ``optimizer`` config group as a plain dict.
-        peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...).
-        attention, activation_checkpointing, compile: those config groups (see :class:`...core.models.base.HFModule`).
-        loss: the ``loss`` group: ``implementation`` plain (cross-entropy over the full logits),
-            chunked (:func:`chunked_token_loss_sum`, ``chunk_size`` positions per chunk) or liger
-            (:func:`liger_token_loss_sum`, CUDA only); ``None`` = plain.
-        hf_config: filled in on the first fit and stored in checkpoints, from which
-            export/generate rebuild the model.
-
-    Raises (from ``prepare_data``, before the data is tokenised and any weights load):
-        ConfigError: ``data.max_length`` above the model's maximum positions, a LoRA target
-            that matches no layer, LoRA/QLoRA without pretrained weights, QLoRA with bf16-true,
-            the chunked loss on a model that transforms its logits.
+    Batches: ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)``; ``forward`` returns
+    logits ``(B, T, V)``.  The loss is per target token over the whole accumulated batch
+    (:class:`...core.models.base.HFModule`), so micro-batch 1 x accumulation 2 gives micro-batch 2's
+    gradient even for rows of different lengths; ``loss``: plain (full logits), chunked
+    (:func:`.loss.chunked_token_loss_sum`, ``chunk_size`` positions a chunk) or liger (CUDA).
+    Logged: ``train/loss``, ``train/tokens`` (padding excluded), ``train/padding_fraction``,
+    ``val/loss`` and ``val/ppl`` (``exp`` of the token-weighted loss of the split), ``test/*`` alike.
     """
 
     AUTO_CLASS = AutoModelForCausalLM
@@ -85,85 +60,19 @@ class CausalLMModule(TextGeneration, HFModule):
         """``loss.implementation``: plain | chunked | liger."""
         return self.hparams.loss["implementation"] if self.hparams.get("loss") else "plain"
 
-    def prepare_data(self) -> None:
-        """Install the model files, then check the spec against the architecture, before the
-        data is tokenised and before any weights load (Lightning calls this first)."""
-        super().prepare_data()
-        if self.hparams.hf_config is None and self.inputs is not None:  # (the config's facts: no tokenizer yet, none needed)
-            self.architecture_spec(precision=self.inputs.precision, max_length=self.inputs.max_length)
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        # Loaded from a checkpoint (eval/export), the module has no inputs yet: fp32 weights.
-        precision = self.inputs.precision if self.inputs is not None else "32-true"
-        if self.hparams.hf_config is None:
-            self.model = self.build_model(precision, max_length=self.inputs.max_length)
-            hf_config = config_to_dict(self.model.config)
-            self.hparams.hf_config = hf_config
-        else:  # load_from_checkpoint / export: the weights come from the checkpoint
-            if uses_peft(self.hparams.peft):
-                self.prepare_data()  # the base weights are read from model.name_or_path
-            self.model = self.build_model(precision, max_length=None)
-        self.model.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
-        # The chunked loss calls the transformer body and the lm_head itself: compile the body.
-        self.apply_levers(compile_target=causal_body(self.model) if self.loss_implementation != "plain" else None)
-        self.configure_metrics()
-
-    def architecture_spec(
-        self, precision: str, max_length: int | None, config: PretrainedConfig | None = None
-    ) -> tuple[PretrainedConfig, list[str]]:
-        """The HF config (``config`` given, the planner's; else the checkpoint's, else the spec's)
-        and the LoRA target modules, checked by :func:`.loss.check_causal_spec`."""
-        if config is None and self.hparams.hf_config is not None:
-            fields = dict(self.hparams.hf_config)
-            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        elif config is None:
-            config = spec_config(self.hparams.model, self.tokenizer)
-        peft = self.hparams.peft or {"method": "none"}
-        return config, check_causal_spec(config, self.hparams.model, peft, precision, max_length, self.loss_implementation)
-
-    def build_model(
-        self, precision: str, max_length: int | None, config: PretrainedConfig | None = None, pretrained: bool = True
-    ) -> torch.nn.Module:
-        """The one builder of this task's model (``train``, ``plan``, eval/export all call it):
-        check the spec (:meth:`architecture_spec`), then load the pretrained weights or initialise
-        random ones, in the dtype of :func:`...core.models.precision.weights_dtype`, and add the LoRA adapters.
-
-        Args:
-            precision: Lightning's precision flag the model will run under.
-            max_length: the longest row in tokens (checked against the positions), or ``None``.
-            config: the HF config to build (the planner's); default: the spec's.
-            pretrained: ``False`` builds random weights even for a pretrained spec (the planner).
+    def check_spec(self, config: PretrainedConfig, precision: str, max_length: int | None) -> list[str] | str:
+        """The shared checks and a causal LM's own (:func:`.loss.check_causal_config`).
 
         Raises:
-            ConfigError: see the class docstring; QLoRA's 4-bit load failing.
+            ConfigError: an encoder, a chunked/Liger loss on logits transformed after the lm_head,
+                or see :meth:`...core.models.base.HFModule.check_spec`.
         """
-        spec, peft_cfg, method = self.hparams.model, self.hparams.peft, self.peft_method
-        config, modules = self.architecture_spec(precision, max_length, config=config)
-        dtype = weights_dtype(precision, method)
-        if pretrained and spec.get("name_or_path") and (method != "none" or self.hparams.hf_config is None):
-            options = {"dtype": dtype, "attn_implementation": self.attn_implementation}
-            if method == "qlora":
-                trainer = self.attached_trainer()
-                options.update(quantized_loading(peft_cfg, precision, trainer.strategy.root_device if trainer is not None else None))
-            try:
-                model, info = self.AUTO_CLASS.from_pretrained(spec["name_or_path"], output_loading_info=True, **options)
-                self.remember_fresh(model, info)
-            except (ImportError, RuntimeError, ValueError) as error:
-                if method != "qlora":
-                    raise
-                raise ConfigError(
-                    f"peft=qlora could not load {spec['name_or_path']!r} in 4-bit: {error}\nfix: bitsandbytes with a "
-                    "backend for this device (CUDA, or the CPU from bitsandbytes 0.45: pip install -U bitsandbytes), "
-                    "or peft=lora"
-                ) from error
-        else:
-            model = self.AUTO_CLASS.from_config(config, attn_implementation=self.attn_implementation, dtype=dtype)
-        if method != "none":
-            model = self.add_adapters(model, modules, pretrained=pretrained and bool(spec.get("name_or_path")))
-        self.prepare_qat(model)
-        return model
+        check_causal_config(config, self.hparams.model, self.loss_implementation)
+        return super().check_spec(config, precision, max_length)
+
+    def compile_target(self) -> torch.nn.Module | None:
+        # The chunked loss calls the transformer body and the lm_head itself: compile the body.
+        return causal_body(self.model) if self.loss_implementation != "plain" else None
 
     # ------------------------------------------------------------------------------ steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,14 +1,9 @@
 """NEFTune: uniform noise on the input embeddings while training (Jain et al., "NEFTune: Noisy
 Embeddings Improve Instruction Finetuning", ICLR 2024, arXiv:2310.05914, Algorithm 1).
 
-Each training forward adds ``eps * alpha / sqrt(L * d)`` to the embedding output, ``eps`` drawn
-from ``Uniform(-1, 1)`` per element, ``d`` the embedding width and ``L`` the length of the row
-the token belongs to.  The paper's ``L`` is the sequence length of its one-row batches; here it is
-each row's own length (its attention-mask count, or under ``pack_rows`` the run of its
-``position_ids``), so a short row beside a long one, or packed with others, gets the noise it
-would get alone.  Padding gets none.  Validation, test, generation and export see no noise: the
-hook adds it only while the embedding module is in training mode and a training batch is running.
-"""
+Each training forward adds ``eps * alpha / sqrt(L * d)`` to the embedding output (``eps ~ Uniform(-1, 1)`` per element,
+``d`` the embedding width). ``L`` is each row's own length (the paper's is that of its one-row batches), so a row
+packed or beside a longer one gets the noise it would alone; padding gets none, and so does all but training."""
 
 from __future__ import annotations
 
@@ -37,17 +32,8 @@ def neftune_problems(cfg: DictConfig) -> list[str]:
 
 
 def row_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Per token, the length ``L`` of the row it belongs to, 0 on padding.
-
-    Args:
-        batch: ``input_ids`` ``(B, T)``, and ``position_ids`` ``(B, T)`` (packed rows: each row's
-            positions start at 0; the padding is one more run) or ``attention_mask`` ``(B, T)``.
-
-    Returns:
-        ``(B, T)`` float32 lengths in tokens.  Without either key every token's row is the whole
-        ``T``.  Under ``position_ids`` the trailing padding is a run of its own and gets noise
-        like a row; no real row attends to it (packed rows attend only within their run).
-    """
+    """Per token, the length ``L`` of its row in tokens, ``(B, T)`` float32, 0 on padding: from ``position_ids`` (each run
+    from 0 a row; trailing padding is one too, attended by no row), else ``attention_mask`` ``(B, T)``, else ``T``."""
     ids = batch["input_ids"]
     if "position_ids" in batch:
         starts = batch["position_ids"] == 0
@@ -63,11 +49,8 @@ def row_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 class NEFTune(L.Callback):
     """Add NEFTune noise to the model's input-embedding output in training steps.
 
-    Args:
-        alpha: the noise scale ``alpha`` (the paper uses 5, 10, 15); > 0.
-
     Raises:
-        ValueError: ``alpha`` not a positive number (``callbacks.neftune.alpha``).
+        ValueError: ``alpha`` (the paper uses 5, 10, 15) is not a positive number.
     """
 
     def __init__(self, alpha: float = 5.0) -> None:

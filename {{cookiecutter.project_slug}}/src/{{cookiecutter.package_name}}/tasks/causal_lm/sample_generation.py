@@ -14,23 +14,12 @@ log = logging.getLogger(__name__)
 
 
 class SampleGeneration(L.Callback):
-    """Every ``every_n_steps`` optimizer steps (and after the last one), complete each prompt and
-    log the text: appended to ``<run>/samples.txt`` and, with a W&B logger, as a table
-    ``samples`` (step, prompt, completion).  Greedy by default, so samples are comparable
-    across steps.
-
-    The module must have ``generate_text(prompts, **generation) -> list[str]``
-    (:class:`.module.CausalLMModule` does).
-
-    Args:
-        prompts: the fixed prompts.
-        every_n_steps: generation period in optimizer steps (0 = only after training).
-        max_new_tokens: tokens generated per prompt.
-        do_sample: sample instead of greedy decoding (then ``temperature``/``top_p`` apply).
-        output_file: the text file (default ``<trainer.default_root_dir>/samples.txt``).
+    """Every ``every_n_steps`` optimizer steps (0: none) and after the last, complete each prompt with the module's
+    ``generate_text`` and append the text to ``output_file`` (default ``<run>/samples.txt``) and a W&B ``samples``
+    table. Greedy unless ``do_sample``, so samples compare across steps.
 
     Raises:
-        ValueError: ``prompts`` is empty, or ``every_n_steps``/``max_new_tokens`` is negative.
+        ValueError: ``prompts`` is empty, ``every_n_steps`` < 0 or ``max_new_tokens`` < 1.
     """
 
     def __init__(
@@ -69,8 +58,7 @@ class SampleGeneration(L.Callback):
         """Generate now (all ranks run the model; rank 0 writes); return the completions.  A
         failure is a warning, never the end of the run (``[]`` returned); out of memory is raised."""
         self._last_step = trainer.global_step
-        # On a fork of the RNG: sampling must not shift the training stream (a resumed run, which
-        # may not generate at the same steps, would otherwise draw other dropout masks).
+        # On a fork of the RNG, so sampling does not shift the training stream (a resume must draw the same masks).
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):

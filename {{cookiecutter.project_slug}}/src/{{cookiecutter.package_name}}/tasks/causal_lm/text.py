@@ -22,7 +22,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Callable
 
 import datasets
 import numpy as np

@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable
 
 import datasets
 from torch.utils.data import DataLoader
-from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers import DataCollatorWithPadding
 
 from ...core.data.batching import TokenizedDataModule
 from ...core.data.loading import drop_blank_rows, is_blank, load_split, require_column_types, require_columns

@@ -6,19 +6,10 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
-from transformers import AutoConfig, AutoModelForSequenceClassification, PretrainedConfig
+from transformers import AutoModelForSequenceClassification
 
-from ...core.models.adapters import check_adapter_spec, quantized_loading, target_modules
+from ...core.data.tokenization import use_eos_as_pad
 from ...core.models.base import HFModule
-from ...core.models.builder import (
-    build_sequence_classifier,
-    check_max_length,
-    config_to_dict,
-    linear_layer_names,
-    sequence_classifier_from_dict,
-    spec_config,
-)
-from ...core.models.precision import weights_dtype
 
 
 def classification_metrics(num_classes: int, split: str) -> MetricCollection:
@@ -65,34 +56,17 @@ class PendingUpdates:
 
 
 class SequenceClassificationModule(HFModule):
-    """Fine-tune (or train from scratch) a sequence classifier.
+    """Fine-tune (or train from scratch) a sequence classifier; built by the shared builder
+    (:meth:`...core.models.base.HFModule.build_model`) once the data has set the labels, so bad
+    data fails before any weights load and ``num_labels``/``id2label`` come from the data.
 
-    The Hugging Face model is built in ``configure_model``, after the data module's ``setup``
-    has read the labels and loaded the tokenizer, so bad data fails before any weights load and
-    ``num_labels``/``id2label`` come from the data (their one source).
-
-    Args:
-        model: the ``model`` config group as a plain dict (see :mod:`...core.models.builder`), including an
-            optional ``fetch`` (called once in ``prepare_data`` to install the weights).
-        optimizer: the ``optimizer`` config group as a plain dict (``_target_``, ``lr``, ...).
-        attention, activation_checkpointing, compile: those config groups as plain dicts (see
-            :class:`...core.models.base.HFModule`).
-        peft: the ``peft`` config group as a plain dict (``method``: none / lora / qlora, ...);
-            ``None`` = none.  With LoRA/QLoRA the pretrained model is frozen, adapters train on
-            its linear layers and the new head trains in full; checkpoints hold those weights
-            only, and eval/predict re-read the frozen base from ``model.name_or_path``.
-        hf_config: filled in on the first fit and stored in checkpoints, from which
-            eval/predict rebuild the model without the pretrained files (the labels are in
-            :attr:`inputs`, ``checkpoint["model_inputs"]``).
-
-    Batches are dicts of ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)`` and
-    ``labels`` ``(B,)``; ``forward`` returns logits ``(B, num_labels)``.  A decoder (GPT-2,
-    Llama) classifies from the hidden state of each row's last token: ``config.pad_token_id``
-    follows the tokenizer (its EOS when it has no pad token) and rows are padded on the right.
-
-    Raises (from ``prepare_data``, before the data is tokenised and any weights load):
-        ConfigError: ``data.max_length`` above the model's positions, LoRA/QLoRA without
-            pretrained weights, a LoRA target that matches no layer, QLoRA with bf16-true.
+    Batches: ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)``, ``labels`` ``(B,)``;
+    ``forward`` returns logits ``(B, num_labels)``.  A decoder (GPT-2, Llama) classifies from each
+    row's last token: ``pad_token_id`` follows the tokenizer (its EOS when it has none), rows are
+    padded on the right.  With LoRA/QLoRA the base is frozen, the new head trains in full, and
+    checkpoints hold the trained weights only (eval/predict re-read the base).  The arguments are
+    the config groups of ``task.module_args`` as plain dicts; ``hf_config`` is stored by the first
+    fit, from which eval/predict rebuild the model.
     """
 
     AUTO_CLASS = AutoModelForSequenceClassification  # the transformers class of the model (one label per row)
@@ -123,44 +97,21 @@ class SequenceClassificationModule(HFModule):
         """What eval/predict pass to the data module: the checkpoint's tokenizer and labels."""
         return {**super().datamodule_kwargs(), "label2id": self.label2id}
 
-    def prepare_data(self) -> None:
-        """Install the model files, then check the spec against the architecture (positions,
-        LoRA targets), before the data is tokenised and before any weights load (Lightning calls
-        this first)."""
-        super().prepare_data()
-        if self.inputs is not None:  # (the config's facts: the labels are not read yet, none needed)
-            config = self.architecture()
-            check_max_length(config, self.inputs.max_length)
-            check_adapter_spec(self.hparams.peft, self.hparams.model, self.inputs.precision)
-            if self.peft_method != "none":
-                self.lora_targets(config)
+    def config_fields(self) -> dict:
+        """The head's labels and the pad id a decoder's classifier reads the last token by: the
+        checkpoint's, else the data's (a tokenizer without a pad token pads with its EOS); ``{}``
+        before the data is read."""
+        stored = self.hparams.hf_config
+        if stored is not None:
+            return {key: stored[key] for key in ("id2label", "label2id", "pad_token_id")}
+        if self.inputs is None or self.inputs.id2label is None:
+            return {}
+        use_eos_as_pad(self.tokenizer)
+        id2label = dict(self.inputs.id2label)
+        label2id = {name: index for index, name in id2label.items()}
+        return {"num_labels": len(id2label), "id2label": id2label, "label2id": label2id, "pad_token_id": self.tokenizer.pad_token_id}
 
-    def lora_targets(self, config: PretrainedConfig) -> list[str]:
-        """The LoRA target modules of this architecture (see :func:`...core.models.adapters.target_modules`).
-
-        Raises:
-            ConfigError: no target list for the model family, or a name matching no linear layer.
-        """
-        return target_modules(self.hparams.peft, config, linear_layer_names(config, self.AUTO_CLASS))
-
-    def architecture(self) -> PretrainedConfig:
-        """The HF config of the model (the checkpoint's, or the spec's), read without weights."""
-        if self.hparams.hf_config is not None:
-            fields = dict(self.hparams.hf_config)
-            return AutoConfig.for_model(fields.pop("model_type"), **fields)
-        return spec_config(self.hparams.model, None)
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        # Loaded from a checkpoint (eval/predict), the module has no inputs yet: fp32 weights.
-        self.model = self.build_model(self.inputs.precision if self.inputs is not None else "32-true")
-        if self.hparams.hf_config is None:  # (first fit: the architecture built, stored for eval/predict)
-            self.hparams.hf_config = config_to_dict(self.model.config)
-        # from_pretrained returns the model in eval mode (dropout off), and Lightning keeps
-        # each submodule's mode as it finds it: switch to train mode explicitly.
-        self.model.train()
-        self.apply_levers()
+    def configure_metrics(self) -> None:
         self.train_metrics, self.val_metrics, self.test_metrics = (self.metrics(split) for split in ("train", "val", "test"))
         self.train_updates = PendingUpdates(self.train_metrics)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -171,58 +122,6 @@ class SequenceClassificationModule(HFModule):
         """The metrics of ``split`` (``train``/``val``/``test``), logged as ``{split}/<name>``
         (:func:`classification_metrics`); the model is built, so its labels are known."""
         return classification_metrics(self.model.config.num_labels, split)
-
-    def build_model(self, precision: str, max_length: int | None = None, config: PretrainedConfig | None = None) -> torch.nn.Module:
-        """The one builder of this task's model (``train``, ``plan``, eval/predict all call it), in
-        the dtype of :func:`...core.models.precision.weights_dtype`: ``config`` (the planner's: random weights),
-        else the architecture a checkpoint stored (``hf_config``: random weights the checkpoint
-        then fills; with LoRA/QLoRA the pretrained base, as the checkpoint holds only the trained
-        weights), else the spec with a fresh head of the data's labels (:attr:`inputs`); then the
-        LoRA adapters (``peft``).  ``max_length`` is not used (the signature is the causal LM's).
-
-        Raises:
-            ValueError: the spec gives neither ``name_or_path`` nor ``config``.
-            ConfigError: see the class docstring.
-        """
-        attention, method = self.attn_implementation, self.peft_method
-        dtype = weights_dtype(precision, method)
-        trainer = self.attached_trainer()
-        device = trainer.strategy.root_device if trainer is not None else None
-        loading = quantized_loading(self.hparams.peft, precision, device) if method == "qlora" and config is None else {}
-        info: dict = {}  # from_pretrained's loading info: which weights it drew at random
-        if config is not None:
-            model = self.AUTO_CLASS.from_config(config, attn_implementation=attention, dtype=dtype)
-        elif self.hparams.hf_config is not None and method == "none":
-            model = sequence_classifier_from_dict(self.hparams.hf_config, attention, dtype=dtype, auto_class=self.AUTO_CLASS)
-        elif self.hparams.hf_config is not None:  # an adapter checkpoint: the frozen base is re-read
-            super().prepare_data()  # (model.fetch)
-            stored = {key: self.hparams.hf_config[key] for key in ("id2label", "label2id", "pad_token_id")}
-            model, info = self.AUTO_CLASS.from_pretrained(
-                self.hparams.model["name_or_path"],
-                attn_implementation=attention,
-                dtype=dtype,
-                output_loading_info=True,
-                **loading,
-                **stored,
-            )
-        else:
-            model = build_sequence_classifier(
-                self.hparams.model,
-                self.inputs.id2label,
-                self.inputs.tokenizer,
-                attention,
-                dtype=dtype,
-                loading=loading,
-                loading_info=info,
-                auto_class=self.AUTO_CLASS,
-            )
-        if config is None:
-            self.remember_fresh(model, info)
-        if method != "none":
-            targets = self.lora_targets(config or self.architecture())
-            model = self.add_adapters(model, targets, task_type=self.PEFT_TASK_TYPE, pretrained=config is None)
-        self.prepare_qat(model)
-        return model
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}

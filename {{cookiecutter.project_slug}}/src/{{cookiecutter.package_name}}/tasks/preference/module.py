@@ -76,8 +76,8 @@ class PreferenceModule(CausalLMModule):
         self._window_pairs = torch.zeros(len(PAIR_METRICS))
 
     # ----------------------------------------------------------------------------- building
-    def build_model(self, precision: str, max_length: int | None, config=None, pretrained: bool = True) -> torch.nn.Module:
-        model = super().build_model(precision, max_length, config=config, pretrained=pretrained)
+    def build_model(self, precision: str, config=None) -> torch.nn.Module:
+        model = super().build_model(precision, config=config)
         disable_dropout(model)
         return model
 

@@ -1,10 +1,7 @@
 """Preference objectives on per-sequence log-probabilities: DPO, ORPO and SimPO.
 
-Each takes the summed log-probabilities of the completion tokens of each side of ``P`` pairs
-(:func:`completion_logps`) and returns a :class:`PairTerms`: the per-pair loss and the implicit
-rewards the metrics report.  ``w`` is the chosen (winning) completion, ``l`` the rejected
-(losing) one, ``x`` the prompt, as in the papers.
-"""
+Each takes the summed completion log-probs of each side of ``P`` pairs (:func:`completion_logps`) and returns a
+:class:`PairTerms`; ``w`` is the chosen completion, ``l`` the rejected one, ``x`` the prompt, as in the papers."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ OBJECTIVES = ("dpo", "orpo", "simpo")
 
 @dataclass
 class PairTerms:
-    """Per-pair values, each ``(P,)`` float32: the loss, the rewards of each side (the quantity
-    the objective ranks: ``reward_chosen > reward_rejected`` is a pair ranked right)."""
+    """Per-pair ``(P,)`` float32 values: the loss and each side's reward (``reward_chosen > reward_rejected``: ranked right)."""
 
     loss: torch.Tensor
     reward_chosen: torch.Tensor
@@ -31,18 +27,9 @@ class PairTerms:
 
 
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probability of each row's target tokens, and their count.
-
-    Args:
-        logits: ``(N, T, V)``; position ``t`` predicts token ``t + 1``.
-        labels: ``(N, T)`` token ids, -100 where a token is not scored (prompt, padding).
-
-    Returns:
-        ``(logps, n_tokens)``: ``(N,)`` float32 ``sum_t log p(label_t+1 | ...)`` over the scored
-        positions, and ``(N,)`` int64 their count.
-    """
-    # Shift the labels left, as the SFT loss does (tasks.causal_lm.loss.token_loss_sum): the last
-    # position has no next token and gets -100.
+    """``(logps, n_tokens)``: each row's summed log-probability of its scored tokens, ``(N,)`` float32, and their count,
+    ``(N,)`` int64, from ``logits`` ``(N, T, V)`` (position ``t`` predicts ``t + 1``) and ``labels`` ``(N, T)`` (-100: not scored)."""
+    # Shift the labels left as causal_lm's token_loss_sum does; the last position has no next token (-100).
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (N, T)
     scored = targets != IGNORE_INDEX
     # cross_entropy is -log p of the target; ignored positions give 0.
@@ -53,19 +40,9 @@ def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
 def completion_logps_from_hidden(
     hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, scored_from: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`completion_logps` from the last hidden states, the lm_head applied to the scored
-    positions only: no ``(N, T, V)`` logits for the prompt and padding positions (about half of a
-    pair's tokens; at a 128k vocabulary, 2 x 1024 tokens of fp32 logits are 1 GiB).
-
-    Args:
-        hidden: ``(N, T, D)`` last hidden states; lm_head: ``D -> V``; labels: ``(N, T)``.
-        scored_from: every row scores exactly positions ``scored_from .. T-2`` (the planner's
-            example batch): sliced, with static shapes for its fake-tensor trace (the scored
-            positions of real data are found with ``nonzero``, whose output shape is data-dependent).
-
-    Returns:
-        As :func:`completion_logps` (the same sums, added in another order).
-    """
+    """:func:`completion_logps` from the last hidden states ``(N, T, D)``, the lm_head (``D -> V``) applied to the scored
+    positions only (no logits for prompt and padding, about half a pair's tokens). ``scored_from``: every row scores
+    positions ``scored_from .. T-2`` (the planner's example batch), sliced so its fake-tensor trace has static shapes."""
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (N, T), shifted as in completion_logps
     if scored_from is not None:
         logits = lm_head(hidden[:, scored_from:-1])  # (N, S, V)
@@ -81,15 +58,13 @@ def completion_logps_from_hidden(
 def dpo(
     logp_w: torch.Tensor, logp_l: torch.Tensor, ref_w: torch.Tensor, ref_l: torch.Tensor, beta: float, label_smoothing: float
 ) -> PairTerms:
-    """Direct Preference Optimization, sigmoid loss (Rafailov et al., 2023, "Direct Preference
-    Optimization: Your Language Model is Secretly a Reward Model", eq. 7), with the conservative
-    label smoothing ``eps`` of Mitchell (2023, "A note on DPO with noisy preferences"):
+    """DPO, sigmoid loss (Rafailov et al., 2023, "Direct Preference Optimization: Your Language Model is Secretly a Reward
+    Model", eq. 7), with the conservative label smoothing ``eps`` of Mitchell (2023, "A note on DPO with noisy preferences"):
 
         r(y) = beta * (log pi(y|x) - log pi_ref(y|x))          (the implicit reward, sec. 5)
         L    = -(1 - eps) * log sigmoid(r(y_w) - r(y_l)) - eps * log sigmoid(r(y_l) - r(y_w))
 
-    ``logp_*``: ``(P,)`` summed completion log-probs of the policy; ``ref_*`` of the reference.
-    """
+    ``logp_*``: ``(P,)`` summed completion log-probs of the policy; ``ref_*`` of the reference."""
     reward_w, reward_l = beta * (logp_w - ref_w), beta * (logp_l - ref_l)
     margin = reward_w - reward_l
     loss = -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
@@ -97,14 +72,11 @@ def dpo(
 
 
 def simpo(logp_w: torch.Tensor, logp_l: torch.Tensor, n_w: torch.Tensor, n_l: torch.Tensor, beta: float, gamma: float) -> PairTerms:
-    """Simple Preference Optimization (Meng, Xia and Chen, 2024, "SimPO: Simple Preference
-    Optimization with a Reference-Free Reward", eq. 6): the reward is the length-normalised
-    log-probability, and the chosen side must win by a margin ``gamma``:
+    """SimPO (Meng, Xia and Chen, 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward", eq. 6):
+    a length-normalised reward, the chosen side winning by ``gamma``; ``n_*``: ``(P,)`` completion tokens (``|y|``).
 
         r(y) = beta / |y| * log pi(y|x)
         L    = -log sigmoid(r(y_w) - r(y_l) - gamma)
-
-    ``n_*``: ``(P,)`` completion tokens of each side (``|y|``).
     """
     reward_w, reward_l = beta * logp_w / n_w, beta * logp_l / n_l
     loss = -F.logsigmoid(reward_w - reward_l - gamma)
@@ -112,15 +84,12 @@ def simpo(logp_w: torch.Tensor, logp_l: torch.Tensor, n_w: torch.Tensor, n_l: to
 
 
 def orpo(logp_w: torch.Tensor, logp_l: torch.Tensor, n_w: torch.Tensor, n_l: torch.Tensor, beta: float) -> PairTerms:
-    """Odds Ratio Preference Optimization (Hong, Lee and Thorne, 2024, "ORPO: Monolithic Preference
-    Optimization without Reference Model", eqs. 4-7); the paper's lambda is ``beta`` here:
+    """ORPO (Hong, Lee and Thorne, 2024, "ORPO: Monolithic Preference Optimization without Reference Model", eqs. 4-7),
+    the paper's lambda as ``beta``; the rewards are ``beta * log P``, as TRL's ORPO trainer reports them:
 
         P(y|x)    = exp(log pi(y|x) / |y|)                      (length-normalised likelihood)
         odds(y|x) = P / (1 - P);  log odds = log P - log(1 - P)
-        L         = L_SFT + beta * -log sigmoid(log odds(y_w|x) - log odds(y_l|x))
-
-    with ``L_SFT = -log pi(y_w|x) / |y_w|`` (the chosen side's mean token NLL).  The reported
-    rewards are ``beta * log P`` of each side, as TRL's ORPO trainer reports them.
+        L         = -log pi(y_w|x) / |y_w| + beta * -log sigmoid(log odds(y_w|x) - log odds(y_l|x))
     """
     mean_w, mean_l = logp_w / n_w, logp_l / n_l  # log P, each < 0
     # log(1 - P) = log(1 - exp(log P)) = log1p(-exp(log P)); clamped away from P = 1 (log 0).

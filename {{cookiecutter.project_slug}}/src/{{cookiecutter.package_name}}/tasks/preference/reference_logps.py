@@ -1,21 +1,10 @@
-"""The reference log-probs of a full fine-tune's DPO (task=preference), computed once from the
-starting weights.
+"""The reference log-probs of a full fine-tune's DPO (task=preference), computed once from the starting weights.
 
-With no adapters to switch off, the reference model of DPO is the policy as it starts.  Rather
-than a second copy of the weights in memory, :class:`ReferenceLogProbs` runs one no-grad pass over
-every split's pairs before the first step (train's ``validate_before_fit`` pass or the fit's start,
-whichever comes first) and hands the module a ``(pairs, 2)`` table per split
-(:attr:`.module.PreferenceModule.reference_tables`, kept in every checkpoint).
-A callback, as the hand-over of the data's facts is (:class:`...core.models.inputs.ConnectData`): the
-module never reads the trainer's data module; this reads its prepared splits and collator.
-
-**Cache.**  The tables are also written to ``<data.cache_dir>/reference_logps/<key>.pt``, keyed by
-the content of what determines them: the base model's files (sha256, :mod:`...core.identity.hashes`),
-the model, ``peft``, precision and attention settings, the seed (a model from scratch), and the
-tokenised pairs themselves.  A changed model, data or tokenisation gets a new key, never an old
-table; a sweep's trials on the same model and data read the first one's.  The file holds plain
-tensors, read with ``weights_only=True``.
-"""
+With no adapters to switch off, the reference is the policy as it starts: rather than a second copy of the weights,
+:class:`ReferenceLogProbs` runs one no-grad pass over every split's pairs before the first step and hands the module
+a ``(pairs, 2)`` table per split (:attr:`.module.PreferenceModule.reference_tables`, kept in checkpoints). The tables
+are cached in ``<data.cache_dir>/reference_logps/`` keyed by what determines them (the base model files' sha256, model,
+peft, precision, attention, seed, tokenised pairs), so a change never reads an old one; plain tensors, ``weights_only=True``."""
 
 from __future__ import annotations
 
@@ -38,15 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class ReferenceLogProbs(L.Callback):
-    """Give a DPO full fine-tune its reference tables before any pair is scored (see the module
-    docstring); nothing for the other runs (adapters, or a reference-free objective).
-
-    Args:
-        seed: the run's seed (``${seed}``), part of the cache key (it draws a model from scratch).
+    """Give a DPO full fine-tune its reference tables before any pair is scored; nothing for other runs.
+    ``seed`` (``${seed}``) is part of the cache key (it draws a model from scratch).
 
     Raises (from the hooks):
-        ConfigError: a split without a table on a module that has left its starting weights (a
-            checkpoint of a run that never computed it).
+        ConfigError: a split without a table on a module past its starting weights.
     """
 
     def __init__(self, seed: int | None) -> None:
@@ -126,9 +111,8 @@ def pairs_digest(dataset) -> str:
 
 @torch.no_grad()
 def reference_table(module: L.LightningModule, dataset, collator, batch_size: int, precision_plugin) -> torch.Tensor:
-    """``(pairs, 2)`` float32 summed completion log-probs (chosen, rejected) of ``module``'s
-    current weights over ``dataset``, in its order, in eval mode, under the run's precision
-    (``precision_plugin.forward_context()``: autocast for the mixed precisions)."""
+    """``(pairs, 2)`` float32 summed completion log-probs (chosen, rejected) of ``module``'s current weights over
+    ``dataset`` in order, in eval mode, under the run's precision (``precision_plugin.forward_context()``)."""
     was_training = module.training
     module.eval()
     rows = []

@@ -1,9 +1,6 @@
-"""Judge what a preference-tuned model writes: seeded samples for held-out prompts, scored by a
-judge the project did not write (the demo's: VADER's sentiment analyzer, :func:`...core.assets.vader.sentiment_scores`).
-
-The samples of the untuned model (``..._start``) and of the tuned one come from the same prompts
-and the same seed: the same random stream, so the difference is the tuning's.
-"""
+"""Judge what a preference-tuned model writes: seeded samples for held-out prompts, scored by a judge the project did
+not write (the demo's: VADER, :func:`...core.assets.vader.sentiment_scores`). The untuned (``..._start``) and tuned
+samples share prompts and seed, so the difference is the tuning's."""
 
 from __future__ import annotations
 
@@ -17,11 +14,8 @@ from ...core.run.entry import atomic_write_path
 
 
 def judged_samples(module, datamodule, trainer, output: Path, split: str, suffix: str) -> dict[str, float]:
-    """``data.samples_per_prompt`` samples (temperature ``data.sample_temperature``, at most
-    ``data.sample_max_new_tokens`` tokens, ``torch.manual_seed(data.sample_seed)`` first) for each
-    prompt of ``data.sample_prompts``, rendered as a user turn with the run's chat template; each
-    scored by ``data.judge``.  Writes ``output`` (jsonl: ``prompt``, ``sample``, the judge's
-    values) atomically, logs and prints the means.
+    """``data.samples_per_prompt`` seeded samples for each of ``data.sample_prompts`` (as a user turn), scored by
+    ``data.judge``; writes ``output`` (jsonl) atomically, logs and prints the means.
 
     Returns:
         ``{f"{split}/{metric}{suffix}": mean over the samples}`` for each metric of the judge.

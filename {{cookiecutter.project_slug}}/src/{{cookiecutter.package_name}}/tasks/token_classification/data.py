@@ -4,7 +4,6 @@ rows or CoNLL-style text; tags mapped once from train; words aligned to sub-toke
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import datasets

@@ -1,26 +1,12 @@
 """Entity spans from tag sequences, and entity-level precision/recall/F1 as a torchmetrics metric.
 
-Schemes (``data.scheme``): ``IOB2`` (``BIO`` is the same scheme: ``B-X`` begins an entity of
-type X, ``I-X`` continues it, ``O`` is outside), ``IOB1`` (the original CoNLL-2003 files: an
-entity starts with ``I-X``, and ``B-X`` only where it follows one of the same type; read as the
-default mode reads IOB2, and an ``I-`` after ``O`` is no error there), ``BIOES`` (also ``E-X`` ends a multi-token
-entity and ``S-X`` is a single-token one) and ``none`` (tags without prefixes, e.g. POS: every
-tag but ``O`` is a one-token span of its own type, so F1 is the micro F1 over tokens).
-
-Two modes (``data.strict``):
-
-- default (``strict=false``), as CoNLL's ``conlleval`` script and seqeval's default mode score:
-  an ``I-X`` (or ``E-X``) that does not continue an entity of type X begins one;
-- strict (``strict=true``), as seqeval's ``mode="strict"``: only well-formed entities count
-  (IOB2: ``B-X I-X*``; BIOES: ``B-X I-X* E-X`` or ``S-X``); the tags of a malformed one are no
-  entity.
-
-Either way such a tag is counted (:func:`entity_spans`' second value), in the data
-(``data`` logs it per split) and in the predictions (``{split}/invalid_tags``).  An entity is
-right when its type, first and last word all match the gold one (CoNLL-2003's definition, Tjong
-Kim Sang & De Meulder 2003).  Written here rather than taken from seqeval, whose last release is
-from 2020 and which pulls in scikit-learn for these ~40 lines.
-"""
+Schemes (``data.scheme``): ``IOB2``/``BIO`` (``B-X`` begins an entity, ``I-X`` continues it, ``O`` is outside), ``IOB1``
+(CoNLL-2003's files: ``B-X`` only after an entity of the same type; read as IOB2, an ``I-`` after ``O`` no error),
+``BIOES`` (also ``E-X`` ends an entity, ``S-X`` is a one-token one) and ``none`` (no prefixes, e.g. POS: every tag but
+``O`` is a one-token span, so F1 is token micro F1). ``data.strict=false`` scores as ``conlleval`` and seqeval's default
+(a stray ``I-X``/``E-X`` begins an entity); ``true`` as seqeval's ``mode="strict"`` (only well-formed entities count).
+Stray tags are counted either way (``{split}/invalid_tags``). An entity is right when its type, first and last word
+match (CoNLL-2003, Tjong Kim Sang & De Meulder 2003). Not seqeval: last released in 2020, it pulls in scikit-learn."""
 
 from __future__ import annotations
 
@@ -51,9 +37,8 @@ def tag_problem(tag: str, scheme: str) -> str | None:
 
 
 def entity_spans(tags: list[str], scheme: str, strict: bool) -> tuple[set[tuple[str, int, int]], int]:
-    """The entities of one sentence's word tags, as ``{(type, first word, last word)}``, and the
-    number of tags that continue no entity (an ``I-X``/``E-X`` after ``O``, after another type or
-    after an ended entity; strict mode also counts a ``B-X`` of BIOES left without its ``E-X``)."""
+    """The entities of one sentence's word tags as ``{(type, first word, last word)}``, and the number of tags that
+    continue no entity (strict BIOES also counts a ``B-X`` left without its ``E-X``)."""
     spans, invalid = set(), 0
     start, kind, last = None, "", "O"  # the open entity: first word, type, prefix of its last tag
     for index, tag in enumerate([*tags, "O"]):  # a final O closes the last entity
@@ -80,13 +65,9 @@ def entity_spans(tags: list[str], scheme: str, strict: bool) -> tuple[set[tuple[
 
 
 class EntityScores(Metric):
-    """Entity-level true positives, predicted and gold entities per type (summed over batches and,
-    under DDP, over processes), and the predicted tags that continue no entity.
-
-    ``update(predicted, labels)``: tag ids ``(B, T)`` each; positions whose label is -100 (specials,
-    later sub-tokens of a word, padding) are skipped, so each row's remaining positions are its
-    words in order.
-    """
+    """Entity-level true positives, predicted and gold entities per type (summed over batches and processes), and the
+    predicted tags that continue no entity. ``update(predicted, labels)``: tag ids ``(B, T)``; label -100 positions
+    (specials, later sub-tokens, padding) are skipped, leaving each row's words in order."""
 
     full_state_update = False
 
