@@ -45,7 +45,8 @@ ONLY_FOR = {
         "tests/test_decoder_classifier.py",
         "tests/data/classifier_main_271a640.ckpt",  # a checkpoint of the previous format (test_safe_runs.py)
         "bench/throughput.py",
-        "bench/time_to_accuracy.py",
+        "tests/slow/test_bench_scripts.py",
+        "docs/tasks/classification.md",
     ],
     "causal_lm": [
         f"{SRC}/tasks/causal_lm",
@@ -95,9 +96,6 @@ ONLY_FOR = {
         "tests/test_lm_assets.py",
         "tests/test_levers.py",
         "tests/slow/test_compile.py",
-        "bench/text_pipeline.py",
-        "bench/step_time.py",
-        "bench/answers.py",
         f"{SRC}/inspect_data.py",
         f"{CONFIGS}/inspect_data.yaml",
         f"{CONFIGS}/data/chat.yaml",
@@ -110,6 +108,8 @@ ONLY_FOR = {
         "tests/test_long_context.py",
         "tests/test_chat_data.py",
         "tests/real_data/test_demo_sft.py",
+        "docs/tasks/causal_lm.md",
+        "docs/tasks/preference.md",
     ],
 }
 

@@ -63,11 +63,21 @@ def package_of(project: Path) -> str:
     return package
 
 
+# The template's own benchmarks (bench/, their smoke tests in bench/smoke/) do not ship in a bake; they are
+# written for the default bake's package and run inside it, with its test fixtures, by its suite.
+TEMPLATE_BENCH = TEMPLATE / "bench"
+
+
 @pytest.fixture(scope="session")
 def default_project(tmp_path_factory) -> Path:
     """The default bake, installed with its dependencies at the tested versions (as its README
-    says: pip install -c src/<package>/tested_versions.txt ".[dev]")."""
+    says: pip install -c src/<package>/tested_versions.txt ".[dev]"), with the template's own
+    benchmarks and their smoke tests copied in (bench/, tests/slow/)."""
     project = bake(tmp_path_factory.mktemp("default"))
+    for script in TEMPLATE_BENCH.glob("*.py"):
+        shutil.copy(script, project / "bench" / script.name)
+    for smoke in (TEMPLATE_BENCH / "smoke").glob("test_*.py"):
+        shutil.copy(smoke, project / "tests" / "slow" / smoke.name)
     constraints = project / "src" / "my_4090_project" / "tested_versions.txt"
     run([sys.executable, "-m", "pip", "install", "--quiet", "-c", str(constraints), f"{project}[dev]"], cwd=project, timeout=1500)
     return project

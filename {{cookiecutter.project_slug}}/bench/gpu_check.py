@@ -11,7 +11,7 @@ appended to ``gpu_check.json`` (``--out``) as soon as it is measured; at the end
 is printed and written as Markdown (``gpu_check.md``).  On a machine without a CUDA GPU it
 refuses to start, with one line.
 
-Cases (``--cases``; see ``docs/performance.md``):
+Cases (``--cases``; see ``docs/measuring.md``):
 
 - ``planner``: the memory planner's predicted peak (``plan``) against
   ``torch.cuda.max_memory_allocated`` over three real steps of the same model (random weights)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
 
-# Test tiers (see the README's "Tests"): a test's folder is its tier, and the marker is added
+# Test tiers (see docs/development.md): a test's folder is its tier, and the marker is added
 # here, so that a test moved between folders changes tier with it.  Plain ``pytest`` runs the
 # unmarked ones (tests/*.py); pyproject's addopts deselects the rest; ``pytest -m e2e`` (or
 # ``slow``, ``ddp``, ``real_data``, ``gpu``) runs one tier, ``pytest -m "not gpu"`` all that

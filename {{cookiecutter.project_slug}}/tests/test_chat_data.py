@@ -670,7 +670,7 @@ def test_a_mix_that_does_not_add_up_is_refused_with_the_field_and_the_fix(tokeni
 def test_a_mix_is_checked_before_weights_load_and_each_file_is_part_of_the_runs_identity(
     chat_tokenizer_dir, chat_pretrained, two_files, tmp_path
 ):
-    from {{ cookiecutter.package_name }}.core.config.groups import to_plain
+    from {{ cookiecutter.package_name }}.core.config.resolvers import to_plain
     from {{ cookiecutter.package_name }}.core.identity.fingerprint import named_files
     from {{ cookiecutter.package_name }}.tasks import check_config
 

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.core.config.groups import to_plain
+{% if cookiecutter.tasks != "causal_lm" %}from {{ cookiecutter.package_name }}.core.config.resolvers import to_plain
 {% endif %}from {{ cookiecutter.package_name }}.core.errors import ConfigError
 from {{ cookiecutter.package_name }}.eval import evaluate
 from {{ cookiecutter.package_name }}.tasks import check_config
@@ -374,7 +374,7 @@ def test_an_old_group_name_selects_the_renamed_group_and_says_so(tmp_path):
     and train/plan warn with the new spelling."""
     from hydra.core.hydra_config import HydraConfig
 
-    from {{ cookiecutter.package_name }}.core.config.groups import config_warnings
+    from {{ cookiecutter.package_name }}.core.config.validate import config_warnings
 
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "mine.yaml").write_text(

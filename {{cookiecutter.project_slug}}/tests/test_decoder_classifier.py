@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from {{ cookiecutter.package_name }}.core.config.groups import to_plain
+from {{ cookiecutter.package_name }}.core.config.resolvers import to_plain
 from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.core.models.adapters import target_modules, wrap_with_lora
 from {{ cookiecutter.package_name }}.core.models.builder import linear_layer_names

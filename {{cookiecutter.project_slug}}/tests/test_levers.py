@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from {{ cookiecutter.package_name }}.core.callbacks.lr_schedule import lr_factor
-from {{ cookiecutter.package_name }}.core.config.groups import config_warnings
+from {{ cookiecutter.package_name }}.core.config.validate import config_warnings
 from {{ cookiecutter.package_name }}.core.errors import ConfigError
 from {{ cookiecutter.package_name }}.core.models.levers import enable_activation_checkpointing
 from {{ cookiecutter.package_name }}.core.optim import StepInBackward, build_optimizer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }} import configs
-from {{ cookiecutter.package_name }}.core.config.groups import stopping_problems
+from {{ cookiecutter.package_name }}.core.config.validate import stopping_problems
 from {{ cookiecutter.package_name }}.core.data.loading import load_split
 from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.core.run.entry import command_line_problems
@@ -95,7 +95,7 @@ SHIPPED_STOPS = [f"debug={name}" for name in shipped_groups("debug")] + [f"exper
 @pytest.mark.parametrize("choice", SHIPPED_STOPS)
 def test_max_steps_alone_lifts_the_epochs_of_every_shipped_experiment_and_debug_group(choice):
     """An experiment's or a debug group's epochs are a default: ``trainer.max_steps=N`` alone runs
-    N steps (the README's promise), and without it their own limit stands (epochs, or steps)."""
+    N steps (docs/configuration.md's promise), and without it their own limit stands (epochs, or steps)."""
     stepped = compose_config("train", [choice, "trainer.max_steps=30"])
     assert stopping_problems(stepped.trainer) == []
     assert (stepped.trainer.max_steps, stepped.trainer.max_epochs) == (30, -1)

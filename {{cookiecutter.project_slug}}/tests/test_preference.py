@@ -486,6 +486,11 @@ def test_the_planners_static_slice_gives_the_gathered_logps():
         (["objective=simpo", "objective.gamma=-1"], "objective.gamma=-1 must be a number >= 0"),
         (["objective=dpo", "objective.label_smoothing=0.5"], r"objective.label_smoothing=0.5 must be in \[0, 0.5\)"),
         (["objective.name=ipo"], "objective.name='ipo' is not one of"),
+        # the task declares the group (Preference.config_groups): its keys are the Objective dataclass's fields
+        (
+            ["+objective.betta=0.2"],
+            r"objective.betta is not a key of objective.*did you mean objective.beta\?.*beta, gamma, label_smoothing, name",
+        ),
     ],
 )
 def test_a_bad_objective_is_refused_before_anything_loads(pretrained_folder, pair_files, tmp_path, overrides, message):

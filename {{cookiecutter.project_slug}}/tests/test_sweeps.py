@@ -14,7 +14,7 @@ import torch
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }}.core.config.groups import config_warnings
+from {{ cookiecutter.package_name }}.core.config.validate import config_warnings
 from {{ cookiecutter.package_name }}.core.data.sampling import ResumableSampler
 from {{ cookiecutter.package_name }}.core.errors import ConfigError, MetricNotLogged, TrialFailed
 from {{ cookiecutter.package_name }}.core.run.distributed import JOB_ENV, ddp_child_argv

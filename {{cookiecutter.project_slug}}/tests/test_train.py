@@ -290,7 +290,9 @@ def test_the_training_bar_draws_by_time_once_per_redraw_with_the_count_and_the_s
     trainer = SimpleNamespace(progress_bar_metrics={"val/acc": 0.5, "val/loss": 0.7})
     step_metrics = {"train/loss": torch.tensor(0.25), "train/lr": 0.1}
     # a module keeping the callbacks' contract (core/models/contract.py): its step row is what the bar shows
-    module = SimpleNamespace(inputs=None, skipped_steps=0, step_metrics=step_metrics, log_step_metric=None, step_row=None, sends_step_row=None)
+    module = SimpleNamespace(
+        inputs=None, skipped_steps=0, step_metrics=step_metrics, log_step_metric=print, step_row=dict, sends_step_row=bool
+    )
     for batch_idx in range(7):
         bar.on_train_batch_end(trainer, module, None, None, batch_idx)
     # batch 1 at 0 s; 4 at 0.5 s (0.5 after the last draw); 6 at 1.05 s; 7: the last; never refresh_rate's 2, 4, 6

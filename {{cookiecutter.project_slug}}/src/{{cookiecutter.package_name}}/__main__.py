@@ -1,8 +1,5 @@
-"""One command for every entry point: ``<package> <verb> [Hydra overrides...]`` (the console
-script) or ``python -m <package> <verb> ...``.  Each verb runs its module as ``python -m
-<package>.<module>`` would (those forms keep working), with the rest of the command line
-unchanged; ``<package> --help`` lists the verbs this project has.
-"""
+"""One command for every entry point: ``<package> <verb> [Hydra overrides...]`` runs the verb's module as
+``python -m <package>.<module>`` would; ``<package> --help`` lists the verbs."""
 
 from __future__ import annotations
 
@@ -44,10 +41,7 @@ def usage(verbs: dict[str, str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run ``argv[0]``'s module with the rest of ``argv`` (default ``sys.argv[1:]``).
-
-    Exits 0 after ``--help``, 2 with the list of verbs when the verb is missing or unknown.
-    """
+    """Run ``argv[0]``'s module with the rest of ``argv``; exits 0 after ``--help``, 2 on a missing or unknown verb."""
     args = sys.argv[1:] if argv is None else list(argv)
     verbs = available()
     if args[:1] in (["-h"], ["--help"], ["help"]):
@@ -58,8 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{PACKAGE}: {given}\n\n{usage(verbs)}", file=sys.stderr)
         sys.exit(2)
     module = VERBS[args[0]][0]
-    # As `python -m <package>.<module> ...`: its __main__ block runs, sys.argv[1:] is the rest of
-    # the line, and a DDP launch re-runs the same module in each child process.
+    # As `python -m <package>.<module> ...`: a DDP launch then re-runs the same module in each child process.
     sys.argv = [sys.argv[0], *args[1:]]
     runpy.run_module(f"{PACKAGE}.{module}", run_name="__main__", alter_sys=True)
 

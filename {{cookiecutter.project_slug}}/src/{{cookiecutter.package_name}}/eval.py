@@ -15,8 +15,8 @@ import lightning as L
 from omegaconf import DictConfig
 
 from .core.checkpoints.io import load_trained_module
-from .core.config.groups import to_plain
 from .core.config.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
+from .core.config.resolvers import to_plain
 from .core.errors import ConfigError
 from .core.models.inputs import ConnectData
 from .core.run.entry import close_loggers, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main, print_config_tree, write_metrics

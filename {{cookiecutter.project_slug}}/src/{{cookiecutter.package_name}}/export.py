@@ -2,26 +2,14 @@
 
     python -m <package>.export ckpt_path=RUN/checkpoints/last.ckpt output_dir=models/my_lm
 
-LoRA/QLoRA adapters are merged into the base weights (``merge_and_unload``); a QLoRA adapter is
-merged into the *unquantized* base (loaded in fp32 from ``model.name_or_path``), the usual way to
-ship a QLoRA fine-tune.  Beside the merged model, ``output_dir/adapter/`` holds the adapter alone
-(peft's ``save_pretrained``: ``adapter_config.json``, ``adapter_model.safetensors`` in fp32, and the
-tokenizer), which ``PeftModel.from_pretrained(base, output_dir/adapter)`` loads onto the base.
-The merged weights are saved in ``dtype``: by default the dtype the run computed in (bfloat16
-for ``bf16-mixed``/``bf16-true``, float16 for ``16-*``, else float32).  The folder (``config.json``, ``model.safetensors``, tokenizer files)
-loads with ``AutoModelForCausalLM.from_pretrained(output_dir)`` anywhere, without this project.
-A model trained on chat data (``data=chat``) is written with its chat template, its end-of-turn
-token as the EOS of the tokenizer and of ``generation_config.json`` (so ``generate`` stops at the
-end of the answer anywhere), and ``chat.json`` (end-of-turn token, system prompt), from which
-this project's ``generate model_dir=`` renders prompts as chat.
+LoRA/QLoRA adapters are merged (QLoRA into the *unquantized* fp32 base, the usual way to ship it); ``output_dir/adapter/``
+holds the adapter alone, for ``PeftModel.from_pretrained``.  Weights are saved in ``dtype`` (default: the run's compute
+dtype); the folder loads with ``AutoModelForCausalLM.from_pretrained`` without this project.  A chat model keeps its
+template, its end-of-turn token as EOS, and ``chat.json`` (for ``generate model_dir=``).  Each folder is reloaded as a
+user would and scored on ``data.splits.test`` against the checkpoint: ``export_report.{json,md}`` (``measure=false``
+skips it; no test split is not a failure).
 
-Each folder is then reloaded as a user would (the merged one by ``AutoModelForCausalLM``, the
-adapter by ``PeftModel.from_pretrained`` on a fresh full-precision base) and scored on the
-configured test split (``data.splits.test``) against the checkpoint itself (loaded as this command
-loads it: a QLoRA adapter on the unquantized base), on the GPU when there is one:
-``export_report.json`` / ``export_report.md`` in ``output_dir`` (the compression report's format:
-size, perplexity, Δ and ratio against the checkpoint).  Without a test split the report says
-"not measured (no test split)"; that is not a failure.  ``measure=false`` skips the scoring.
+Exit codes: 0 done; 1 bad config or data, or a full disk (the message alone); 143 SIGTERM (the partial output is removed).
 """
 
 from __future__ import annotations
@@ -52,15 +40,11 @@ REPORT_FILES = ("export_report.json", "export_report.md")
 
 
 def export(cfg: DictConfig) -> Path:
-    """Write the checkpoint's model (adapters merged) and tokenizer to ``cfg.output_dir``.
-
-    The folder is written under a temporary name (``.export-staging-<host>-<pid>-*``) and renamed,
-    so it is complete or absent; such folders of dead exports are removed at start.
+    """Write the checkpoint's model (adapters merged) and tokenizer to ``cfg.output_dir``, whole or not at all.
 
     Raises:
-        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), ``measure`` not a bool, a missing or refused checkpoint, a non-causal-LM checkpoint, an output folder
-            that exists (without ``overwrite=true``; with it, only a folder export wrote is
-            replaced) or that lies inside another run's folder.
+        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), ``measure`` not a bool, a missing, refused or
+            non-causal-LM checkpoint, an existing output folder (without ``overwrite=true``) or one inside another run's.
     """
     check_config(cfg, required=("ckpt_path",), resumes=False)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
@@ -120,11 +104,10 @@ CHECKPOINT_NOTE = "the training checkpoint (trained weights, optimizer and run s
 
 
 class Scorer:
-    """The export report's measurements: the configured test split's loader, and each model's
-    perplexity over it (``Task.score``) on the GPU when there is one, else the CPU.
+    """The export report's measurements: each model's perplexity on the test split, on the GPU if there is one.
 
     Raises (at construction, before anything is written):
-        DataError / ConfigError: a bad test split (the data module's own checks).
+        DataError / ConfigError: a bad test split.
     """
 
     def __init__(self, cfg: DictConfig, module) -> None:
@@ -174,8 +157,7 @@ class Scorer:
         )
 
     def measure_folders(self, staging: Path, output: Path, dtype: str, base_path: str | None, attention: str) -> list[Measurement]:
-        """The adapter folder (when written) on a fresh fp32 base, then the merged folder, each
-        reloaded from ``staging`` by transformers/peft alone."""
+        """The adapter folder (if any) on a fresh fp32 base, then the merged folder, each reloaded by transformers/peft alone."""
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 

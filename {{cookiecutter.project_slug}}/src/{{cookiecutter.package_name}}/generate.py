@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from .core.config.groups import to_plain
+from .core.config.resolvers import to_plain
 from .core.errors import ConfigError
 from .core.run.entry import atomic_write_path, exit_on_bad_input, hydra_main
 from .core.run.outputs import claim_outputs

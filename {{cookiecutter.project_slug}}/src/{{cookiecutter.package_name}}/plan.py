@@ -16,7 +16,7 @@ from pathlib import Path
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import DictConfig
 
-from .core.config.groups import config_warnings
+from .core.config.validate import config_warnings
 from .core.memory import modes
 from .core.memory.planner import architecture, for_the_card, plan_memory, write_plan
 from .core.run.entry import exit_on_bad_input, hydra_main

@@ -15,8 +15,8 @@ import hydra
 from omegaconf import DictConfig, open_dict
 
 from .core.checkpoints.io import load_trained_module
-from .core.config.groups import to_plain, world_size
 from .core.config.instantiate import instantiate_trainer
+from .core.config.resolvers import to_plain, world_size
 from .core.errors import ConfigError
 from .core.run.entry import atomic_write_path, exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
 from .core.run.outputs import claim_outputs

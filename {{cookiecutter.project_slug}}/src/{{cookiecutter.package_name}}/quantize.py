@@ -3,23 +3,12 @@
     python -m <package>.quantize experiment=demo_classification ckpt_path=RUN/checkpoints/last.ckpt
     python -m <package>.quantize experiment=demo_sft_sentiment model_dir=models/sft variants=[fp32,int8_dynamic,nf4]
 
-Reads a checkpoint of either task (as ``eval`` does: the architecture, labels and tokenizer from
-it, the data from the config) or a causal-LM folder written by ``export``.  Writes ``output_dir``
-(it must not exist unless ``overwrite=true``; built in ``.quantize-staging-<host>-<pid>-*`` and
-renamed, so it is complete or absent; a dead quantize's staging folder is removed at start): one
-subfolder per variant (``fp32``, torchao int8/int4, ``nf4``, ONNX fp32/int8; see
-:mod:`.core.compress.quantization` and docs/compression.md), each loading with one line of Python,
-and ``compress_report.json`` / ``compress_report.md``: per variant the weight files' size, the
-task metric on the test split (a causal LM without one: the validation split, named in the report)
-and the forward latency (p50/p90 over ``latency.repeats`` batches after ``latency.warmup``), each
-against fp32 (latency against the fp32 of the same runtime).  Every variant is measured from its
-saved folder, loaded with that line, so the numbers are those of the artefact.
+Reads a checkpoint (as ``eval`` does) or an ``export`` folder.  Writes ``output_dir`` whole or not at all: a folder per
+variant (docs/compression.md) and ``compress_report.{json,md}``: each variant's size, test metric and forward latency
+(p50/p90, ms) against fp32, measured from its saved folder.  On a CPU torchao int8 is usually *slower* than fp32 (its
+gain is size).  A variant this machine cannot make is skipped with its reason (``unavailable=error`` stops instead).
 
-Trade-offs: measuring runs each variant over the whole evaluation split on this machine (minutes
-for MiniLM on two CPU cores); on a CPU the torchao int8 variants are usually *slower* than fp32
-(their gain is size; onnxruntime's int8 kernels are the fast path there), and the report says so
-rather than hiding it.  A variant this machine or checkpoint cannot make is skipped and listed
-with its reason and fix (``unavailable=error`` stops instead), before anything is written.
+Exit codes: 0 done; 1 bad config or data, or a full disk (the message alone); 143 SIGTERM (the partial output is removed).
 """
 
 from __future__ import annotations
@@ -69,9 +58,8 @@ def quantize(cfg: DictConfig) -> dict:
     """Make, save and measure every variant of ``cfg.variants``; write the report; return it.
 
     Raises:
-        ConfigError: invalid config (both or neither of ``ckpt_path``/``model_dir``, an existing
-            ``output_dir``, an unknown variant or one of the other task, bad latency settings, a
-            variant that cannot run here with ``unavailable=error``), before any weights load.
+        ConfigError: invalid config or an existing ``output_dir`` (see :func:`read_source`, :func:`plan_variants`), before
+            any weights load.
         DataError: bad evaluation data.
     """
     task = check_config(cfg, resumes=False)
@@ -144,8 +132,7 @@ def quantize(cfg: DictConfig) -> dict:
                 "repeats": cfg.latency.repeats,
                 "threads": torch.get_num_threads(),
                 "device": device,
-                # Other processes on the same cores slow every variant (PyTorch's threads wait on each other): a
-                # load above the thread count means the timings are not this model's alone.
+                # A load above the thread count means the timings are not this model's alone.
                 "load_average": os.getloadavg()[0],
             },
             "group_size": cfg.group_size,
@@ -161,12 +148,10 @@ def quantize(cfg: DictConfig) -> dict:
 
 # ------------------------------------------------------------------ checks (nothing loaded)
 def read_source(cfg: DictConfig) -> tuple[dict, object]:
-    """The checkpoint's hyperparameters (``{}`` for an exported folder) and the model's
-    transformers config, read without the weights.
+    """The checkpoint's hyperparameters (``{}`` for an exported folder) and the model's HF config, without the weights.
 
     Raises:
-        ConfigError: neither or both of ``ckpt_path``/``model_dir``; ``model_dir`` without a
-            ``config.json`` or for a classifier; a checkpoint with no stored architecture.
+        ConfigError: neither or both of ``ckpt_path``/``model_dir``; a bad ``model_dir``; no stored architecture.
     """
     from transformers import AutoConfig
 
@@ -199,13 +184,10 @@ def run_device(choice: str) -> str:
 
 
 def plan_variants(cfg: DictConfig, task: Task, device: str, qat_scheme: str, architecture) -> tuple[list[str], list[dict]]:
-    """The variants to make, in order, and the refusals (``{"variant", "reason", "fix"}``) of
-    those this machine or checkpoint cannot make (:func:`.core.compress.quantization.unavailable`).
+    """The variants to make, in order, and the refusals (``{"variant", "reason", "fix"}``) of those that cannot be made.
 
     Raises:
-        ConfigError: every problem of the config at once (unknown variants, an existing
-            ``output_dir``, latency settings, a classifier without a test split, and the
-            refusals themselves with ``unavailable=error``).
+        ConfigError: every config problem at once (with ``unavailable=error`` the refusals too).
     """
     from .core.models.builder import max_positions
 
@@ -262,8 +244,7 @@ def plan_variants(cfg: DictConfig, task: Task, device: str, qat_scheme: str, arc
 
 # --------------------------------------------------------------------------- the model
 def with_task_defaults(cfg: DictConfig, task: Task) -> DictConfig:
-    """``cfg`` with what it leaves null taken from the task: ``variants`` (every one of
-    ``Task.quantize_variants``) and ``latency.batch_size`` (``Task.latency_batch_size``)."""
+    """``cfg`` with a null ``variants`` and ``latency.batch_size`` taken from the task."""
     cfg = cfg.copy()
     with open_dict(cfg):
         if cfg.variants is None:
@@ -274,10 +255,8 @@ def with_task_defaults(cfg: DictConfig, task: Task) -> DictConfig:
 
 
 def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object, dict]:
-    """The plain fp32 Hugging Face model (eval mode, on the CPU), its tokenizer, and what the
-    data module needs from it.  LoRA adapters are merged; a QLoRA checkpoint is merged into the
-    fp32 base (as ``export`` does); a QAT checkpoint is loaded without its fake quantisation (the
-    ``fp32`` baseline: the trained weights, unrounded; ``qat`` converts them)."""
+    """The plain fp32 HF model (eval mode, CPU; LoRA/QLoRA merged, QAT without fake quantisation), its tokenizer, and
+    the data module's kwargs."""
     from transformers import AutoTokenizer
 
     if cfg.model_dir is not None:
@@ -299,9 +278,7 @@ def make_variant(
     device: str,
     timing: dict[str, torch.Tensor],
 ) -> None:
-    """Write variant ``name`` of the fp32 ``model`` into ``folder`` (with the tokenizer).  The
-    ``fp32`` folder is written first (``fp32`` is always in the list) and the others derive from
-    ``model`` or that folder."""
+    """Write variant ``name`` of the fp32 ``model`` into ``folder`` (with the tokenizer); ``fp32`` is written first."""
     folder.mkdir(parents=True)
     tokenizer.save_pretrained(folder)
     if name == "fp32":
@@ -329,17 +306,14 @@ def make_variant(
 
 # ------------------------------------------------------------------------ measuring
 def timing_inputs(task: Task, sample: dict[str, torch.Tensor], vocab_size: int, batch_size: int, length: int) -> dict[str, object]:
-    """The timed batch: ``(batch_size, length)`` random token ids (seeded), every position real,
-    with the other inputs the task's data gives (``Task.timing_inputs``)."""
+    """The timed batch: ``(batch_size, length)`` seeded random token ids, plus the task's other inputs."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, vocab_size, (batch_size, length), generator=generator)  # (B, T)
     return task.timing_inputs(input_ids, sample)
 
 
 def time_forward(forward: Callable[[dict], torch.Tensor], inputs: dict[str, torch.Tensor], latency: DictConfig) -> list[float]:
-    """Milliseconds of each of ``latency.repeats`` forwards of ``inputs``, after
-    ``latency.warmup`` untimed ones (first-call allocations, lazy kernel choices); CUDA work is
-    synchronised before each clock read."""
+    """Milliseconds of each of ``latency.repeats`` forwards, after ``latency.warmup`` untimed ones; CUDA synchronised."""
     cuda = any(value.is_cuda for value in inputs.values() if isinstance(value, torch.Tensor))
     samples = []
     with torch.inference_mode():

@@ -32,8 +32,9 @@ from .core.callbacks.run_identity import RunIdentity
 from .core.callbacks.step_time import StepTimeCheck
 from .core.callbacks.terminal import RunHeader, print_results
 from .core.checkpoints.io import flush_checkpoints, last_checkpoint, save_final_checkpoint, trained_checkpoint
-from .core.config.groups import config_warnings, precision_is_auto, to_plain, world_size
 from .core.config.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
+from .core.config.resolvers import to_plain, world_size
+from .core.config.validate import config_warnings
 from .core.errors import EXIT_DISK_FULL, ConfigError, DiskFull, RunStopped
 from .core.identity.fingerprint import check_resume_config
 from .core.memory.modes import predicted_step_ms
@@ -41,6 +42,7 @@ from .core.memory.oom import write_oom_report
 from .core.memory.planner import check_memory_plan
 from .core.memory.steptime import has_peaks
 from .core.models.inputs import ConnectData
+from .core.models.precision import precision_is_auto
 from .core.run.distributed import ddp_child_argv, ddp_job_env, finish_ranks
 from .core.run.entry import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
 from .core.run.folder import owned_run_folder

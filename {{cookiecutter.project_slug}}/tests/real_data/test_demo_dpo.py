@@ -2,7 +2,7 @@
 on pairs of VADER movie snippets (from PyPI), chosen rated >= 2.0 and rejected <= -2.0.
 
 The full demo (``experiment=demo_dpo_sentiment``: 24 steps of 8 pairs, all 194 test pairs, 4
-samples for each of 100 held-out instructions) is measured in the README; this runs 8 steps of 4
+samples for each of 100 held-out instructions) is measured in docs/tasks/preference.md; this runs 8 steps of 4
 pairs, tests on 32 pairs and draws 2 samples for each of 16 held-out instructions, so that it
 fits CI (about 3 min on 2 CPU cores).  The ``real_data`` tier (``pytest -m real_data``).
 """

@@ -2,7 +2,7 @@
 LoRA-tuned to answer `positive`/`negative` for the VADER movie snippets (from PyPI).
 
 The full demo (``experiment=demo_sft_sentiment``: 40 steps, the whole test split) is measured in
-the README; this runs fewer steps, validates and tests on a part of the splits, and scores the
+docs/tasks/causal_lm.md; this runs fewer steps, validates and tests on a part of the splits, and scores the
 greedy answers to the first 100 test prompts.  Slow (minutes on 2 CPU cores) and needs the
 package index: the ``real_data`` tier (``pytest -m real_data``).
 """

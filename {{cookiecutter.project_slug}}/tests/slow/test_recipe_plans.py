@@ -16,6 +16,6 @@ from ..test_planner import experiment_headers
 def test_experiment_header_matches_the_plan(experiment, gib):
     cfg = compose_config("plan", [f"experiment={experiment}"])
     plan = plan_memory(cfg, task_of(cfg), search=False)
-    # The figure `plan` prints (two decimals): the README promises the header says exactly that.
+    # The figure `plan` prints (two decimals): docs/memory.md ("The shipped recipes") promises the header says exactly that.
     assert f"{plan.total / GIB:.2f}" == f"{gib:.2f}", f"{experiment}: header {gib} GiB, plan {plan.total / GIB:.2f} GiB"
     assert plan.fits

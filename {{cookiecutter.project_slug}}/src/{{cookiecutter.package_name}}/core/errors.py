@@ -1,17 +1,9 @@
-"""The project's exception types: the one leaf module that every other module may import and
-that imports nothing of the project (tests/test_imports.py keeps it so).
-
-Each message names the field (a config key, a data column, a file), the value and the fix, one
-problem per line; the entry points print it in one line, without a traceback
-(``core/run/entry.hydra_main``).
-"""
+"""The project's exception types; a leaf importing nothing of the project.  Messages name the field, value and fix."""
 
 import errno
 from pathlib import Path
 
-# Exit codes of a run stopped on purpose (RunStopped.exit_code).  A stop on signal N exits with
-# 128 + N (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1): the shell's convention for "killed
-# by N", which SLURM and job scripts already read that way.
+# Exit codes of a run stopped on purpose (RunStopped.exit_code); a signal N exits 128 + N, the shell's "killed by N".
 EXIT_NON_FINITE_LOSS = 4
 EXIT_DISK_FULL = 5  # a checkpoint did not fit on its disk (the previous one is intact): free space, resume
 
@@ -29,15 +21,13 @@ class TemplateError(DataError):
 
 
 class MetricNotLogged(ConfigError):
-    """``optimized_metric`` names a metric the run did not log.  Ends the whole sweep (the
-    sweeper checks ``stops_sweep``): every other trial would fail the same way."""
+    """``optimized_metric`` names a metric the run did not log; ends the sweep (every trial would fail the same way)."""
 
     stops_sweep = True
 
 
 class TrialFailed(RuntimeError):
-    """A multirun job failed; the message is the original error's (its traceback is in the job's
-    log).  Carries no traceback frames, so the failed job's model and trainer can be freed."""
+    """A multirun job failed (traceback in the job's log); carries no frames, so its model and trainer can be freed."""
 
 
 class RunStopped(Exception):
@@ -49,9 +39,8 @@ class RunStopped(Exception):
 
 
 class DiskFull(OSError):
-    """A checkpoint did not fit on its disk.  ``path``: the checkpoint; ``needed``: its size in
-    bytes (the tensors' bytes, a lower bound of the file); ``free``: bytes free on that disk then.
-    The checkpoint that was there before is intact (the write went to a temporary file)."""
+    """A checkpoint did not fit on its disk (the previous one is intact).  ``needed``: the tensors' bytes, a lower bound;
+    ``free``: bytes free then."""
 
     def __init__(self, path: Path, needed: int, free: int) -> None:
         super().__init__(errno.ENOSPC, f"no space left on the disk of {path}")

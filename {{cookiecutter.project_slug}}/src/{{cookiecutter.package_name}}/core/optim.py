@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -12,7 +13,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from .config.keys import OWN_KEYS
-from .config.named import OPTIMIZERS, import_path
+from .config.named import OPTIMIZERS, import_path, is_8bit_optimizer
+from .config.resolvers import accumulate_grad_batches, batch_problem, world_size
 from .errors import ConfigError
 
 
@@ -80,10 +82,7 @@ def optimizer_factory(optimizer_cfg: dict, device_type: str, fused_allowed: bool
     from :data:`.config.named.OPTIMIZERS`, the class's keyword arguments, and our own keys).
 
     ``fused: null`` means torch's fused kernel on CUDA and on the CPU (one kernel per parameter
-    tensor, no temporaries; on 2 CPU cores 7x faster than the default per-tensor loop for a
-    2M-parameter BERT, 6x for an 11M one: ``docs/performance.md``) when ``fused_allowed``, and
-    else the for-each kernels (a few launches per step for all tensors; torch's default on CUDA,
-    2x the per-tensor loop on the CPU).  ``fused_allowed`` is false where Lightning refuses a
+    tensor, no temporaries) when ``fused_allowed``, else the for-each kernels (torch's default on CUDA).  ``fused_allowed`` is false where Lightning refuses a
     fused optimizer: gradient clipping under ``*-mixed`` precision (its mixed-precision plugin
     takes any optimizer that unscales gradients itself for one it cannot clip, also in bf16).
     bitsandbytes classes take no ``fused``.
@@ -203,3 +202,64 @@ def fused_problems(cfg: DictConfig) -> list[str]:
             "(fused where it can be, for-each kernels here), or trainer.gradient_clip_val=null"
         ]
     return []
+
+
+def optimizer_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
+    """The ``optimizer`` group: a positive lr, a weight decay >= 0, bitsandbytes for the 8-bit ones,
+    and what stepping inside backward cannot take (:func:`_step_in_backward_problems`)."""
+    problems = []
+    optimizer = cfg.optimizer
+    lr, weight_decay = optimizer.get("lr"), optimizer.get("weight_decay")
+    if _finite_or_not_a_number(lr) and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0):
+        problems.append(f"optimizer.lr={lr!r} must be a positive number, e.g. optimizer.lr=5e-5")
+    if _finite_or_not_a_number(weight_decay) and (not isinstance(weight_decay, (int, float)) or weight_decay < 0):
+        problems.append(f"optimizer.weight_decay={weight_decay!r} must be a number >= 0; fix: e.g. optimizer.weight_decay=0.01 (0: none)")
+    if runs_here and is_8bit_optimizer(optimizer.get("name")) and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(f"optimizer.name={optimizer.name} needs bitsandbytes; fix: pip install 'bitsandbytes>=0.45', or optimizer=adamw")
+    if optimizer.get("step_in_backward"):
+        problems += _step_in_backward_problems(cfg)
+    return problems
+
+
+def _finite_or_not_a_number(value: object) -> bool:
+    """False for a NaN/infinite float (the validator's non-finite check reports it once)."""
+    return not (isinstance(value, float) and not math.isfinite(value))
+
+
+def _step_in_backward_problems(cfg: DictConfig) -> list[str]:
+    """``optimizer.step_in_backward`` consumes each gradient as it is made: nothing can wait for
+    the whole gradient (accumulation, global-norm clipping, loss scaling, a DDP all-reduce)."""
+    problems = []
+    devices, nodes = world_size(cfg)
+    if "batch" in cfg and batch_problem(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, devices, nodes) is None:
+        accumulate = accumulate_grad_batches(cfg.batch.global_batch_size, cfg.batch.micro_batch_size, devices, nodes)
+        if devices * nodes > 1:
+            problems.append(
+                f"optimizer.step_in_backward=true steps each parameter before DDP/FSDP can all-reduce its gradient "
+                f"(trainer.devices={devices}, trainer.num_nodes={nodes}); fix: optimizer.step_in_backward=false"
+            )
+        elif accumulate != 1:
+            problems.append(
+                f"optimizer.step_in_backward=true steps on every micro-batch, but batch.global_batch_size="
+                f"{cfg.batch.global_batch_size} / batch.micro_batch_size={cfg.batch.micro_batch_size} accumulates {accumulate}; "
+                f"fix: batch.global_batch_size={cfg.batch.micro_batch_size}, or optimizer.step_in_backward=false"
+            )
+    if "trainer" in cfg:
+        clip = cfg.trainer.get("gradient_clip_val")
+        if clip not in (None, 0, 0.0):
+            problems.append(
+                f"optimizer.step_in_backward=true cannot clip by the global gradient norm (trainer.gradient_clip_val={clip}): "
+                "the norm is known only after every parameter has stepped; fix: trainer.gradient_clip_val=null"
+            )
+        if str(cfg.trainer.get("precision")) == "16-mixed":
+            problems.append(
+                "optimizer.step_in_backward=true with precision=16-mixed: the loss scaler must see every gradient "
+                "before any step; fix: precision=bf16-mixed"
+            )
+        devices = cfg.trainer.get("devices")
+        if devices not in (1, "1", None) or cfg.trainer.get("num_nodes", 1) != 1:
+            problems.append(
+                f"optimizer.step_in_backward=true runs on one device (trainer.devices={devices}): DDP all-reduces "
+                "gradients after backward; fix: trainer.devices=1"
+            )
+    return problems

@@ -1,8 +1,5 @@
-"""The tasks this project trains: one folder each (``tasks/<name>/``), found here by name.
-
-To add a task, copy a task folder, rename it, and add ``configs/task/<name>.yaml`` and its data
-config(s): nothing else in the framework names a task (see the README, "Add your own task").
-"""
+"""The tasks this project trains: one folder each (``tasks/<name>/``), found here by name.  To add one, copy a task
+folder, rename it, and add ``configs/task/<name>.yaml`` and its data config(s) (README, "Add your own task")."""
 
 from __future__ import annotations
 
@@ -42,9 +39,7 @@ def task_of(cfg: DictConfig | str) -> Task:
 
 
 def check_config(cfg: DictConfig, **options: object) -> Task:
-    """The config's task (:func:`task_of`), once the whole config passed
-    :func:`..core.config.validate.validate_config` with it (``options``: its ``required``,
-    ``runs_here``, ``resumes``); every entry point starts here.
+    """The config's task, once the whole config passed :func:`..core.config.validate.validate_config`; every entry point starts here.
 
     Raises:
         ConfigError: an unknown task, or every problem of the config, one per line.

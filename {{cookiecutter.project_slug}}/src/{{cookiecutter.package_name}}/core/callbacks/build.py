@@ -8,8 +8,9 @@ import hydra
 from lightning.pytorch import Callback
 from omegaconf import DictConfig
 
-from ..config.groups import to_plain, uses_cuda
 from ..config.instantiate import instantiate_group
+from ..config.resolvers import to_plain
+from ..run.distributed import uses_cuda
 from .pruning import Pruning
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from omegaconf import DictConfig
 from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+from ..run.distributed import is_fsdp
 
 
 class EMA(L.Callback):
@@ -123,3 +126,34 @@ class EMA(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("raw") is not None:
             self._raw_from_checkpoint = dict(state_dict["raw"])
+
+
+def ema_problems(cfg: DictConfig, ema: DictConfig) -> list[str]:
+    """``callbacks=ema``: its decay, and the settings it cannot average under."""
+    problems = []
+    decay = ema.get("decay")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        problems.append(f"callbacks.ema.decay={decay!r} must be in (0, 1); fix: callbacks.ema.decay=0.999")
+    precision = str(cfg.trainer.get("precision", "")) if "trainer" in cfg else ""
+    if precision in ("bf16-true", "16-true"):
+        problems.append(
+            f"callbacks=ema with precision={precision}: the trained weights are half precision, where (1 - decay) x (weight - "
+            "average) mostly rounds to nothing; fix: precision=bf16-mixed (fp32 trained weights), or callbacks=default"
+        )
+    if (cfg.get("optimizer") or {}).get("step_in_backward"):
+        problems.append(
+            "callbacks=ema with optimizer.step_in_backward=true: stepping in backward is for runs whose full gradients do not "
+            "fit, where an fp32 copy of every trained weight fits even less; fix: optimizer.step_in_backward=false, or callbacks=default"
+        )
+
+    if "trainer" in cfg and is_fsdp(cfg.trainer):
+        problems.append(
+            "callbacks=ema with trainer=fsdp: each rank holds a shard of every flattened parameter, and the average is kept "
+            "and checkpointed per unsharded parameter name; fix: trainer=ddp (or one GPU), or callbacks=default"
+        )
+    if (cfg.get("pruning") or {}).get("method", "none") != "none":
+        problems.append(
+            f"callbacks=ema with pruning={cfg.pruning.method}: the average of the weights before and after each pruning step "
+            "puts pruned weights back; fix: pruning=none, or callbacks=default"
+        )
+    return problems

@@ -1,10 +1,7 @@
-"""Stopping a run on purpose, with a checkpoint to resume from: signals, CUDA out-of-memory,
-non-finite losses.
+"""Stopping a run on purpose, with a checkpoint to resume from: signals, CUDA out-of-memory, non-finite losses.
 
-Each guard ends training by raising :class:`RunStopped`; ``train`` closes the loggers, prints the
-message and exits with the stop's ``exit_code``.  Where a guard saves a checkpoint it does so at
-an optimizer-step boundary (after the step, before the next micro-batch), which is exactly where
-the step checkpoints are taken, so a resume from it is as exact as from any other.
+Each guard raises :class:`RunStopped` (``train`` exits with its ``exit_code``).  A guard's checkpoint is taken at an
+optimizer-step boundary, where step checkpoints are, so a resume from it is as exact as from any other.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ EXIT_OUT_OF_MEMORY = 3
 
 
 class _StepBoundary(L.Callback):
-    """Knows whether the batch that just ended also ended an optimizer step, and saves
-    ``last.ckpt`` there."""
+    """Knows whether the batch that just ended also ended an optimizer step, and saves ``last.ckpt`` there."""
 
     def __init__(self, checkpoint_dir: str) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
@@ -52,10 +48,8 @@ class _StepBoundary(L.Callback):
         return path
 
     def log_step_and_save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Path:
-        """At ``on_train_batch_end`` of a step that ends the run: send the step's row to the
-        loggers first (the module would right after the callbacks' hooks,
-        :meth:`..models.base.HFModule.on_train_batch_end`, which the stop skips), so the step the
-        checkpoint holds is also in the logs."""
+        """Send the step's row to the loggers (the stop skips the module's own delivery), then save: the checkpoint's
+        step is also in the logs."""
         if isinstance(pl_module, TrainedModule):
             step, metrics = pl_module.step_row()
             for logger in trainer.loggers:
@@ -65,21 +59,9 @@ class _StepBoundary(L.Callback):
 
 
 class StopOnSignal(_StepBoundary):
-    """On SIGTERM, SIGINT (Ctrl-C) or SLURM's warning signal, finish the optimizer step in
-    progress, save ``last.ckpt`` and stop with exit code ``128 + signal``.
-
-    Under DDP/FSDP the ranks agree (see :meth:`_agreed_signal`): a signal that reached one rank
-    stops all of them after the same optimizer step.  A second Ctrl-C stops at once
-    (``KeyboardInterrupt``), without a checkpoint.  The handlers
-    are installed when training starts and the previous ones put back when it ends, however it
-    ends (also on an error or a stop).  A handler that was there
-    before (Lightning's SLURM auto-requeue handler for ``SIGUSR1``, which saves its
-    ``hpc_ckpt_*.ckpt`` and requeues the job) still runs first: requeueing keeps working.  Send
-    the warning signal with ``#SBATCH --signal=SIGUSR1@90`` and resume with ``ckpt_path=last``.
-
-    Args:
-        checkpoint_dir: the folder of ``last.ckpt`` (the checkpoint callbacks' ``dirpath``).
-        signals: signal names to handle.
+    """On SIGTERM, SIGINT or SLURM's warning signal, finish the optimizer step on all ranks, save ``last.ckpt`` and stop
+    with exit code ``128 + signal``; a second Ctrl-C stops at once.  A previous handler (Lightning's SLURM requeue on
+    ``SIGUSR1``) still runs first: ``#SBATCH --signal=SIGUSR1@90``, then resume with ``ckpt_path=last``.
 
     Raises:
         ConfigError: an unknown signal name (at construction, before any weights load).
@@ -108,8 +90,7 @@ class StopOnSignal(_StepBoundary):
         self.received = signal.Signals(signum)
         log.warning("%s received: stopping after this optimizer step, with a checkpoint", self.received.name)
         previous = self._previous.get(signum)
-        # Lightning's own SIGTERM/SIGINT handling would only stop at the end of the epoch; a
-        # handler for another signal (SLURM's requeue on SIGUSR1) is kept.
+        # Lightning's own SIGTERM/SIGINT handling would only stop at the epoch's end; SLURM's requeue on SIGUSR1 is kept.
         if callable(previous) and signum not in (signal.SIGTERM, signal.SIGINT):
             previous(signum, frame)
 
@@ -122,10 +103,8 @@ class StopOnSignal(_StepBoundary):
             self._stop(trainer, pl_module, after_step=False)  # validation runs between optimizer steps: a boundary too
 
     def _agreed_signal(self, trainer: L.Trainer) -> bool:
-        """Whether any process received a signal.  Several processes (DDP/FSDP) decide together,
-        with one all-reduce of the signal number per optimizer step, so every rank stops after
-        the same step (a rank stopping alone would leave the others waiting in a collective);
-        on one process nothing is communicated."""
+        """Whether any process received a signal: one all-reduce per step, since a rank stopping alone would leave the
+        others waiting in a collective."""
         if trainer.world_size == 1:
             return self.received is not None
         number = torch.tensor(float(self.received or 0), device=trainer.strategy.root_device)
@@ -161,14 +140,8 @@ class StopOnSignal(_StepBoundary):
 
 @contextmanager
 def signals_stop_the_run(stopper: StopOnSignal | None) -> Iterator[None]:
-    """Around all of ``train``'s work: SIGTERM or SIGINT (those of ``stopper.signals``) outside
-    the optimizer steps (the start-up validation, the sanity check, the validation and test of
-    the final weights, the answers) stop the run at once with exit code ``128 + signal``, as a
-    stop during the fit does.  Without it, Lightning turns SIGTERM there into a ``SystemExit``
-    with code 0 and Ctrl-C into exit code 1, and a scheduler counts the killed run as done or as
-    a crash.  During the fit, :class:`StopOnSignal`'s own handlers take over (they put these back
-    when the fit ends).  Nothing is installed when ``stopper`` is ``None`` (the callback switched
-    off) or off the main thread (Python allows handlers only there).
+    """Outside the fit, SIGTERM/SIGINT stop ``train`` at once with exit code ``128 + signal`` (Lightning would exit 0 or 1:
+    a scheduler would count the run as done or crashed).  Nothing without ``stopper`` or off the main thread.
 
     Raises:
         RunStopped: on a signal, with the checkpoint folder in its message.
@@ -198,15 +171,8 @@ def signals_stop_the_run(stopper: StopOnSignal | None) -> Iterator[None]:
 
 
 class OutOfMemoryGuard(_StepBoundary):
-    """Turn a CUDA out-of-memory error in a training step into a report and a clean stop.
-
-    Records the micro-batch each step works on; on ``torch.OutOfMemoryError`` it frees the
-    gradients and the allocator's cache, saves ``last.ckpt`` when that is safe (the error came in
-    the first micro-batch of an optimizer step, outside the optimizer's update, so the weights
-    and optimizer state are exactly those after the previous step) and keeps the facts in
-    :attr:`report` for ``train`` to print and write (with the memory planner's advice) as
-    ``oom_report.txt``/``.json``.
-    """
+    """Turn a CUDA OOM in a training step into :attr:`report` and a clean stop, saving ``last.ckpt`` when safe: in a step's
+    first micro-batch, outside the update, the weights are exactly those after the previous step."""
 
     def __init__(self, checkpoint_dir: str) -> None:
         super().__init__(checkpoint_dir)
@@ -254,21 +220,9 @@ class OutOfMemoryGuard(_StepBoundary):
 
 
 class NonFiniteLoss(_StepBoundary):
-    """Skip the update of an optimizer step whose loss is NaN or infinite, and stop after
-    ``patience`` such steps in a row (``action: stop``, the default) with ``last.ckpt`` holding
-    the last good weights -- every bad update was skipped, so they are the current ones.
-
-    A skipped step sets every gradient to ``None`` before the optimizer runs (AdamW and the
-    bitsandbytes optimizers leave such parameters and their state untouched); it still counts as
-    a Lightning step (``global_step``), but the module's ``skipped_steps`` grows, so the LR
-    schedule does not advance.  The check reads the step's loss once per optimizer step (one
-    host sync).  Under ``optimizer.step_in_backward`` the update happens during backward, so the
-    module does not backpropagate a non-finite loss at all (see ``HFModule.backward_and_step``).
-
-    Args:
-        checkpoint_dir: the folder of ``last.ckpt``.
-        action: ``stop`` (after ``patience`` consecutive non-finite steps) or ``skip`` (never stop).
-        patience: consecutive non-finite steps that stop the run (``action: stop``).
+    """Skip the update of a step whose loss is NaN/inf, and (``action: stop``) stop after ``patience`` in a row, with
+    ``last.ckpt`` holding the last good weights.  A skip sets the gradients to ``None`` (AdamW and bitsandbytes then leave
+    parameters and state untouched) and bumps ``skipped_steps``, so the LR schedule waits.  One host sync per step.
 
     Raises:
         ConfigError: an unknown ``action`` or ``patience < 1`` (at construction).
@@ -294,8 +248,7 @@ class NonFiniteLoss(_StepBoundary):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         loss = pl_module.step_loss()
-        # Several processes skip together: their gradients were averaged, so a non-finite loss on
-        # one rank made every rank's gradients non-finite (one all-reduce of a flag per step).
+        # All ranks skip together: averaged gradients are non-finite everywhere if the loss is on one rank.
         if not trainer.strategy.reduce_boolean_decision(not bool(torch.isfinite(loss)), all=False):
             self.consecutive = 0
             return

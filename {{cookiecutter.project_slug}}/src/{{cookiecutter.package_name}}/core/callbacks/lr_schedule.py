@@ -1,15 +1,7 @@
 """Learning-rate schedule as a callback: the LR is a pure function of the optimizer step.
 
-Why a callback and not a ``torch.optim.lr_scheduler``: Lightning steps schedulers only under
-automatic optimization, and a scheduler carries state that must be restored exactly on resume.
-Setting ``lr = peak_lr * lr_factor(global_step, ...)`` before every batch needs no state,
-works unchanged under manual optimization, and is right after a resume because
-``trainer.global_step`` (optimizer steps taken) is restored with the checkpoint.
-
-The same callback logs the LR (``train/lr``, in each optimizer step's row, at that step), so no
-``LearningRateMonitor`` is needed: that one reads every param group of every optimizer before
-each micro-batch, about 1 ms a step on a small CPU for a value this callback already knows
-(``docs/performance.md``).
+Not a ``torch.optim.lr_scheduler``: Lightning steps those only under automatic optimization, and their state must be
+restored on resume, while ``trainer.global_step`` comes back with the checkpoint.  It also logs ``train/lr``.
 """
 
 from __future__ import annotations
@@ -18,22 +10,14 @@ import math
 
 import lightning as L
 import torch
+from omegaconf import DictConfig
 
 from ..models.contract import TrainedModule
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr_ratio: float) -> float:
-    """Multiplier of the peak LR for optimizer step ``step`` (0-based).
-
-    Warmup: ``step / warmup_steps`` for ``step < warmup_steps`` (0 at step 0); then, with
-    ``progress = (step - warmup_steps) / (total_steps - warmup_steps)``:
-
-    - ``linear``: ``1 - progress``; ``cosine``: ``0.5 * (1 + cos(pi * progress))``;
-      ``constant``: ``1``,
-
-    rescaled to end at ``min_lr_ratio`` instead of 0.  This is the shape of transformers'
-    ``get_linear_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup`` (transformers
-    ``optimization.py``), so runs compare with the HF Trainer's.
+    """Multiplier of the peak LR for optimizer step ``step`` (0-based): linear warmup, then linear/cosine/constant decay
+    to ``min_lr_ratio``, the shape of transformers' ``get_{linear,cosine}_schedule_with_warmup`` (``optimization.py``).
     """
     if step < warmup_steps:
         return step / warmup_steps
@@ -45,21 +29,11 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay: str, min_lr
 
 
 class WarmupDecayLR(L.Callback):
-    """Set every param group's LR to ``peak_lr * lr_factor(step, ...)`` before each batch, where
-    ``step`` is ``trainer.global_step`` less the module's ``skipped_steps`` (updates skipped on a
-    non-finite loss do not advance the schedule).
-
-    The peak LR is each group's ``lr`` when training starts, kept as ``group["peak_lr"]`` (saved
-    with the optimizer state).  ``train/lr``, put in each optimizer step's row (the module's
-    ``log_step_metric``: the row with that step's ``train/loss``, sent at Lightning's pace,
-    ``trainer.log_every_n_steps``; a module without one: a row of its own to every logger each
-    step, step = ``trainer.global_step``), is the LR that step used, of the first param group
-    (the others differ only where their peak LR does).  ``total_steps`` is ``trainer.estimated_stepping_batches``: optimizer
-    steps, not batches, so gradient accumulation does not stretch the schedule.
+    """Set each param group's LR to ``peak_lr * lr_factor(...)`` before each batch, counting optimizer steps less
+    ``skipped_steps``; ``peak_lr``: the group's starting ``lr``.  Logs the first group's LR as ``train/lr``.
 
     Args:
-        warmup_ratio: fraction of ``total_steps`` spent in linear warmup, in ``[0, 1)``.
-        decay: ``linear`` | ``cosine`` | ``constant``.
+        warmup_ratio: fraction of the optimizer steps spent in linear warmup, in ``[0, 1)``.
         min_lr_ratio: final LR as a fraction of the peak LR.
     """
 
@@ -87,12 +61,31 @@ class WarmupDecayLR(L.Callback):
         self.lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else 0.0
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        # In the module's row of this step (HFModule.log_step_metric: one row, one call per
-        # logger, at the step Lightning logs that step's train/loss at, before any checkpoint of
-        # the step); a module without a step row gets a row of its own, straight to the loggers
-        # (as LearningRateMonitor does), without the cost of a LightningModule.log call per step.
+        # In the module's step row; a module without one gets a row of its own, as LearningRateMonitor sends.
         if self.rows:
             pl_module.log_step_metric("train/lr", self.lr)
             return
         for logger in trainer.loggers:
             logger.log_metrics({"train/lr": self.lr}, step=trainer.global_step)
+
+
+DECAYS = ("linear", "cosine", "constant")
+
+
+def schedule_problems(schedule: DictConfig) -> list[str]:
+    """The ``lr_schedule`` group: warmup in [0, 1), a known decay, a final LR ratio in [0, 1]."""
+    problems = []
+    warmup, min_ratio = schedule.warmup_ratio, schedule.min_lr_ratio
+    if not isinstance(warmup, (int, float)) or not 0 <= warmup < 1:
+        problems.append(
+            f"lr_schedule.warmup_ratio={warmup!r} must be in [0, 1): the fraction of optimizer steps spent warming up; "
+            "fix: e.g. lr_schedule.warmup_ratio=0.06"
+        )
+    if schedule.decay not in DECAYS:
+        problems.append(f"lr_schedule.decay={schedule.decay!r} is not one of {DECAYS}")
+    if not isinstance(min_ratio, (int, float)) or not 0 <= min_ratio <= 1:
+        problems.append(
+            f"lr_schedule.min_lr_ratio={min_ratio!r} must be in [0, 1], the final LR as a fraction of the peak; "
+            "fix: e.g. lr_schedule.min_lr_ratio=0.1 (0: decay to zero)"
+        )
+    return problems

@@ -1,13 +1,8 @@
 """Pruning during training, at optimizer-step boundaries (the ``pruning`` group; docs/compression.md).
 
-Why not Lightning's ``ModelPruning``: it prunes only at epoch or validation ends, and (with
-``use_lottery_ticket_hypothesis``) rewinds weights; the cubic schedule of Zhu & Gupta 2017 prunes
-every ``frequency`` optimizer steps.  The masks themselves are ``torch.nn.utils.prune``'s
-(:mod:`..compress.pruning`).
-
-The schedule is a function of the optimizer step alone (:func:`..compress.pruning.scheduled_sparsity`):
-after each optimizer step the masks are brought to the sparsity of that step, so a resumed run,
-whatever hook saved its checkpoint, catches up to the same masks before its first forward.
+Not Lightning's ``ModelPruning``: it prunes only at epoch or validation ends; the cubic schedule of Zhu & Gupta 2017
+prunes every ``frequency`` optimizer steps.  The sparsity is a function of the step alone, so a resumed run catches up
+to the same masks before its first forward.
 """
 
 from __future__ import annotations
@@ -42,30 +37,17 @@ from ..models.contract import TrainedModule
 
 
 class Pruning(L.Callback):
-    """Prune ``pl_module.model`` during ``fit`` (see :mod:`..compress.pruning` for the methods).
-
-    Each optimizer step logs ``train/sparsity`` (zeros over the pruned Linear weights) and
-    ``train/sparsity_model`` (masked entries over all the model's parameters), the sparsity after
-    that step's pruning, in the step's row.
-
-    Checkpoints: the masks and the schedule position are this callback's state; the checkpoint's
-    ``state_dict`` holds plain ``weight`` tensors (``weight_orig * weight_mask``), so eval, predict
-    and export load it without any pruning code.  On resume the masks are re-applied
-    (``prune.custom_from_mask``) once the optimizer exists, keeping each parameter object (the
-    optimizer state still matches).  At the end of training the masks are made permanent
-    (``prune.remove``).
+    """Prune ``pl_module.model`` during ``fit``, logging ``train/sparsity`` and ``train/sparsity_model`` each step.  The
+    masks are this callback's state; checkpoints hold plain ``weight`` tensors (eval/export need no pruning code).  A
+    resume re-applies the masks once the optimizer exists, keeping each parameter object (its state still matches).
 
     Args:
-        method: magnitude | structured | semi_structured_2_4.
-        begin_step: optimizer steps before the first pruning.
         end_step: the step the ramp reaches ``final_sparsity`` (null for 2:4).
-        final_sparsity: fraction of the pruned tensors zeroed at the end (0.5 for 2:4).
         frequency: optimizer steps between prunings on the ramp (null for 2:4).
 
     Raises:
-        ConfigError: a bad value (:func:`..compress.pruning.pruning_problems`; at construction), a
-            model ``structured`` does not know (``setup``, before the weights load), or Linear
-            shapes the method cannot take (at fit start).
+        ConfigError: a bad value (at construction), a model ``structured`` does not know (``setup``), or Linear shapes
+            the method cannot take (at fit start).
     """
 
     def __init__(self, method: str, begin_step: int, end_step: int | None, final_sparsity: float, frequency: int | None) -> None:
@@ -83,12 +65,12 @@ class Pruning(L.Callback):
         self.final_sparsity, self.frequency = final_sparsity, frequency
         self.tensors: list[tuple[torch.nn.Module, str]] = []  # what the method masks
         self.blocks: list[FFNBlock] = []  # structured: the FFN of each block
-        self.keys: list[str] = []  # their state_dict keys in the LightningModule ("model.bert....weight")
+        self.keys: list[str] = []  # their state_dict keys in the LightningModule
         self.weights = 0  # entries of the pruned Linear weights
-        self.parameters = 0  # entries of all the model's parameters
+        self.parameters = 0
         self.pruned = 0  # masked entries of the pruned Linear weights
         self.pruned_all = 0  # masked entries of every pruned tensor (biases too)
-        self.step = -1  # the optimizer step whose sparsity the masks hold (-1: none yet)
+        self.step = -1  # the optimizer step whose sparsity the masks hold
         self._pending: dict | None = None
         self._stepped = False
 
@@ -108,8 +90,7 @@ class Pruning(L.Callback):
             raise ConfigError(structured_refusal(model_type))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # After configure_optimizers: the optimizer was built from the unpruned module, in the same
-        # parameter order as the run that saved the checkpoint (pruning re-registers `weight_orig`).
+        # After configure_optimizers: the optimizer holds the unpruned parameters in the saving run's order.
         model = pl_module.model
         self.tensors = pruned_tensors(model, self.method)
         self.blocks = ffn_blocks(model) if self.method == "structured" else []
@@ -170,20 +151,12 @@ class Pruning(L.Callback):
     # ---------------------------------------------------------------------- checkpoints
     @property
     def schedule_end(self) -> int:
-        """The optimizer step after which the masks hold ``final_sparsity``: ``begin_step`` for
-        2:4 (applied at once), else ``end_step``."""
+        """The optimizer step after which the masks hold ``final_sparsity`` (2:4 is applied at once)."""
         return self.begin_step if self.method == "semi_structured_2_4" else self.end_step
 
     def checkpoint_to_test(self, best: str, final: str, global_step: int) -> str:
-        """``best`` (the best checkpoint by the monitored metric), unless it was saved before the
-        schedule ended: then ``final`` (the weights the fit ended with), with a warning.  A
-        less-pruned model can validate better; it is not the pruned model the run was for.
-
-        Args:
-            best: path of the best checkpoint.  final: path of the checkpoint of the last step.
-            global_step: optimizer steps the fit ran (a run shorter than the schedule ends below
-                ``final_sparsity``, and its last step is as far as it got).
-        """
+        """``best``, unless saved before the schedule ended (or ``global_step``, for a shorter run): then ``final``, with a
+        warning.  A less-pruned model can validate better; it is not the pruned model the run was for."""
         saved_at = read_checkpoint(Path(best), "global_step")
         done = min(self.schedule_end, global_step)
         if saved_at is None or saved_at >= done:
@@ -221,8 +194,7 @@ class Pruning(L.Callback):
         return self.pruned_all / self.parameters if self.parameters else 0.0
 
     def update(self, step: int) -> None:
-        """Bring the masks to the sparsity scheduled after ``step`` optimizer steps (a no-op when
-        they hold it already)."""
+        """Bring the masks to the sparsity scheduled after ``step`` optimizer steps."""
         if step < self.begin_step or step == self.step:
             return
         self.step = step

@@ -1,9 +1,6 @@
 """Record what a run is made of, in its folder and every checkpoint; refuse a resume on other files.
 
-``train`` compares a resume's config before anything loads (:func:`..identity.fingerprint.check_resume_config`);
-the files the config names (data, base model, tokenizer) can only be hashed once they are
-installed (``prepare_data`` fetches them), so this callback hashes them in ``setup``: after
-``prepare_data`` and the data module's ``setup``, before ``configure_model`` loads any weights.
+The files a config names can only be hashed once installed: in ``setup``, after ``prepare_data``, before any weights load.
 """
 
 from __future__ import annotations
@@ -22,18 +19,14 @@ log = logging.getLogger(__name__)
 
 
 class RunIdentity(L.Callback):
-    """Hashes the run's files at its first ``setup``, writes ``<run>/identity.json`` (global rank
-    0) and adds ``checkpoint["identity"]`` to every checkpoint.
+    """Hashes the run's files at its first ``setup``, writes ``<run>/identity.json`` and ``checkpoint["identity"]``.
 
     Args:
-        cfg: the run's config.
-        resumed: the checkpoint being resumed (read memory-mapped; ``None`` for a fresh run): its
-            ``identity`` files and its label map (``model_inputs.id2label``) are compared.
+        resumed: the checkpoint being resumed (``None`` for a fresh run): its files and label map are compared.
         where: the checkpoint as messages name it (``ckpt_path=...``).
 
     Raises (in ``setup``):
-        ConfigError: resuming with a data file, base model or tokenizer of other content than
-            the checkpoint's run, or with another label map (naming key, old, new and the fix).
+        ConfigError: resuming with a data file, base model, tokenizer or label map other than the checkpoint's run.
     """
 
     def __init__(self, cfg: DictConfig, resumed: dict | None = None, where: str = "") -> None:

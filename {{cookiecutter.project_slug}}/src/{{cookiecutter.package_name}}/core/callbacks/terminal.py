@@ -1,9 +1,4 @@
-"""What a run shows on the terminal: one header, one progress bar that fits, one results table.
-
-Everything else goes to the run folder: the full config to ``config_tree.log`` (printed too with
-``print_config=true``), log lines at INFO and Lightning's notices to ``train.log`` (the terminal
-shows warnings and errors: ``configs/hydra/default.yaml``).
-"""
+"""What a run shows on the terminal: one header, one progress bar that fits, one results table (the rest: train.log)."""
 
 from __future__ import annotations
 
@@ -23,21 +18,11 @@ LEADING = ("test/", "val/", "train/")
 
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's tqdm bar with a short postfix: only ``metrics`` (default the training loss),
-    shortened to the part after ``/`` (``loss=0.693``), so the bar keeps its width in an
-    80-120 column terminal (every logged metric and ``v_num`` squeezed it to nothing).
-
-    The training bar redraws by time, not by batch count: at the first batch, then at most every
-    ``refresh_seconds``, and at the epoch's last batch.  A count of batches redraws too often
-    where steps are short (a redraw costs about 1 ms of the step loop on a small CPU, more where a
-    W&B run captures the console) and too seldom where they are long (every 10th batch of a 5 s
-    step is a bar that moves twice a minute).  A redraw is one ``tqdm.refresh`` (the count and
-    the postfix together): Lightning's bar draws twice, the count and then the postfix.
+    """Lightning's tqdm bar showing only ``metrics`` (``loss=0.693``), so it fits an 80-column terminal.  The training bar
+    redraws at most every ``refresh_seconds`` (s): a batch count redraws too often for short steps, too seldom for long.
 
     Args:
-        metrics: names of logged metrics to show when they exist (e.g. ``[train/loss, val/acc]``).
         refresh_rate: validation and test bars redraw every that many batches (as Lightning's).
-        refresh_seconds: the training bar's least time between redraws (s).
 
     Raises:
         ConfigError: ``refresh_seconds`` negative or not a number.
@@ -54,9 +39,7 @@ class ProgressBar(TQDMProgressBar):
         self._drawn_at = -math.inf  # time.monotonic() of the training bar's last redraw
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
-        # Only the shown names: the metrics logged with prog_bar=True (val/acc) and the latest
-        # optimizer step's row (train/loss: the module's own, core.models.base.HFModule.log_step_metric;
-        # one host sync each, per redraw), not Lightning's standard ones (v_num), never shown.
+        # Only the shown names, from prog_bar metrics and the module's step row (one host sync each per redraw).
         metrics = dict(trainer.progress_bar_metrics)
         step_metrics = pl_module.step_metrics if isinstance(pl_module, TrainedModule) else {}
         metrics.update({name: float(step_metrics[name]) for name in self.shown if name in step_metrics})
@@ -72,9 +55,7 @@ class ProgressBar(TQDMProgressBar):
 
 
 class RunHeader(L.Callback):
-    """Prints the run's header once, when the model and the data are set up (the first of
-    validate, fit and test): run folder, model and parameters, rows per split, batch, precision
-    and device, and the memory plan (``plan``: its peak in GiB, or why there is none)."""
+    """Prints the run's header once the model and data are set up; ``plan``: the memory plan's peak in GiB, or why none."""
 
     def __init__(self, run_dir: Path, model: str, batch: str, plan: str, auto_precision: bool = False) -> None:
         self.run_dir, self.model, self.batch, self.plan = run_dir, model, batch, plan
@@ -118,10 +99,7 @@ def count(n: int) -> str:
 
 
 def results_lines(metrics: Mapping[str, object], lines: list[tuple[str, str]]) -> list[str]:
-    """The run's figures, one per line (numbers to 4 significant digits; a figure with a
-    ``<name>_start`` beside it shows both), then ``lines`` (``metrics.json``, the best checkpoint,
-    the commands to resume and to evaluate).  Throughput (``perf/*``) stays in the logs and
-    ``metrics.json``.  Plain text, never wrapped by us: a path or a command copies whole."""
+    """The run's figures, one per line (with ``<name>_start`` beside), then ``lines``; never wrapped, so paths copy whole."""
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     shown = [k for k in numbers if k.startswith(LEADING) and not k.endswith("_start")]
     order = sorted(shown, key=lambda k: (next(i for i, p in enumerate(LEADING) if k.startswith(p)), k))

@@ -1,8 +1,4 @@
-"""Build callbacks and loggers from their config groups.
-
-Every entry must carry a ``_target_`` (checked in :func:`validate_config`); an entry set to
-``null`` is off.  Nothing is dropped silently.
-"""
+"""Build callbacks and loggers from their config groups; an entry set to ``null`` is off."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from omegaconf import DictConfig
 
 from ..run.secrets import mask
 from ..run.sweeps import is_multirun
-from .groups import to_plain
+from .resolvers import to_plain
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +27,8 @@ def instantiate_group(group: DictConfig | None) -> list:
 
 
 def instantiate_loggers(cfg: DictConfig, resumes_wandb_run: str | None = None) -> list[Logger]:
-    """Loggers of the ``logger`` group (empty for ``logger=none``).
-
-    W&B: one run per launch of a Hydra job, grouped by sweep (``group: null`` = the sweep
-    folder's name in a multirun, ``task_name`` alone), named after the run folder (``name:
-    null``) and tagged with the task, model and precision (plus the experiment, if any) besides
-    the config's own ``tags``.  Lightning plots every metric against ``trainer/global_step``.
-
-    A resumed run (``resumes_wandb_run``: the W&B run id its checkpoint names) is a new W&B run,
-    with the same name and group and a note naming the run it continues: an offline run cannot
-    continue another's history (wandb restarts its internal ``_step`` at 0, so the two parts
-    would overlap), while the launches side by side, on ``trainer/global_step``, read as one run.
-    """
+    """Loggers of the ``logger`` group.  W&B: one run per launch, grouped by sweep, named after the run folder; a resume is
+    a new run noting ``resumes_wandb_run`` (an offline run cannot continue another's history: wandb restarts ``_step``)."""
     loggers = []
     for name, node in (cfg.get("logger") or {}).items():
         if node is None:
@@ -82,15 +68,8 @@ MASKED_WANDB_SETTINGS = ("name", "notes", "tags", "group", "config", "job_type",
 
 
 def start_wandb_run(node: DictConfig, fields: dict):
-    """Start this job's W&B run with ``wandb.init`` and hand it to ``WandbLogger(experiment=...)``
-    (a public argument), as Lightning would, less the ``anonymous=None`` it always passes (wandb
-    then warns on every run that the setting has no effect).  ``node``'s other keys (``project``,
-    ``mode``, ``entity``...) and ``fields`` (group, name, tags, notes) go to ``wandb.init``; every
-    metric is plotted against ``trainer/global_step``, as Lightning sets it up.
-
-    Returns:
-        the ``wandb`` run.
-    """
+    """Start this job's W&B run for ``WandbLogger(experiment=...)`` as Lightning would, less the ``anonymous=None`` it
+    always passes (wandb then warns on every run)."""
     import wandb
 
     settings = {key: value for key, value in to_plain(node).items() if key not in LIGHTNING_WANDB_ARGS and value is not None}
@@ -123,11 +102,7 @@ def wandb_run_fields(cfg: DictConfig, node: DictConfig) -> dict:
 
 
 class NoProfiler(PassThroughProfiler):
-    """Lightning's "no profiler", without the cost of its context manager: the trainer wraps every
-    hook call (each callback's, about 100 a training step with the shipped callbacks) in
-    ``profiler.profile(name)``, which for Lightning's ``PassThroughProfiler`` is still a generator
-    context manager (about 0.8 us a call on a 2-core CPU, ``docs/performance.md``); here it is one
-    shared ``contextlib.nullcontext`` (about 0.15 us)."""
+    """Lightning's "no profiler" with one shared ``nullcontext`` instead of a generator context manager per hook call."""
 
     _nothing = contextlib.nullcontext()
 
@@ -136,8 +111,7 @@ class NoProfiler(PassThroughProfiler):
 
 
 def instantiate_trainer(cfg: DictConfig, callbacks: list[Callback], loggers: list[Logger]):
-    """The ``lightning.Trainer`` of ``cfg.trainer`` with the given callbacks and loggers; without
-    a ``trainer.profiler`` (``+trainer.profiler=simple`` profiles), :class:`NoProfiler`."""
+    """The ``lightning.Trainer`` of ``cfg.trainer``; :class:`NoProfiler` unless ``trainer.profiler`` is set."""
     extra = {} if cfg.trainer.get("profiler") is not None else {"profiler": NoProfiler()}
     return hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, **extra)
 

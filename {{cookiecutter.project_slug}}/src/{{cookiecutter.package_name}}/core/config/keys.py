@@ -74,7 +74,6 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
             "activation_checkpointing",
             "compile",
             "loss",
-            "objective",  # the preference task's (configs/objective/)
             "optimizer",
             "lr_schedule",
             "callbacks",
@@ -128,7 +127,6 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "activation_checkpointing": frozenset({"mode", "offload", "offload_min_bytes", "mlp_tiles"}),
     "compile": frozenset({"mode"}),
     "loss": frozenset({"implementation", "chunk_size"}),
-    "objective": frozenset({"name", "beta", "label_smoothing", "gamma"}),
     "paths": frozenset({"root_dir", "data_dir", "log_dir", "output_dir", "cache_dir"}),
     "latency": frozenset({"device", "batch_size", "sequence_length", "warmup", "repeats"}),  # quantize
 }
@@ -191,7 +189,7 @@ FORWARDS: dict[str, tuple[str, ...]] = {
 OPTIONAL_PACKAGES = frozenset({"bitsandbytes", "liger_kernel", "flash_attn", "tensorboard", "hydra_plugins"})
 
 
-def unknown_key_problems(cfg: DictConfig) -> list[str]:
+def unknown_key_problems(cfg: DictConfig, task_groups: dict[str, type] | None = None) -> list[str]:
     """Every key of ``cfg`` that nothing reads: one line per node, naming the key, the node and
     the valid keys (the closest match first, when one is close).
 
@@ -199,6 +197,7 @@ def unknown_key_problems(cfg: DictConfig) -> list[str]:
     problem too, unless its package is an optional extra (another check names its install line).
     """
     plain = OmegaConf.to_container(cfg, resolve=False)
+    groups = {name: frozenset(inspect.signature(spec).parameters) for name, spec in (task_groups or {}).items()}
     problems = []
     for old in set(RENAMED_GROUPS) & set(plain):
         node = plain.pop(old)
@@ -209,7 +208,7 @@ def unknown_key_problems(cfg: DictConfig) -> list[str]:
         elif "_target_" in node:
             problem = _target_problem(path, node)
         else:
-            problem = _group_problem(path, node, plain.get("task_name"))
+            problem = _group_problem(path, node, plain.get("task_name"), groups)
         if problem:
             problems.append(problem)
     for path in HF_CONFIG_NODES:
@@ -380,10 +379,11 @@ def _named_problem(path: str, node: dict) -> str | None:
     return _unknown(path, set(node) - valid, valid, f"arguments of {target}")
 
 
-def _group_problem(path: str, node: dict, entry: str | None = None) -> str | None:
-    if path not in GROUP_KEYS:
+def _group_problem(path: str, node: dict, entry: str | None = None, task_groups: dict[str, frozenset[str]] | None = None) -> str | None:
+    known = {**GROUP_KEYS, **(task_groups or {})}
+    if path not in known:
         return None  # an inner node (data.splits, ...): the group's own rules check it
-    valid = GROUP_KEYS[path]
+    valid = known[path] | (frozenset(task_groups or ()) if path == "" else frozenset())
     if path == "":  # the shared keys, and those of this entry point (all of them for an unknown task_name)
         valid |= ENTRY_KEYS.get(entry, frozenset() if entry in ("train", "eval", "plan") else frozenset().union(*ENTRY_KEYS.values()))
     return _unknown(path, set(node) - valid, valid, "keys this project reads" + (f" in {entry}" if path == "" and entry else ""))

@@ -1,14 +1,8 @@
 """The project's own tables of what a config, and so a checkpoint, may name by a plain word.
 
-A checkpoint stores the module's settings (the ``model``, ``optimizer``, ... groups) so that eval,
-predict, generate, export and quantize can rebuild the model.  A checkpoint is data: it may come
-from a stranger.  So the groups a checkpoint stores name what to build by a key of a table below
-(``optimizer.name: adamw``, ``model.fetch.kind: wheel_folder``), never by an import path, and the
-import paths are this project's constants.  Add your own optimizer here, a model fetcher as a
-``MODEL_FETCHER`` declaration in a module of ``core/assets/``.
-
-This module imports nothing of the project's (every layer reads it); :func:`model_fetchers` reads
-the declarations of ``core/assets/`` when first called.
+A checkpoint is data: it may come from a stranger.  So its stored groups name what to build by a key of a table here
+(``optimizer.name: adamw``), never by an import path.  Add an optimizer here, a model fetcher as a ``MODEL_FETCHER``
+in a module of ``core/assets/``.  Imports nothing of the project's (every layer reads it).
 """
 
 from __future__ import annotations
@@ -22,11 +16,8 @@ PACKAGE = __package__.split(".")[0]
 
 @functools.cache
 def model_fetchers() -> dict[str, str]:
-    """``model.fetch.kind`` -> the function that installs the model files (its keyword arguments
-    are the node's other keys), as ``.core.assets.<module>.<function>``: declared by each module of
-    this package's ``core/assets/`` that has one (``MODEL_FETCHER = (kind, function name)``), so a
-    single-task bake lists only the fetchers it has.  Read on first use (the modules are this
-    project's own, imported then)."""
+    """``model.fetch.kind`` -> ``.core.assets.<module>.<function>``, from each ``core/assets/`` module's
+    ``MODEL_FETCHER = (kind, function name)``; read on first use."""
     assets = importlib.import_module(f"{PACKAGE}.core.assets")
     found = {}
     for info in sorted(pkgutil.iter_modules(assets.__path__), key=lambda info: info.name):

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
@@ -23,24 +24,15 @@ log = logging.getLogger(__name__)
 
 
 class TokenizedDataModule(L.LightningDataModule):
-    """Base of the task data modules: ``self.datasets[split]`` holds tokenised rows with an
-    ``input_ids`` column; subclasses give the collator and say whether to group by length.
+    """Base of the task data modules: ``self.datasets[split]`` holds tokenised rows with an ``input_ids`` column;
+    subclasses implement :meth:`collator` and :attr:`groups_by_length` and pass the shared keys on (``**shared``).
 
-    Its ``__init__`` takes the keys every data config shares (a subclass adds its own and passes
-    the rest on: ``**shared``; the config check follows that to this signature); subclasses
-    implement :meth:`collator` and :attr:`groups_by_length`.
-
-    **Resuming mid-epoch.**  The training order is a function of ``(seed, epoch)``
-    (:class:`.sampling.ResumableSampler`); :meth:`state_dict` stores the epoch and the rows already
-    trained on (from Lightning's loop counters) in every checkpoint, and the first
-    ``train_dataloader`` after a resume continues from there.  No loader draws from the global
-    RNG (each has its own seeded generator), so a validation pass between two optimizer steps
-    cannot shift the dropout masks of the next step: a resumed run sees the same batches and,
-    with the RNG callback, the same random numbers as the uninterrupted run.
+    **Resuming mid-epoch.**  The training order is a function of ``(seed, epoch)``; checkpoints store the epoch and rows
+    done (:meth:`state_dict`).  No loader draws from the global RNG, so a validation pass cannot shift the next step's
+    dropout masks: a resumed run sees the same batches and random numbers as the uninterrupted run.
     """
 
-    # What the framework reads of every data module (train.py, eval.py, the planner's header, and
-    # models/inputs.model_inputs: the facts a task module builds from); each sets them by setup.
+    # What the framework reads of every data module (train, eval, the planner, ModelInputs.of); set by setup.
     seed: int | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
     max_length: int | None = None  # tokens per row (data.max_length)
@@ -48,7 +40,7 @@ class TokenizedDataModule(L.LightningDataModule):
     id2label: dict[int, str] | None = None  # class index -> label name (classification)
     eot_id: int | None = None  # chat data: the end-of-turn token closing assistant turns
     system_prompt: str | None = None  # chat data: the system turn set on every row
-    task_facts: dict | None = None  # what else the task's module is told (plain JSON types; models/inputs.ModelInputs)
+    task_facts: dict | None = None  # what else the task's module is told (plain JSON types)
     splits: dict[str, object]  # the data config's splits (train, validation, test)
     split_sizes: dict[str, int]  # rows (or documents) per split as read, before any are dropped
     token_counts: dict[str, int] | None = None  # real (non-pad) tokens per split, where the task counts them
@@ -72,11 +64,8 @@ class TokenizedDataModule(L.LightningDataModule):
         fetch: Callable[[], object] | None,
         seed: int | None = None,
     ) -> None:
-        """Args: the ``data`` config's shared keys.  ``splits``: split -> a file, a list of files
-        (chat data: a mix) or the hub's split name; empty ones are left out.  ``tokenizer``: a Hub
-        name or folder (loaded in ``setup``), or a tokenizer (eval: the checkpoint's).  ``fetch``:
-        installs the files once, in ``prepare_data``.  ``seed``: the training order's (with the
-        epoch); ``None`` draws one per process."""
+        """The ``data`` config's shared keys.  ``splits``: split -> file(s) or hub split name; ``tokenizer``: a name or
+        folder (loaded in ``setup``) or a tokenizer; ``seed``: the training order's, ``None`` draws one per process."""
         super().__init__()
         self.splits = {split: source if isinstance(source, str) else list(source) for split, source in splits.items() if source}
         self.hub_name, self.hub_config = hub_name, hub_config
@@ -95,8 +84,7 @@ class TokenizedDataModule(L.LightningDataModule):
 
     @property
     def groups_by_length(self) -> bool:
-        """Draw training batches of similar length (transformers' ``get_length_grouped_indices``:
-        shuffled mega-batches of 50 batches, each sorted by length), so padding wastes little."""
+        """Draw training batches of similar length (transformers' ``get_length_grouped_indices``), so padding wastes little."""
         raise NotImplementedError
 
     def sequence_lengths(self, split: str) -> list[int]:
@@ -107,12 +95,8 @@ class TokenizedDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def check_validation_interval(self) -> None:
-        """Refuse a ``trainer.val_check_interval`` that Lightning would only reject after the
-        model is built (an integer above the batches of one epoch: a small corpus with a recipe
-        made for a large one), or that puts a validation inside an optimizer step: the interval
-        counts micro-batches, and a validation (with the checkpoint it may save) between the
-        micro-batches of one step leaves a half-accumulated gradient that no checkpoint holds, so
-        no resume from there is exact.  Call at the end of ``setup("fit")``.
+        """At the end of ``setup("fit")``, refuse a ``trainer.val_check_interval`` above one epoch's batches (Lightning
+        refuses it after the model is built) or inside an optimizer step (a checkpoint there lacks the gradient so far).
 
         Raises:
             ConfigError: with the number of batches or the accumulation, and the fix.
@@ -141,11 +125,10 @@ class TokenizedDataModule(L.LightningDataModule):
             )
 
     def hold_out_validation(self, train: datasets.Dataset, unit: str, fix: str) -> tuple[datasets.Dataset, datasets.Dataset]:
-        """``(train, validation)``: ``data.val_fraction`` of ``train``'s rows, drawn with
-        ``data.val_split_seed``, held out for validation (when ``data.splits.validation`` is null).
+        """``(train, validation)``: ``data.val_fraction`` of ``train``'s rows held out, drawn with ``data.val_split_seed``.
 
         Raises:
-            DataError: fewer than two rows (``unit``: what a row is, for the message; ``fix``: the fix).
+            DataError: fewer than two rows.
         """
         if len(train) < 2:
             raise DataError(
@@ -168,13 +151,8 @@ class TokenizedDataModule(L.LightningDataModule):
         return self.seed
 
     def state_dict(self) -> dict[str, int]:
-        """Where training stands in the data: ``epoch`` and ``rows_done`` in it (saved in checkpoints).
-
-        ``rows_done`` counts the micro-batches whose training step finished (Lightning's
-        ``batch_progress.current.processed``) times the micro-batch size times the number of
-        processes (each trained on its own share), so it stays right when a resumed run changes
-        ``batch.micro_batch_size``.
-        """
+        """Where training stands in the data, saved in checkpoints: ``epoch`` and ``rows_done`` (rows over all processes,
+        so a resume may change ``batch.micro_batch_size``)."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # (validation inside fit saves too)
             return {}
@@ -227,20 +205,8 @@ class TokenizedDataModule(L.LightningDataModule):
         return self._evaluation_loader("test")
 
     def evaluation_order(self, split: str) -> list[int] | None:
-        """The rows of ``split`` longest first (ties in the split's order), where rows vary in
-        length (:attr:`groups_by_length`) and the whole split is evaluated; else ``None``: the
-        split's own order.
-
-        Batches of similar length pad little: the classification demo's validation split (1,056
-        rows, micro-batch 32, padded to a multiple of 8) is 33,792 tokens a pass in this order
-        against 57,856 in its own, 4.1-4.4 s against 7.3-8.5 s on 2 CPU cores
-        (``docs/performance.md``).  Longest first, so the sanity check's batches are the
-        heaviest of the split (an out-of-memory shows there, not at the end of the first
-        validation).  Every metric is a sum over rows (and their count), so no figure changes
-        beyond float rounding.  Under ``trainer.limit_val_batches`` / ``limit_test_batches``
-        below the whole split, the batches evaluated are a sample, which must not be the
-        longest rows: the split's own order then.
-        """
+        """The rows of ``split`` longest first (little padding; an OOM shows in the sanity check); ``None`` without length
+        grouping or for a ``limit_*_batches`` sample.  Metrics are sums over rows, so nothing changes beyond rounding."""
         if not self.groups_by_length:
             return None
         trainer = self.trainer
@@ -251,11 +217,8 @@ class TokenizedDataModule(L.LightningDataModule):
         return sorted(range(len(lengths)), key=lambda row: -lengths[row])
 
     def _evaluation_loader(self, split: str) -> DataLoader:
-        """One process: the split in :meth:`evaluation_order`.  Several (DDP): each rank its own
-        rows of that order, every row once (:class:`.sampling.EvaluationShardSampler`).  Under
-        FSDP every rank must run as many batches (each forward gathers the shards from all of
-        them), so Lightning's padded sampler stays, over the split's own order, and up to
-        ``world_size - 1`` repeated rows count twice (said once)."""
+        """The split in :meth:`evaluation_order`, each DDP rank its own rows, every row once.  FSDP keeps Lightning's padded
+        sampler (every rank must run as many batches: each forward gathers all shards)."""
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if world > 1 and isinstance(trainer.strategy, FSDPStrategy):
@@ -265,3 +228,23 @@ class TokenizedDataModule(L.LightningDataModule):
             )
             return self._loader(split)
         return self._loader(split, EvaluationShardSampler(len(self.datasets[split]), world, rank, self.evaluation_order(split)))
+
+
+def data_problems(data: DictConfig) -> list[str]:
+    """The keys every data config has; each task checks its own (``Task.data_problems``)."""
+    problems = []
+    max_length = data.get("max_length")
+    if not isinstance(max_length, int) or max_length < 8:
+        problems.append(f"data.max_length={max_length!r} must be an integer >= 8 (tokens per sequence); fix: e.g. data.max_length=512")
+    fraction = data.get("val_fraction")
+    if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        problems.append(
+            f"data.val_fraction={fraction!r} must be in (0, 1), the share of train held out for validation; fix: e.g. data.val_fraction=0.1"
+        )
+    splits = data.get("splits") or {}
+    unknown = sorted(set(splits) - {"train", "validation", "test"})
+    if unknown:
+        problems.append(f"data.splits has unknown keys {unknown}; allowed: train, validation, test")
+    if not splits.get("train"):
+        problems.append("data.splits.train is empty; fix: data.splits.train=path/to/train.csv (or a hub split name)")
+    return problems

@@ -1,20 +1,9 @@
 """A CSV log that survives kills and continues across resumes, on Lightning's public logger API.
 
-Each launch of a run writes its own file, in Lightning's versioned folders:
-``<run>/csv/version_0/metrics.csv`` for the first launch, ``version_1`` for the first resume, and
-so on (Lightning's ``CSVLogger`` with ``version: null``).  :func:`.metrics_csv.read_metrics` merges them
-by step: a later launch's rows replace those of earlier launches from its first step on (a resumed
-run logs again the steps the killed one logged after its last checkpoint).  No file is ever
-rewritten by a later launch, so a kill can cost at most the rows not yet written.
-
-Rows are kept in memory and appended, the file closed (flushed to the OS), at every ``save``:
-every ``flush_logs_every_n_steps`` logged steps (10 in ``configs/logger/csv.yaml``: opening and
-closing the file every step cost 0.7 ms a step, ``docs/performance.md``) and before every
-checkpoint.  A new column rewrites the launch's file through a temporary file renamed into place
-(Lightning's own writer rewrites it in place, which a kill can cut short).  And
-:class:`StepLogBeforeCheckpoint` writes a step's row, and every row still in memory, before any
-checkpoint is saved: a SIGKILL loses only rows of steps after the last checkpoint, which the
-resumed run trains and logs again, so no step is lost across a resume.
+Each launch writes its own ``<run>/csv/version_<n>/metrics.csv``; :func:`.metrics_csv.read_metrics` merges them by step,
+a later launch's rows replacing earlier ones from its first step on.  Rows are appended every ``flush_logs_every_n_steps``
+and before every checkpoint (:class:`StepLogBeforeCheckpoint`), so a SIGKILL loses only steps the resumed run logs again.
+A new column rewrites the file atomically (Lightning's writer rewrites it in place).
 """
 
 from __future__ import annotations
@@ -35,8 +24,7 @@ from ..run.secrets import MaskedHyperparameters
 
 
 def _contains(row: dict, part: dict) -> bool:
-    """Whether ``row`` has every key of ``part`` with the same value (NaN equal to NaN: a skipped
-    non-finite step logs a NaN loss)."""
+    """Whether ``row`` has every key of ``part`` with the same value (NaN equal to NaN: a skipped step logs NaN)."""
 
     def same(a: object, b: object) -> bool:
         return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
@@ -45,8 +33,7 @@ def _contains(row: dict, part: dict) -> bool:
 
 
 class _AtomicWriter(ExperimentWriter):
-    """Lightning's writer with atomic header rewrites, and without a second copy of a row that
-    :meth:`write_now` already wrote."""
+    """Lightning's writer with atomic header rewrites, and without a second copy of a row :meth:`write_now` wrote."""
 
     def __init__(self, log_dir: str) -> None:
         super().__init__(log_dir)
@@ -54,9 +41,7 @@ class _AtomicWriter(ExperimentWriter):
         self.last_logged: tuple[int | None, dict] = (None, {})
 
     def write_now(self, metrics: dict, step: int) -> None:
-        """Write one step's row at once (see :class:`StepLogBeforeCheckpoint`), unless the same
-        values were just logged for that step; the same values for the same step, when Lightning
-        delivers them afterwards, are not written twice."""
+        """Write one step's row at once, unless just logged; Lightning's later delivery of it is not written twice."""
         if self.last_logged[0] != step or not _contains(self.last_logged[1], metrics):
             self.log_metrics(metrics, step)
             self.written_early = (step, dict(metrics))
@@ -96,11 +81,8 @@ class _AtomicWriter(ExperimentWriter):
 
 
 class ResumableCSVLogger(MaskedHyperparameters, CSVLogger):
-    """``lightning.pytorch.loggers.CSVLogger`` writing one file per launch, each kill-safe (see
-    the module docstring); :func:`.metrics_csv.read_metrics` reads a run's launches as one log; its
-    ``hparams.yaml`` with secrets masked (:mod:`..run.secrets`).  Same
-    arguments; ``save_dir`` must be a local path, and ``version`` should stay ``None`` (a fixed
-    version would make every launch overwrite the same file).
+    """Lightning's ``CSVLogger`` writing one kill-safe file per launch, ``hparams.yaml`` with secrets masked.  Keep
+    ``version`` ``None`` (a fixed one would make every launch overwrite the same file).
 
     Raises:
         ValueError: ``save_dir`` is a remote URL.
@@ -126,18 +108,8 @@ class ResumableCSVLogger(MaskedHyperparameters, CSVLogger):
 
 
 class StepLogBeforeCheckpoint(L.Callback):
-    """Write an optimizer step's row to the CSV log *before* a checkpoint of that step is saved,
-    with every row still held in memory (``flush_logs_every_n_steps``) before any checkpoint.
-
-    The module sends a step's row to the loggers in its ``on_train_batch_end``, after the
-    callbacks' (:meth:`..models.base.HFModule.on_train_batch_end`, where Lightning would send
-    ``self.log``'s rows), and ``ModelCheckpoint`` saves inside the callbacks': a kill between the
-    two would leave a checkpoint of step ``k`` and no row for ``k``, which the resumed run
-    (starting after ``k``) never writes.  So when a checkpoint is saved between an optimizer step
-    and the delivery of its row (``on_save_checkpoint``), this callback writes the row first: the
-    module's :meth:`..models.base.HFModule.step_row`, which holds what will be sent.  The logger
-    then skips the identical delivery.  Other loggers (W&B) get the delivery only.
-    """
+    """Write a step's row (and every row in memory) to the CSV log *before* a checkpoint of that step: ``ModelCheckpoint``
+    saves before the module sends the row, and a kill between would lose row ``k`` for good (a resume starts after it)."""
 
     def __init__(self) -> None:
         self.stepped = False

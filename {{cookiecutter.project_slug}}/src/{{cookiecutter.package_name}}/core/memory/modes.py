@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 from transformers import PretrainedConfig
 
-from ..config.groups import uses_cuda
 from ..config.named import is_8bit_optimizer
 from ..config.validate import validate_config
 from ..errors import ConfigError
 from ..models.levers import pinned_block
+from ..run.distributed import uses_cuda
 from ..task import Task
 from . import planner
 from .planner import GIB, MemoryPlan, process_batch

@@ -28,13 +28,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import AutoConfig, PretrainedConfig
 
 from ..compress.pruning import PruningMemory, pruning_memory
-from ..config.groups import MASK_FREE_ATTENTION, precision_is_auto, to_plain, uses_cuda, world_size
 from ..config.named import is_8bit_optimizer, is_paged_optimizer
+from ..config.resolvers import to_plain, world_size
 from ..config.validate import validate_config
 from ..errors import ConfigError
-from ..models.levers import ActivationOffload, apply_memory_levers, pinned_block
-from ..models.precision import compute_dtype, is_mixed
+from ..models.levers import MASK_FREE_ATTENTION, ActivationOffload, apply_memory_levers, pinned_block
+from ..models.precision import compute_dtype, is_mixed, precision_is_auto
 from ..optim import StepInBackward, build_optimizer
+from ..run.distributed import uses_cuda
 from ..task import Task, build_module
 from . import tracer
 from .steptime import StepCost

@@ -7,7 +7,7 @@ GPU (the CPU issues while kernels run), ``max(compute, memory) + overhead`` on a
 
 Peaks are the ``hardware`` group's: RTX 4090, 165.2 TFLOP/s dense bf16 and 1,008 GB/s (NVIDIA Ada whitepaper,
 Appendix A); a CPU, :func:`measure_peaks`.  Left out: kernels below peak, caches, data loading, and of ``compile`` all
-but the fused pointwise launches (docs/performance.md).
+but the fused pointwise launches (docs/memory.md, "plan.mode").
 """
 
 from __future__ import annotations

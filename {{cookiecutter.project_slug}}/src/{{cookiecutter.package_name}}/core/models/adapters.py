@@ -32,10 +32,12 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig
 from transformers import BitsAndBytesConfig, PretrainedConfig
 
 from ..errors import ConfigError
@@ -282,3 +284,85 @@ def wrap_with_lora(
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()
     return model
+
+
+# The peft group (both tasks).
+PEFT_METHODS = ("none", "lora", "qlora")
+
+
+def peft_problems(peft: DictConfig) -> list[str]:
+    """The ``peft`` group: its method, LoRA's rank/alpha/dropout/targets, and the initialisation."""
+    method = peft.get("method")
+    if method not in PEFT_METHODS:
+        return [f"peft.method={method!r} is not one of {PEFT_METHODS}; fix: peft=lora (or none, qlora)"]
+    if method == "none":
+        return []
+    problems = []
+    r, alpha, dropout = peft.get("r"), peft.get("alpha"), peft.get("dropout")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        problems.append(f"peft.r={r!r} must be a positive integer (the LoRA rank), e.g. peft.r=16")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        problems.append(f"peft.alpha={alpha!r} must be a positive number (scale = alpha / r), e.g. peft.alpha=32")
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        problems.append(f"peft.dropout={dropout!r} must be in [0, 1); fix: e.g. peft.dropout=0.05")
+    modules = peft.get("target_modules")
+    if (
+        modules is not None
+        and modules != "all-linear"
+        and (isinstance(modules, str) or not modules or not all(isinstance(m, str) and m for m in modules))
+    ):
+        problems.append(
+            f"peft.target_modules={modules!r} must be all-linear (peft's selection) or a list of layer names; "
+            "fix: peft.target_modules=all-linear, or e.g. peft.target_modules=[q_proj,v_proj]"
+        )
+    for key in ("use_dora", "use_rslora"):
+        if not isinstance(peft.get(key, False), bool):
+            problems.append(f"peft.{key}={peft.get(key)!r} must be true or false; fix: peft.{key}=true")
+    problems += _lora_init_problems(peft)
+    ratio = peft.get("loraplus_lr_ratio")
+    if ratio is not None and (not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio < 1):
+        problems.append(
+            f"peft.loraplus_lr_ratio={ratio!r} must be null or a number >= 1 (the B matrices' learning rate over A's, "
+            "LoRA+); fix: e.g. peft.loraplus_lr_ratio=16"
+        )
+    return problems
+
+
+# peft.init_lora_weights values that rewrite the base weights (and pissa_niter_<n>, PISSA_NITER).
+BASE_REWRITING_INITS = ("pissa", "olora")
+
+
+PISSA_NITER = re.compile(r"pissa_niter_[1-9][0-9]*")
+
+
+def rewrites_base(peft: dict | DictConfig | None) -> bool:
+    """Whether the ``peft`` group trains adapters initialised by PiSSA or OLoRA
+    (``init_lora_weights``), which leave the frozen base as a residual."""
+    peft = peft or {}
+    init = peft.get("init_lora_weights", True)
+    adapters = peft.get("method", "none") != "none"
+    return adapters and isinstance(init, str) and (init in BASE_REWRITING_INITS or bool(PISSA_NITER.fullmatch(init)))
+
+
+def _lora_init_problems(peft: DictConfig) -> list[str]:
+    """``peft.init_lora_weights``: true, pissa, pissa_niter_<n> or olora, and what PiSSA/OLoRA cannot join."""
+    init = peft.get("init_lora_weights", True)
+    if init is True:
+        return []
+    if not rewrites_base(peft):
+        return [
+            f"peft.init_lora_weights={init!r} must be true, pissa, pissa_niter_<n> (e.g. pissa_niter_4) or olora; "
+            "fix: peft.init_lora_weights=true"
+        ]
+    problems = []
+    if peft.get("method") == "qlora":
+        problems.append(
+            f"peft.init_lora_weights={init} with peft=qlora: the residual base would be quantized to 4 bits again, so the "
+            "checkpoint's initial adapter could not rebuild it exactly on a load; fix: peft=lora, or peft.init_lora_weights=true"
+        )
+    if peft.get("use_dora"):
+        problems.append(
+            f"peft.init_lora_weights={init} with peft.use_dora=true: the conversion of its adapter for the original base "
+            "is not checked for DoRA here; fix: one of them"
+        )
+    return problems

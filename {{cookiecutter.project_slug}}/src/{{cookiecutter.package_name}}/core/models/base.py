@@ -1,5 +1,4 @@
-"""What every task's LightningModule shares: fetching the model files, the optimizer, and the
-tokenizer stored inside each checkpoint."""
+"""The base of every task's LightningModule: model files, optimizer, loss normalisation, checkpointed tokenizer."""
 
 from __future__ import annotations
 
@@ -9,13 +8,21 @@ from lightning.pytorch.loggers import WandbLogger
 from transformers import AutoConfig, PretrainedConfig
 
 from ..assets import fetch_model_files
-from ..config.groups import rewrites_base
 from ..errors import ConfigError
 from ..identity.fingerprint import base_problem
 from ..optim import build_optimizer, lightning_allows_fused
 from ..run.secrets import mask
 from ..task import task_folder
-from .adapters import adapter_tensors, check_adapter_spec, quantized_loading, restore_residual, target_modules, uses_peft, wrap_with_lora
+from .adapters import (
+    adapter_tensors,
+    check_adapter_spec,
+    quantized_loading,
+    restore_residual,
+    rewrites_base,
+    target_modules,
+    uses_peft,
+    wrap_with_lora,
+)
 from .builder import check_max_length, config_to_dict, linear_layer_names, spec_config
 from .inputs import ModelInputs
 from .levers import apply_levers
@@ -23,39 +30,20 @@ from .precision import weights_dtype
 
 
 class HFModule(L.LightningModule):
-    """Base of the task modules: ``self.model`` is the Hugging Face model (built in
-    ``configure_model``), ``self.tokenizer`` its tokenizer; ``hparams.model``,
-    ``hparams.optimizer``, ``hparams.attention``, ``hparams.activation_checkpointing`` and
-    ``hparams.compile`` are those config groups as plain dicts (the last three ``None`` = sdpa,
-    no checkpointing, no compile).
+    """Base of the task modules: ``self.model`` (built in ``configure_model``), ``self.tokenizer``, ``hparams.<group>`` dicts.
 
-    With ``optimizer.step_in_backward`` the module runs under manual optimization
-    (:meth:`backward_and_step`); otherwise Lightning's automatic loop.
+    **Loss normalisation.**  ``training_step`` hands :meth:`add_to_window` the *sum* of its micro-batch's per-item losses
+    (per token or per row) and the item count; before the optimizer step the gradients are divided by the items of the
+    whole accumulated batch (all micro-batches and devices).  So a step follows the global batch's mean whatever the
+    micro-batch size, and an epoch's last, partial window is not shrunk by ``accumulate_grad_batches`` as Lightning's
+    per-micro-batch division would leave it: HF Trainer's ``num_items_in_batch`` (transformers PR #34191).
 
-    **Loss normalisation** (both tasks).  ``training_step`` feeds :meth:`add_to_window` the
-    *sum* of the per-item losses of its micro-batch (per token for a causal LM, per row for a
-    classifier) and the item count; before the optimizer step the gradients are divided by the
-    items of the whole accumulated batch (all micro-batches of the step, all devices).  So a step
-    follows the mean over every item of the global batch, whatever the micro-batch size, and a
-    last, partial accumulation window of an epoch (fewer micro-batches, or a smaller last
-    micro-batch) is the mean over the items it has -- not shrunk by ``accumulate_grad_batches``
-    as Lightning's per-micro-batch division would leave it.  This is the normalisation HF's
-    Trainer reaches with ``num_items_in_batch`` (transformers PR #34191).  ``train/loss`` is
-    logged once per optimizer step as that mean (:meth:`step_loss`).
-
-    ``skipped_steps`` counts optimizer steps whose update was skipped (non-finite loss, see
-    :class:`..callbacks.guards.NonFiniteLoss`); the LR schedule does not advance on them.  It is
-    saved in checkpoints.
-
-    **Inputs.**  What the module knows of its data and run (tokenizer, labels, ``max_length``,
-    per-process micro-batch, precision) is :attr:`inputs`, a :class:`.inputs.ModelInputs` handed
-    to it (:meth:`connect`: never read from the trainer's data module) and saved in checkpoints
-    (``checkpoint["model_inputs"]``, the tokenizer as its files' text), so
-    eval/predict/generate/export need nothing but the checkpoint.
+    ``skipped_steps`` (checkpointed) counts updates skipped on a non-finite loss.  :attr:`inputs` is handed over
+    (:meth:`connect`) and checkpointed, so eval/predict/generate/export need nothing but the checkpoint.
     """
 
-    TASK_NAME = ""  # the task folder the subclass is defined in (core.task.task_folder), stored in checkpoints
-    AUTO_CLASS: type  # the transformers Auto class of the task's model (AutoModelForCausalLM, ...)
+    TASK_NAME = ""  # the task folder of the subclass, stored in checkpoints
+    AUTO_CLASS: type  # the transformers Auto class of the task's model
     PEFT_TASK_TYPE = "CAUSAL_LM"  # peft's task type (a classifier's keeps its new head trainable)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
@@ -66,20 +54,17 @@ class HFModule(L.LightningModule):
         super().__init__()
         self.model = None  # built in configure_model
         self.fresh_ids: set[int] = set()  # ids of the parameters from_pretrained drew at random (remember_fresh)
-        # True when a checkpoint will set the weights (a resume, eval/export...): adapters are built
-        # with peft's plain initialisation, and a PiSSA/OLoRA run's residual comes from the checkpoint.
+        # True when a checkpoint will set the weights: plain peft init, and a PiSSA/OLoRA residual from the checkpoint.
         self.restores_weights = False
         self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA/OLoRA: (A0, B0), kept in checkpoints
         self.tokenizer = None
         self.inputs: ModelInputs | None = None
         self.skipped_steps = 0
-        # The figures of the validation before the first step (`val/*_start`, train.py), kept in
-        # every checkpoint so that a resumed run's metrics.json still reports them.
+        # `val/*_start` (train.py), checkpointed so that a resumed run's metrics.json still reports them.
         self.start_metrics: dict[str, float] = {}
         self.validated_at_step: int | None = None  # the optimizer step of the last full validation pass
         self._loss_divisor = 1.0
-        # The optimizer step being accumulated: its summed loss (None before its first micro-batch)
-        # and item count (a Python int while every count came from the host, as a classifier's rows do).
+        # The step being accumulated: summed loss (None before its first micro-batch) and item count (an int while host-known).
         self._window_loss: torch.Tensor | None = None
         self._window_items: int | torch.Tensor = 0
         self._step_loss: torch.Tensor | None = None
@@ -99,23 +84,19 @@ class HFModule(L.LightningModule):
 
     @property
     def knows_its_data(self) -> bool:
-        """Whether the module holds its data's facts (the tokenizer and labels: handed over by
-        :class:`.inputs.ConnectData`, or read from a checkpoint), not only the config's."""
+        """Whether the module holds its data's facts (tokenizer, labels), not only the config's."""
         return self.inputs is not None and self.inputs.tokenizer is not None
 
     def connect(self, inputs: ModelInputs) -> None:
-        """Hand the module the facts of its data and run (:mod:`.inputs`): the config's at
-        construction (``tasks.build_module``), the data's once it is set up
-        (:class:`.inputs.ConnectData`), or a checkpoint's.  Before ``configure_model``."""
+        """Hand the module the facts of its data and run (:mod:`.inputs`), before ``configure_model``."""
         self.inputs = inputs
         self.tokenizer = inputs.tokenizer
 
     def setup(self, stage: str) -> None:
-        """Refuse to build a model without the data's facts (the module reads no data module).
+        """Refuse to build a model without the data's facts.
 
         Raises:
-            RuntimeError: fit/validated/tested by a trainer without :class:`.inputs.ConnectData`
-                and never handed the data's facts (``connect``) nor loaded from a checkpoint.
+            RuntimeError: never handed them (no :class:`.inputs.ConnectData`, ``connect`` or checkpoint).
         """
         if not self.knows_its_data:
             raise RuntimeError(
@@ -124,21 +105,14 @@ class HFModule(L.LightningModule):
             )
 
     def datamodule_kwargs(self) -> dict:
-        """What eval, predict and quantize hand the task's data module when they load this module:
-        the checkpoint's tokenizer (none for a module built to load an exported folder: the data
-        config names the folder's).  A task whose data needs more from the checkpoint (the
-        classifier's label map) adds it."""
+        """What eval/predict/quantize hand the task's data module: the checkpoint's tokenizer; a task adds more (labels)."""
         return {"tokenizer": self.tokenizer} if self.tokenizer is not None else {}
 
     def prepare_data(self) -> None:
-        """Install the model files once (``model.fetch``, by its name in the project's table); an
-        adapter checkpoint's base is compared with the run's (:attr:`expected_base`); a fresh
-        module's spec is checked against its architecture (:meth:`check_spec`), all before the data
-        is tokenised and any weights load (Lightning calls this first).
+        """Install the model files (``model.fetch``), check an adapter checkpoint's base and a fresh spec, before any load.
 
         Raises:
-            ConfigError: the base at ``model.name_or_path`` holds other files than the run's, or
-                the spec does not fit the architecture (see :meth:`check_spec`).
+            ConfigError: the base at ``model.name_or_path`` differs from the run's, or see :meth:`check_spec`.
         """
         if self.hparams.model.get("fetch"):
             fetch_model_files(self.hparams.model["fetch"])
@@ -152,25 +126,21 @@ class HFModule(L.LightningModule):
 
     # ------------------------------------------------------------------ the model
     def architecture(self) -> PretrainedConfig:
-        """The HF config of the model, read without weights: the checkpoint's (``hf_config``), else
-        the spec's (:func:`.builder.spec_config`, with :meth:`config_fields` from the data)."""
+        """The model's HF config without weights: the checkpoint's (``hf_config``), else the spec's."""
         if self.hparams.hf_config is not None:
             fields = dict(self.hparams.hf_config)
             return AutoConfig.for_model(fields.pop("model_type"), **fields)
         return spec_config(self.hparams.model, self.tokenizer, **self.config_fields())
 
     def config_fields(self) -> dict:
-        """Config fields the task's data gives a model (a classifier's labels: :meth:`build_model`
-        passes them to ``from_pretrained`` too); ``{}`` by default."""
+        """Config fields the task's data gives a model (a classifier's labels); ``{}`` by default."""
         return {}
 
     def check_spec(self, config: PretrainedConfig, precision: str, max_length: int | None) -> list[str] | str:
-        """Check the spec against ``config`` before any weights load; return the LoRA targets
-        (``[]`` without adapters).  A task adds its own checks.
+        """Check the spec against ``config`` before any weights load; return the LoRA targets (``[]`` without adapters).
 
         Raises:
-            ConfigError: ``max_length`` above the positions, LoRA/QLoRA the spec or precision cannot
-                take, a LoRA target that matches no linear layer.
+            ConfigError: ``max_length`` above the positions, LoRA/QLoRA the spec or precision cannot take, an unmatched target.
         """
         check_max_length(config, max_length)
         check_adapter_spec(self.hparams.get("peft"), self.hparams.model, precision)
@@ -179,11 +149,7 @@ class HFModule(L.LightningModule):
         return target_modules(self.hparams.peft, config, linear_layer_names(config, self.AUTO_CLASS))
 
     def build_model(self, precision: str, config: PretrainedConfig | None = None) -> torch.nn.Module:
-        """The one builder of a task's model (train, plan, eval, export all call it), its weights in
-        the dtype of :func:`.precision.weights_dtype`: random weights of ``config`` (the planner's)
-        or of :meth:`architecture` (a checkpoint then sets them; a model from scratch), or the
-        pretrained weights of ``model.name_or_path`` (a fresh start; the frozen base an adapter
-        checkpoint re-reads); then the LoRA adapters (``peft``) and QAT.
+        """The one builder of a task's model: random weights (``config``, :meth:`architecture`) or pretrained; then LoRA, QAT.
 
         Raises:
             ConfigError: see :meth:`check_spec`; QLoRA's 4-bit load failing.
@@ -237,24 +203,21 @@ class HFModule(L.LightningModule):
         """Build the task's metrics (after the model: they follow its device)."""
 
     def setup_optimization(self) -> None:
-        """Call after ``save_hyperparameters``: manual optimization when the optimizer steps
-        inside backward (Lightning's automatic loop would step it a second time)."""
+        """Call after ``save_hyperparameters``: manual optimization when stepping inside backward (Lightning would step twice)."""
         self.automatic_optimization = not self.hparams.optimizer["step_in_backward"]
 
     @property
     def peft_method(self) -> str:
-        """The ``peft`` group's ``method``: none | lora | qlora (``none`` for a module built without it)."""
+        """none | lora | qlora (``none`` for a module built without the ``peft`` group)."""
         return self.hparams.peft["method"] if self.hparams.get("peft") else "none"
 
     @property
     def attn_implementation(self) -> str:
-        """The ``attention`` group's choice (``sdpa`` when the module was built without it)."""
+        """The ``attention`` group's choice (``sdpa`` without it)."""
         return self.hparams.attention["implementation"] if self.hparams.get("attention") else "sdpa"
 
     def prepare_qat(self, model: torch.nn.Module) -> None:
-        """Quantization-aware training (the ``qat`` group): fake-quantise ``model``'s Linear layers
-        in place (:func:`..compress.qat.prepare_qat`); nothing for ``qat=none`` or a module built
-        without the group."""
+        """Fake-quantise ``model``'s Linear layers in place for the ``qat`` group, if set."""
         qat = self.hparams.get("qat")
         if qat and qat["scheme"] != "none":
             from ..compress.qat import prepare_qat
@@ -262,16 +225,13 @@ class HFModule(L.LightningModule):
             prepare_qat(model, qat)
 
     def apply_levers(self, compile_target: torch.nn.Module | None = None) -> None:
-        """Activation checkpointing (with offloading and the tiled MLP) and compile, from the config
-        groups (see :mod:`.levers`); ``self.activation_offload`` holds the offloading hooks' counters
-        (None when offloading is off)."""
+        """Activation checkpointing/offloading and compile (:mod:`.levers`); sets ``self.activation_offload`` (or None)."""
         self.activation_offload = apply_levers(
             self.model, self.hparams.get("activation_checkpointing"), self.hparams.get("compile"), compile_target
         )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # No LR scheduler here: the schedule callback sets the LR from the optimizer step count,
-        # the same way for every optimizer below (fused, 8-bit, stepped in backward).
+        # No LR scheduler: the schedule callback sets the LR from the step count, the same way for every optimizer.
         trainer = self.attached_trainer()
         fused = trainer is None or lightning_allows_fused(trainer.precision, trainer.gradient_clip_val)
         ratio = (self.hparams.get("peft") or {}).get("loraplus_lr_ratio") if uses_peft(self.hparams.get("peft")) else None
@@ -279,17 +239,11 @@ class HFModule(L.LightningModule):
 
     # ------------------------------------------------------------------ loss normalisation
     def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
-        """The loss contract of every task: ``(loss_sum, items)``, the loss summed over the
-        micro-batch's items (rows, target tokens: fp32 scalar) and their count (a long scalar, or
-        a Python int where the host knows it: no device op, no host read).
-        Training normalises over the whole accumulated batch (:meth:`add_to_window`); the planner
-        traces ``loss_sum / items`` (``tasks.base.Task.example_loss``)."""
+        """Every task's loss contract: ``(loss_sum, items)``, summed loss (fp32 scalar) and item count (long scalar or int)."""
         raise NotImplementedError
 
     def loss_divisor(self) -> float:
-        """A constant the summed micro-batch loss is divided by before backward (any value works,
-        the gradients are rescaled before the step; one that keeps the loss near the per-item
-        scale keeps fp16 loss scaling in its usual range)."""
+        """Divides the summed loss before backward (undone before the step); near the per-item scale suits fp16 loss scaling."""
         raise NotImplementedError
 
     def on_train_start(self) -> None:
@@ -297,26 +251,19 @@ class HFModule(L.LightningModule):
         self._window_loss, self._window_items, self._step_loss = None, 0, None
 
     def add_to_window(self, loss_sum: torch.Tensor, items: torch.Tensor | int) -> torch.Tensor | None:
-        """Count one micro-batch (``loss_sum``: fp32 scalar, summed over its ``items``: a long
-        scalar or an int) and return what ``training_step`` returns: the loss to backpropagate
-        (automatic optimization), or ``None`` after stepping here (``optimizer.step_in_backward``).
-        The first micro-batch of a step costs no device op here (its loss and count are kept as
-        they are), each later one an add."""
+        """Count one micro-batch; return the loss to backpropagate, or ``None`` after stepping here (step_in_backward)."""
         loss_sum_detached = loss_sum.detach()
         self._window_loss = loss_sum_detached if self._window_loss is None else self._window_loss + loss_sum_detached
         self._window_items = items if isinstance(self._window_items, int) and self._window_items == 0 else self._window_items + items
         if not self.automatic_optimization:
-            # step_in_backward: no accumulation, one device, so this micro-batch is the whole
-            # batch: normalise now, as the update happens during backward.
+            # step_in_backward: no accumulation, one device, so normalise now (the update happens during backward).
             self.backward_and_step(loss_sum / items)
             return None
-        # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both
-        # constants and divides by the accumulated batch's item count instead.
+        # Lightning divides this by accumulate_grad_batches; on_before_optimizer_step undoes both and divides by the items.
         return loss_sum / self._loss_divisor
 
     def step_loss(self) -> torch.Tensor:
-        """Mean loss per item of the optimizer step being taken (every micro-batch, every device);
-        a 0-dim tensor, computed once per step (callbacks read it before the module logs it)."""
+        """Mean loss per item of the optimizer step being taken (all micro-batches and devices), a 0-dim tensor."""
         if self._step_loss is None:
             if self._window_loss is None:  # cannot happen: Lightning steps after a training_step
                 raise RuntimeError("an optimizer step before any micro-batch of it")
@@ -336,9 +283,7 @@ class HFModule(L.LightningModule):
             raise RuntimeError("an optimizer step with nothing to learn from: every label is -100")
         # DDP averages gradients over devices, hence the world-size factor.
         scale = self._loss_divisor * self.trainer.accumulate_grad_batches * self.trainer.world_size / items
-        # (stepped in backward, the loss was normalised already.)  A scale of exactly 1 -- full
-        # micro-batches of a classifier without accumulation -- needs no pass over the gradients
-        # (one launch per tensor: about 1 ms a step for a small model on the CPU).
+        # (stepped in backward, the loss was normalised already; a scale of exactly 1 needs no pass over the gradients)
         if self.automatic_optimization and scale != 1.0:
             for parameter in self.parameters():
                 if parameter.grad is not None:
@@ -349,19 +294,8 @@ class HFModule(L.LightningModule):
         self._window_loss, self._window_items, self._step_loss = None, 0, None
 
     def log_step_metric(self, name: str, value: torch.Tensor | float) -> None:
-        """Put a metric of the optimizer step being taken (``train/loss``, ``train/lr``,
-        ``train/tokens``...) in the step's row, :attr:`step_metrics`, which
-        :meth:`on_train_batch_end` sends to the loggers.  ``value``: a 0-dim tensor, stored as a
-        0-dim float32/float64 tensor on its device (no host sync here), or a Python number, stored
-        as a float (no device copy, nothing to read back).
-
-        Not ``self.log``: Lightning's per-call bookkeeping (its result collection moves the
-        logged metric's state to the value's device on every call) cost 0.55-0.8 ms a call on a
-        2-core CPU (``bench/throughput.py --profile``), once per metric per step; the rows are
-        the same, sent by :meth:`on_train_batch_end` as Lightning's ``LearningRateMonitor`` sends
-        its own.  A per-step metric is therefore not in ``trainer.callback_metrics``: the
-        progress bar (:class:`..callbacks.terminal.ProgressBar`) and ``metrics.json`` read
-        :attr:`step_metrics`."""
+        """Put a metric of the step being taken in :attr:`step_metrics` (a tensor stays on its device: no host sync).  Not
+        ``self.log`` (slow per call), so not in ``trainer.callback_metrics``: :meth:`on_train_batch_end` sends the row."""
         if isinstance(value, (int, float)):
             self.step_metrics[name] = float(value)
             return
@@ -373,29 +307,15 @@ class HFModule(L.LightningModule):
         self.step_metrics[name] = value
 
     def step_row(self) -> tuple[int, dict[str, float]]:
-        """The row :meth:`on_train_batch_end` sends the loggers after the latest optimizer step:
-        the step number it is logged at (optimizer steps before this one, as Lightning counts
-        its rows) and the :meth:`log_step_metric` values plus ``epoch``.  Also read before that
-        delivery, to write the row before the step's checkpoint
-        (:class:`..loggers.csv_log.StepLogBeforeCheckpoint`) or when a stop skips the delivery
-        (:mod:`..callbacks.guards`).  One host sync per metric."""
+        """``(step, metrics)``: the latest optimizer step's row, as Lightning numbers rows, plus ``epoch``; a host sync per metric."""
         return self._row_step, {**self.final_step_metrics(), "epoch": self.trainer.current_epoch}
 
     def sends_step_row(self) -> bool:
-        """Whether the latest optimizer step's row goes to the loggers: every
-        ``trainer.log_every_n_steps``-th step, and the step after which the run stops (Lightning's
-        pace for ``self.log`` rows).  Also asked by :class:`..loggers.csv_log.StepLogBeforeCheckpoint`."""
+        """Whether the latest step's row goes to the loggers: every ``log_every_n_steps``-th step and the last (Lightning's pace)."""
         return (self._row_step + 1) % self.trainer.log_every_n_steps == 0 or self.trainer.should_stop
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
-        """Send the optimizer step's row (:meth:`step_row`) to every logger, at Lightning's pace
-        (every ``trainer.log_every_n_steps``-th step, and a step after which the run stops) and
-        where Lightning sends the rows of ``self.log``: after the callbacks'
-        ``on_train_batch_end`` (a checkpoint saved there has the row written first, and the CSV
-        logger does not write it twice).  A micro-batch inside an accumulation window sends
-        nothing.  The loggers write at their own pace (the CSV log every
-        ``flush_logs_every_n_steps`` rows and before every checkpoint), not once a row as
-        Lightning's delivery does (it calls each logger's ``save``)."""
+        """Send the step's row to the loggers after the callbacks' ``on_train_batch_end``, where Lightning sends its own."""
         if not self._row_pending:
             return
         self._row_pending = False
@@ -406,27 +326,19 @@ class HFModule(L.LightningModule):
             logger.log_metrics(metrics, step=step)
 
     def final_step_metrics(self) -> dict[str, float]:
-        """The latest optimizer step's :meth:`log_step_metric` values as numbers (for
-        ``metrics.json``); empty before the first step."""
+        """The latest step's :meth:`log_step_metric` values as numbers (for ``metrics.json``)."""
         return {name: value if isinstance(value, float) else value.item() for name, value in self.step_metrics.items()}
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
-        """The manual-optimization step of ``optimizer.step_in_backward``: ``backward`` updates
-        every parameter as its gradient completes; ``step()`` then only counts the step (global
-        step, so the LR schedule and step-based checkpoints advance) and runs Lightning's
-        optimizer hooks.  A non-finite loss is not backpropagated (the update would be applied
-        before anything could look at it): the step is counted, and the non-finite-loss
-        callback sees it in ``on_before_optimizer_step``."""
+        """``step_in_backward``: backward updates the parameters, ``step()`` only counts; a non-finite loss is not
+        backpropagated (the update would land before any check)."""
         if torch.isfinite(loss):
             self.manual_backward(loss)
         self.optimizers().step()
 
     # ----------------------------------------------------------------------- checkpoints
     def remember_fresh(self, model: torch.nn.Module, loading_info: dict) -> None:
-        """Record which parameters of ``model`` (before LoRA wraps it) ``from_pretrained`` drew at
-        random because the base files do not hold them (``loading_info["missing_keys"]``: a new
-        classifier head, a pooler the folder lacks...): an adapter checkpoint saves them, since a
-        rebuilt base would draw them anew (:meth:`state_dict`)."""
+        """Record the parameters ``from_pretrained`` drew at random: an adapter checkpoint saves them (a rebuild redraws them)."""
         missing = set(loading_info.get("missing_keys") or ())
         self.fresh_ids = {id(param) for name, param in model.named_parameters() if name in missing}
 
@@ -435,11 +347,7 @@ class HFModule(L.LightningModule):
         return {prefix + name.rsplit(".", 1)[0] + "." for name, param in self.named_parameters() if id(param) in self.fresh_ids}
 
     def state_dict(self, *args, **kwargs) -> dict:
-        """The full state, or with LoRA/QLoRA (``peft``) the trained weights of the model (the
-        adapters, and a classifier's head), every weight that is not in the base files (drawn at
-        random when the base was loaded, trained or not: :meth:`remember_fresh`), and the
-        module's own state (metrics): the frozen base is re-read from ``model.name_or_path`` when
-        the checkpoint is loaded, and the same load then finds every weight it would draw."""
+        """The full state, or with LoRA/QLoRA only trained, randomly drawn and own state (a load re-reads the frozen base)."""
         state = super().state_dict(*args, **kwargs)
         if self.peft_method == "none" or self.model is None:
             return state
@@ -480,9 +388,7 @@ class HFModule(L.LightningModule):
             self.validated_at_step = self.global_step  # train.py validates the final weights if this is not the last step
 
     def merged_model(self) -> torch.nn.Module:
-        """A plain HF model with this module's weights: LoRA adapters merged into the base
-        (``merge_and_unload``).  For QLoRA, call this on a module rebuilt without quantization
-        (``eval.full_precision_overrides``, as ``export`` and ``quantize`` do)."""
+        """A plain HF model with LoRA merged in; for QLoRA, call it on a module rebuilt unquantized (as export does)."""
         return self.model.merge_and_unload() if uses_peft(self.hparams.get("peft")) else self.model
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -499,10 +405,7 @@ class HFModule(L.LightningModule):
                 checkpoint["wandb_run_id"] = logger.version  # a resume's W&B run names the run it continues
 
     def add_adapters(self, model: torch.nn.Module, targets: list[str] | str, task_type: str = "CAUSAL_LM", pretrained: bool = True):
-        """``model`` with the ``peft`` group's LoRA adapters (:func:`.adapters.wrap_with_lora`).
-        ``peft.init_lora_weights`` runs on pretrained weights of a fresh start only; a PiSSA/OLoRA
-        start keeps its initial adapter (:attr:`initial_adapter`, saved in every checkpoint), from
-        which a load rebuilds the residual base (:meth:`on_load_checkpoint`)."""
+        """``model`` with LoRA adapters; a fresh PiSSA/OLoRA start keeps :attr:`initial_adapter` to rebuild its residual base."""
         # (a stored HF config: the module of a checkpoint, whose load sets the weights)
         initialise = pretrained and not self.restores_weights and self.hparams.get("hf_config") is None
         model = wrap_with_lora(model, self.hparams.peft, targets, task_type=task_type, initialise=initialise)
@@ -511,12 +414,10 @@ class HFModule(L.LightningModule):
         return model
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Restore the module's own state; for a PiSSA/OLoRA checkpoint first the residual base
-        (:func:`.adapters.restore_residual`), which the weights then loaded adapt.
+        """Restore the module's own state; for PiSSA/OLoRA first the residual base, which the loaded weights then adapt.
 
         Raises:
-            ConfigError: a PiSSA/OLoRA checkpoint whose initial adapter is missing, or a model
-                whose adapters were initialised again (a load must set ``restores_weights``).
+            ConfigError: a PiSSA/OLoRA checkpoint without its initial adapter, or adapters initialised again.
         """
         initial = checkpoint.get("initial_adapter")
         if rewrites_base(self.hparams.get("peft")) and self.model is not None:

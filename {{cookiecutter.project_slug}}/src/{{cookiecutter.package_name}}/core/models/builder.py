@@ -1,9 +1,7 @@
-"""Build the Hugging Face model a LightningModule wraps (shared by every task).
+"""Build the Hugging Face model a task module wraps.
 
-A model spec (``model`` config group, as a plain dict) either names pretrained weights
-(``name_or_path``: hub name or local folder) or gives a ``config`` to build a randomly
-initialised model (tests, pretraining).  Checkpoints store the full HF config, so evaluation
-rebuilds the architecture from it without downloading or loading the pretrained weights again.
+A spec (the ``model`` group) names pretrained weights (``name_or_path``) or gives a ``config`` for random weights.
+Checkpoints store the full HF config, so eval rebuilds the architecture without the pretrained weights.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ from ..errors import ConfigError
 
 
 def config_to_dict(config: PretrainedConfig) -> dict:
-    """The HF config as plain JSON types (storable in a ``weights_only`` checkpoint): the
-    architecture, without how it was loaded (QLoRA's ``quantization_config``)."""
+    """The HF config as JSON types (for a ``weights_only`` checkpoint), without QLoRA's ``quantization_config``."""
     fields = json.loads(config.to_json_string(use_diff=False))
     fields.pop("quantization_config", None)
     return fields
@@ -43,13 +40,10 @@ def tokenizer_to_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
 
 
 def tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
-    """Inverse of :func:`tokenizer_to_files`: the files written into a temporary folder (each name
-    checked to be a bare file name before the first is written) and loaded from there, with no
-    remote code.
+    """Inverse of :func:`tokenizer_to_files`, via a temporary folder, with no remote code.
 
     Raises:
-        ConfigError: a name that is not a bare file name, a value that is not text, a class path
-            (``auto_map``) in a JSON file.
+        ConfigError: a name that is not a bare file name, a value that is not text, an ``auto_map`` in a JSON file.
     """
     found = tokenizer_file_problems(files, "the stored tokenizer")
     if found:
@@ -60,8 +54,7 @@ def tokenizer_from_files(files: dict[str, str]) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
 
 
-# Architectures whose position ids start after the padding index (RoBERTa's embeddings): the
-# first ``pad_token_id + 1`` positions are never used, so roberta-base's 514 hold 512 tokens.
+# Position ids start after the padding index (RoBERTa's embeddings): roberta-base's 514 positions hold 512 tokens.
 POSITIONS_AFTER_PADDING = {
     "roberta",
     "xlm-roberta",
@@ -75,9 +68,7 @@ POSITIONS_AFTER_PADDING = {
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
-    """The longest sequence, in tokens, the architecture supports (``max_position_embeddings``,
-    or GPT-2's ``n_positions``, less the offset of RoBERTa-style position ids); ``None`` when the
-    config names no limit."""
+    """The longest sequence, in tokens, the architecture supports; ``None`` when the config names no limit."""
     for field in ("max_position_embeddings", "n_positions"):
         value = getattr(config, field, None)
         if isinstance(value, int):
@@ -88,8 +79,7 @@ def max_positions(config: PretrainedConfig) -> int | None:
 
 
 def check_max_length(config: PretrainedConfig, max_length: int | None) -> None:
-    """Refuse a ``data.max_length`` the architecture has no positions for (any task), before
-    the data is tokenised or any weights load.
+    """Refuse a ``data.max_length`` the architecture has no positions for.
 
     Raises:
         ConfigError: ``max_length`` above :func:`max_positions`.
@@ -103,10 +93,7 @@ def check_max_length(config: PretrainedConfig, max_length: int | None) -> None:
 
 
 def spec_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None, **fields: object) -> PretrainedConfig:
-    """The HF config a model spec describes, read without loading any weights, with ``fields``
-    set (a classifier's labels).  From scratch (``config``), ``vocab_size`` and the BOS/EOS/pad ids
-    follow the tokenizer (their one source; with ``tokenizer=None`` the architecture's defaults,
-    enough for checks of positions and layer names); pretrained, the model's own ``config.json``.
+    """The HF config a spec describes, without weights; from scratch, vocab size and special ids follow ``tokenizer``.
 
     Raises:
         ValueError: the spec gives neither ``name_or_path`` nor ``config``.
@@ -125,9 +112,7 @@ def spec_config(spec: dict, tokenizer: PreTrainedTokenizerBase | None, **fields:
 
 
 def linear_layer_names(config: PretrainedConfig, auto_class: type = AutoModelForCausalLM) -> list[str]:
-    """Names of the linear layers (``nn.Linear``, GPT-2's ``Conv1D``) of the architecture built
-    by ``auto_class`` (the task's ``AutoModelFor*``), as dotted paths; found on the meta device,
-    so no memory is used and no weights load."""
+    """Dotted names of the linear layers (``nn.Linear``, GPT-2's ``Conv1D``), found on the meta device (no memory)."""
     with torch.device("meta"):
         model = auto_class.from_config(config)
     return [name for name, module in model.named_modules() if isinstance(module, (torch.nn.Linear, Conv1D))]

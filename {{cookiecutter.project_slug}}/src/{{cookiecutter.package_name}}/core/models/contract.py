@@ -1,6 +1,5 @@
-"""What core's callbacks read of the module they train: one declared contract, implemented by
-:class:`.base.HFModule`.  A module without it (a plain LightningModule, e.g. in a test) gets
-Lightning's own paths (``self.log``, no step row)."""
+"""What core's callbacks read of the module they train, implemented by :class:`.base.HFModule`; a plain LightningModule
+gets Lightning's own paths (``self.log``, no step row)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,9 @@ from .inputs import ModelInputs
 class TrainedModule(Protocol):
     """The module's side of the callbacks' contract."""
 
-    inputs: ModelInputs | None  # the facts of its data and run (tokenizer, labels, micro-batch)
-    skipped_steps: int  # optimizer steps whose update a non-finite loss skipped (the LR schedule waits)
-    step_metrics: dict[str, torch.Tensor | float]  # the latest optimizer step's row (train/loss, train/lr...)
+    inputs: ModelInputs | None
+    skipped_steps: int  # updates a non-finite loss skipped (the LR schedule waits)
+    step_metrics: dict[str, torch.Tensor | float]  # the latest optimizer step's row
 
     def log_step_metric(self, name: str, value: torch.Tensor | float) -> None:
         """Put a metric of the optimizer step being taken in its row."""

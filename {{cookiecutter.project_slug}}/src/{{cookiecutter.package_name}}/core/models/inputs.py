@@ -1,12 +1,7 @@
-"""What a task module is told about its data and its run, in one described object.
+"""What a task module is told about its data and run (:class:`ModelInputs`), handed over by ``module.connect``.
 
-A module never reads the trainer's data module: it is handed a :class:`ModelInputs`
-(``module.connect``).  ``train`` and ``plan`` build the module with the config's facts
-(:meth:`ModelInputs.before_data`: precision, ``max_length``, per-process micro-batch), and
-:class:`ConnectData` hands it the data's (tokenizer, labels, end-of-turn token) once the data
-module is set up, before the model is built.  The module builds its model and normalises its loss
-from them, saves them in every checkpoint (``checkpoint["model_inputs"]``), and
-eval/predict/generate/export read them back from there, with nothing but the checkpoint.
+``train``/``plan`` give the config's facts at construction (:meth:`ModelInputs.before_data`), :class:`ConnectData` the
+data's once it is set up; the module saves them in every checkpoint, so eval/predict/generate/export need only that.
 """
 
 from __future__ import annotations
@@ -25,19 +20,12 @@ class ModelInputs:
     """The facts of the data and the run a task module builds and trains from.
 
     Attributes:
-        tokenizer: the data's tokenizer (the model's ``vocab_size`` and special token ids follow
-            it); ``None`` before the data is read (:meth:`before_data`).
-        max_length: the longest row, in tokens (``data.max_length``); ``None`` unknown.
-        micro_batch_size: rows per forward/backward pass of one process (the per-process
-            micro-batch the ``batch`` group derives; DDP: the global batch's share of one device).
-        precision: Lightning's precision flag the model is trained under (``bf16-mixed``, ...).
-        id2label: class index -> label name (classification); ``None`` for a causal LM.
-        end_of_turn: chat data (:mod:`...tasks.causal_lm.chat`): the token closing assistant turns, where
-            generation stops; ``None`` for raw text (and classification).
-        system_prompt: chat data: the system turn set on every row (``data.system_prompt``).
-        task_facts: what else a task's data tells its module, in plain JSON types, that the
-            framework does not read (token classification: the tag scheme its metrics parse);
-            ``None`` for a task that has none.
+        tokenizer: the data's (the model's ``vocab_size`` and special ids follow it); ``None`` before the data is read.
+        max_length: the longest row, in tokens; ``None`` unknown.
+        micro_batch_size: rows per forward/backward pass of one process.
+        precision: Lightning's precision flag (``bf16-mixed``, ...).
+        end_of_turn: chat data: the token closing assistant turns, where generation stops.
+        task_facts: a task's own data facts in JSON types, unread by the framework (token classification's tag scheme).
     """
 
     tokenizer: PreTrainedTokenizerBase | None
@@ -52,16 +40,12 @@ class ModelInputs:
 
     @classmethod
     def before_data(cls, precision: str, max_length: int | None, micro_batch_size: int) -> ModelInputs:
-        """The facts the config gives before any data is read (``train`` and ``plan`` hand them to
-        the module at construction, :func:`...tasks.build_module`): the module's spec checks run
-        on them before the data is tokenised; ``tokenizer`` stays ``None`` until
-        :class:`ConnectData` hands over the data's."""
+        """The config's facts before any data is read, for the spec checks (``tokenizer`` ``None`` until :class:`ConnectData`)."""
         return cls(tokenizer=None, max_length=max_length, micro_batch_size=micro_batch_size, precision=precision)
 
     @classmethod
     def of(cls, datamodule: L.LightningDataModule, precision: str) -> ModelInputs:
-        """The facts of a set-up data module (a :class:`..data.batching.TokenizedDataModule`: the
-        attributes it declares) under Lightning's ``precision`` flag."""
+        """The facts of a set-up data module (the attributes :class:`..data.batching.TokenizedDataModule` declares)."""
         return cls(
             tokenizer=datamodule.tokenizer,
             max_length=datamodule.max_length,
@@ -103,8 +87,7 @@ class ModelInputs:
     @classmethod
     def from_state_dict(cls, state: dict) -> ModelInputs:
         """Inverse of :meth:`state_dict`."""
-        # Imported here: the builder brings transformers' model classes and, through them, torchao,
-        # whose import logs warnings; train imports this module before Hydra has set up logging.
+        # Imported here: the builder brings in torchao, whose import logs warnings before Hydra has set up logging.
         from .builder import tokenizer_from_files
 
         id2label = state.get("id2label")
@@ -122,17 +105,8 @@ class ModelInputs:
 
 
 class ConnectData(L.Callback):
-    """Hands a task module the facts of its data once the data module is set up: Lightning
-    calls the data module's ``setup``, then the callbacks' (this one), then the module's, and
-    ``configure_model`` after them.  ``train`` and ``eval`` (an exported folder) put it first in
-    their trainer's callbacks; a module that already has its data facts (loaded from a
-    checkpoint) is left as it is.
-
-    Why not before ``fit``: the data facts (the tokenizer, the classifier's labels) exist once
-    ``prepare_data`` has installed the files (on one process per node) and ``setup`` has read
-    them (on every process), in Lightning's order; reading them earlier would run the downloads
-    on every DDP/SLURM rank at once.
-    """
+    """Hands a module its data's facts in ``setup`` (after the data module's, before ``configure_model``).  Not before
+    ``fit``: the facts exist once ``prepare_data`` ran (one process per node); earlier, every rank would download."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if trainer.datamodule is not None and not pl_module.knows_its_data:  # (an HFModule)
@@ -140,5 +114,5 @@ class ConnectData(L.Callback):
 
 
 def chat_end_of_turn(datamodule: L.LightningDataModule) -> str | None:
-    """The end-of-turn token of a chat data module (set up), ``None`` for any other data."""
+    """The end-of-turn token of a set-up chat data module, else ``None``."""
     return None if datamodule.eot_id is None else datamodule.tokenizer.convert_ids_to_tokens(datamodule.eot_id)

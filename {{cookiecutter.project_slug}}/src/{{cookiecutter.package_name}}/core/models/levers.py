@@ -7,13 +7,16 @@ the memory planner, so the planner traces exactly what training runs."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
+from ..run.distributed import uses_cuda
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -286,3 +289,89 @@ def _tiled_forward(forward, tiles: int, hidden: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled() or hidden.dim() != 3 or hidden.shape[1] < 2 * tiles:
         return forward(hidden)
     return torch.cat([checkpoint(forward, part, use_reentrant=False) for part in hidden.tensor_split(tiles, dim=1)], dim=1)
+
+
+# The memory levers (configs/attention, activation_checkpointing, compile).
+ATTENTION = ("sdpa", "flash_attention_2", "flex_attention", "eager")
+
+
+# Those that attend within packed rows with no dense (B, 1, T, T) mask: flash-attn's varlen kernel,
+# FlexAttention's block mask (the planner traces them mask-free).
+MASK_FREE_ATTENTION = ("flash_attention_2", "flex_attention")
+
+
+CHECKPOINTING = ("none", "full")
+
+
+COMPILE_MODES = ("off", "default", "max-autotune")
+
+
+def _flex_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
+    """``attention=flex_attention``: torch's ``torch.nn.attention.flex_attention`` must exist, and
+    training needs a CUDA GPU (on the CPU, FlexAttention has a forward only: its backward raises)."""
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        return [
+            f"attention=flex_attention needs torch.nn.attention.flex_attention (torch >= 2.5; this is {torch.__version__}); fix: attention=sdpa"
+        ]
+    if runs_here and cfg.get("task_name") == "train" and not uses_cuda(cfg):
+        return [
+            "attention=flex_attention trains on a CUDA GPU only: on the CPU its backward is not implemented (torch "
+            f"{torch.__version__}); fix: attention=sdpa here (the same attention, with a dense mask for packed rows)"
+        ]
+    return []
+
+
+def _checkpointing_problems(cfg: DictConfig) -> list[str]:
+    """The ``activation_checkpointing`` group: its mode, offloading (needs checkpointing, not with
+    compile), the offload threshold and the MLP tiles."""
+    group = cfg.activation_checkpointing
+    problems = []
+    if group.mode not in CHECKPOINTING:
+        problems.append(f"activation_checkpointing.mode={group.mode!r} is not one of {CHECKPOINTING}; fix: activation_checkpointing=full")
+    offload = group.get("offload", False)
+    if not isinstance(offload, bool):
+        problems.append(f"activation_checkpointing.offload={offload!r} must be true or false")
+    elif offload and group.mode != "full":
+        problems.append(
+            f"activation_checkpointing.offload=true with activation_checkpointing.mode={group.mode}: offloading moves the "
+            "inputs checkpointing keeps, and without it every activation would cross PCIe; fix: activation_checkpointing=offload"
+        )
+    elif offload and "compile" in cfg and str(cfg.compile.mode) != "off":
+        problems.append(
+            f"activation_checkpointing.offload=true with compile={cfg.compile.mode}: the saved-tensor hooks are not traced "
+            "by torch.compile here (not tested together); fix: compile=off, or activation_checkpointing=full"
+        )
+    threshold = group.get("offload_min_bytes", 0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        problems.append(f"activation_checkpointing.offload_min_bytes={threshold!r} must be a whole number of bytes >= 0, e.g. 1048576")
+    tiles = group.get("mlp_tiles", 1)
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        problems.append(f"activation_checkpointing.mlp_tiles={tiles!r} must be a whole number >= 1 (1 = off); fix: e.g. mlp_tiles=8")
+    elif "data" in cfg and isinstance(cfg.data.get("max_length"), int) and tiles > cfg.data.max_length:
+        problems.append(
+            f"activation_checkpointing.mlp_tiles={tiles} is more than data.max_length={cfg.data.max_length} tokens; "
+            "fix: at most the block length (e.g. 8)"
+        )
+    return problems
+
+
+def lever_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
+    """The ``attention``, ``activation_checkpointing`` and ``compile`` groups, and their conflicts."""
+    problems = []
+    attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
+    if attention not in ATTENTION:
+        problems.append(f"attention.implementation={attention!r} is not one of {ATTENTION}; fix: attention=sdpa")
+    elif (
+        attention == "flash_attention_2" and runs_here and (importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available())
+    ):
+        problems.append(
+            "attention=flash_attention_2 needs the flash-attn package and a CUDA GPU (Ampere or newer); "
+            "fix: pip install flash-attn --no-build-isolation, or attention=sdpa (PyTorch's own flash kernel)"
+        )
+    elif attention == "flex_attention":
+        problems += _flex_problems(cfg, runs_here)
+    if "activation_checkpointing" in cfg:
+        problems += _checkpointing_problems(cfg)
+    if "compile" in cfg and str(cfg.compile.mode) not in COMPILE_MODES:
+        problems.append(f"compile.mode={cfg.compile.mode!r} is not one of {COMPILE_MODES}; fix: compile=default")
+    return problems

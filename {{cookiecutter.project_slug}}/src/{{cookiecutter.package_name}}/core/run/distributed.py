@@ -109,3 +109,40 @@ def fsdp_strategy(**kwargs):
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return FSDPStrategy(auto_wrap_policy={GradientCheckpointingLayer}, **kwargs)
+
+
+def uses_cuda(cfg: DictConfig) -> bool:
+    """Whether ``trainer`` will run on a CUDA GPU (``accelerator`` gpu/cuda, or auto with one visible)."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def distributed_problems(trainer: DictConfig, runs_here: bool) -> list[str]:
+    """GPUs that are not there, said before anything loads (Lightning's own errors come later, and
+    FSDP's only after the model is built): FSDP shards over CUDA GPUs (NCCL); ``accelerator: gpu``
+    needs ``devices`` of them."""
+    if not runs_here:
+        return []
+    accelerator, devices = str(trainer.get("accelerator")), trainer.get("devices")
+    if "SUBMITIT_LOCAL_JOB_ID" in os.environ and isinstance(devices, int) and devices > 1:
+        return [
+            f"launcher=local runs each job as one process of submitit's local executor, and trainer.devices={devices} needs "
+            "Lightning to start the other ranks by re-running the command, which that executor cannot do; fix: drop "
+            "launcher=local (Hydra's own launcher runs DDP multiruns), or launcher=slurm on a cluster"
+        ]
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if is_fsdp(trainer) and (accelerator == "cpu" or not visible):
+        return [
+            f"trainer=fsdp shards the model over CUDA GPUs, and this run has none (accelerator={accelerator}, "
+            f"CUDA GPUs visible: {visible}); fix: trainer=ddp_cpu to test multi-process training on the CPU, "
+            "or run on a machine with GPUs"
+        ]
+    if accelerator in ("gpu", "cuda") and isinstance(devices, int) and devices > visible:
+        return [
+            f"trainer.accelerator={accelerator} with trainer.devices={devices}, but this machine has {visible} CUDA GPU(s); "
+            f"fix: trainer.devices={visible}"
+            if visible
+            else f"trainer.accelerator={accelerator} (trainer=gpu/ddp) needs a CUDA GPU and this machine has none; "
+            "fix: trainer=cpu, or trainer=ddp_cpu for several processes on the CPU"
+        ]
+    return []

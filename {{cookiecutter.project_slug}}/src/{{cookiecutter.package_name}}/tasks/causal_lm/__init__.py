@@ -1,7 +1,5 @@
-"""Causal language modelling: pretraining, full fine-tuning, LoRA/QLoRA, on raw text or chat
-rows.  The module is :class:`.module.CausalLMModule`, the data
-:class:`.text.TextDataModule` or :class:`.chat.ChatDataModule`
-(configs/task/causal_lm.yaml)."""
+"""Causal language modelling (pretraining, full fine-tuning, LoRA/QLoRA) on raw text or chat rows: :class:`.module.CausalLMModule`,
+data :class:`.text.TextDataModule` or :class:`.chat.ChatDataModule` (configs/task/causal_lm.yaml)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,10 @@ import torch
 from omegaconf import DictConfig
 
 from ...core.compress.quantization import TORCHAO_VARIANTS
-from ...core.config.groups import CHAT_MODES, MASK_FREE_ATTENTION, SAMPLE_BY, TEXT_MODES, TRAIN_ON, TRUNCATION
+from ...core.models.levers import MASK_FREE_ATTENTION
 from ...core.task import Task, to_device
+
+# Values of the causal-LM groups (checked here, before anything imports the task's code).
 
 # Positions per chunk the planner suggests for loss=chunked (the loss group's default).
 CHUNKED_LOSS_POSITIONS = 256
@@ -48,36 +48,36 @@ class CausalLM(Task):
     def data_problems(self, data: DictConfig) -> list[str]:
         problems = []
         if "train_on" in data:  # data=chat: the rows' columns are fixed (messages, or prompt/completion)
+            from .chat import CHAT_MODES, TRAIN_ON, TRUNCATION, mix_problems
+
             for field, allowed in (("mode", CHAT_MODES), ("train_on", TRAIN_ON), ("truncation", TRUNCATION)):
                 if data.get(field) not in allowed:
                     problems.append(f"data.{field}={data.get(field)!r} is not one of {allowed}; fix: data.{field}={' or '.join(allowed)}")
-            from .chat import mix_problems
-
             return problems + mix_problems(dict(data.get("splits") or {}), data.get("mix_ratios"), data.get("mix_until", "first_exhausted"))
+        from .text import MODES, SAMPLE_BY
+
         if not isinstance(data.get("text_column"), str) or not data.get("text_column"):
             problems.append(f"data.text_column={data.get('text_column')!r} must name a column of your data, e.g. data.text_column=text")
-        if data.get("mode") not in TEXT_MODES:
-            problems.append(f"data.mode={data.get('mode')!r} is not one of {TEXT_MODES}; fix: data.mode=pack (pretraining) or pad")
+        if data.get("mode") not in MODES:
+            problems.append(f"data.mode={data.get('mode')!r} is not one of {MODES}; fix: data.mode=pack (pretraining) or pad")
         if data.get("sample_by") not in SAMPLE_BY:
             problems.append(f"data.sample_by={data.get('sample_by')!r} is not one of {SAMPLE_BY}")
         return problems
 
-    def config_problems(self, cfg: DictConfig) -> list[str]:
+    def config_problems(self, cfg: DictConfig, runs_here: bool = True) -> list[str]:
+        from .loss import loss_problems
         from .neftune import neftune_problems
 
-        return neftune_problems(cfg)
+        return neftune_problems(cfg) + (loss_problems(cfg, runs_here) if "loss" in cfg else [])
 
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
         batch = super().example_batch(cfg, vocab_size, micro_batch)
         attention = cfg.attention.implementation if "attention" in cfg else "sdpa"
         if cfg.data.mode == "pack_rows" and attention in MASK_FREE_ATTENTION:
-            # flash-attn (varlen) and flex (block mask) attend within packed rows with no dense mask:
-            # traced as SDPA with no attention mask at all (transformers then takes SDPA's is_causal
-            # path and builds none; a mask of ones would be materialised on fake tensors).
+            # flash-attn (varlen) and flex (block mask) need no dense mask: traced as SDPA with none (is_causal path).
             batch = {"input_ids": batch["input_ids"], "attention_mask": None}
         elif cfg.data.mode == "pack_rows":
-            # Packed chat rows: per-row position ids, no attention mask, so the trace holds the dense
-            # block-diagonal (B, 1, T, T) mask that transformers builds for SDPA/eager (two rows a block).
+            # Per-row position ids, no mask: the trace holds the dense block-diagonal (B, 1, T, T) mask of SDPA/eager (2 rows a block).
             positions = torch.arange(cfg.data.max_length) % -(-cfg.data.max_length // 2)
             batch = {"input_ids": batch["input_ids"], "position_ids": positions.expand(micro_batch, -1)}
         return {**batch, "labels": batch["input_ids"]}
@@ -110,8 +110,7 @@ class CausalLM(Task):
         return {**super().timing_inputs(input_ids, sample), "use_cache": False}
 
     def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str, datamodule) -> dict[str, float]:
-        """``perplexity`` = exp(token-mean NLL): the NLL summed over every target token of the
-        split and divided by their count."""
+        """``perplexity`` = exp(the NLL summed over every target token of the split / their count)."""
         from .loss import model_arguments, token_loss_sum
 
         total, count = 0.0, 0
@@ -124,17 +123,14 @@ class CausalLM(Task):
 
 
 def liger_chunk_positions(config, seq_len: int) -> int:
-    """Positions per chunk that Liger's fused linear cross-entropy holds logits for: it splits the
-    B*T rows into ceil(V / H) chunks (``liger_kernel.ops.fused_linear_cross_entropy``: chunk size
-    ~ B*T / ceil(V / H)), so one chunk's logits are about as large as the hidden states."""
+    """Positions per chunk Liger's fused linear cross-entropy holds logits for: it cuts the B*T rows into ceil(V / H) chunks
+    (``liger_kernel.ops.fused_linear_cross_entropy``), so a chunk's logits are about the size of the hidden states."""
     return max(1, math.ceil(seq_len / math.ceil(config.vocab_size / config.hidden_size)))
 
 
 def quantized_weights(model: torch.nn.Module) -> list[int]:
-    """Numels of the weights a 4-bit load quantizes: every linear layer but the lm_head
-    (transformers keeps the output embedding unquantized).  They are traced in bf16 and
-    re-counted as NF4 afterwards; everything else stays in the compute dtype (see
-    ``core.models.adapters.wrap_with_lora``)."""
+    """Numels of the weights a 4-bit load quantizes: every linear layer but the lm_head (transformers keeps it unquantized);
+    traced in bf16, re-counted as NF4 afterwards (see ``core.models.adapters.wrap_with_lora``)."""
     output = model.get_output_embeddings()
     return [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output]
 

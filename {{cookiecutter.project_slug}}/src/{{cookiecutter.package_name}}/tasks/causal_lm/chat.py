@@ -1,48 +1,14 @@
-"""Instruction / chat data for causal LMs: render with the chat template, train on the answers.
+"""Chat / instruction data for causal LMs: render with the chat template, train on the answers.
 
-Rows are a ``messages`` list of ``{role, content}`` turns (system / user / assistant, several
-turns), ShareGPT ``conversations`` (``{from, value}`` turns), Alpaca ``instruction`` / ``input`` /
-``output`` columns, or ``prompt`` / ``completion`` columns (one turn, turned into a user and an
-assistant message); ``data.columns`` maps those names to other column names (:func:`conversation`).  Each row is rendered with the tokenizer's own chat template (``apply_chat_template``),
-or with the one ``chat_template`` names, and tokenised once (cached by ``datasets``, keyed by the
-template, the system prompt, ``train_on``, ``truncation`` and ``max_length``).
-
-**What is trained** (``train_on``; labels are -100 everywhere else):
-
-- ``assistant``: each assistant turn's content and the end-of-turn token that closes it, so the
-  model learns to stop.  Template text after the end-of-turn token (ChatML's newline) and every
-  system/user token are masked.
-- ``last_assistant``: the last assistant turn only; ``completion``: the completion of
-  prompt/completion rows (the same spans; other rows are refused); ``all``: every token.
-
-**Where the spans come from: the rendering itself.**  A template with ``{% generation %}``
-markers says which tokens the assistant wrote (transformers' ``return_assistant_tokens_mask``).
-Otherwise each assistant turn ``i`` is found by rendering the conversation prefix by prefix: the
-prompt ``messages[:i]`` with the generation prompt, then ``messages[:i+1]``; each must render as
-an exact prefix of the whole conversation, or the template is refused with the turn that broke
-it (a template that rewrites earlier turns, e.g. one that drops old reasoning, cannot be
-masked this way).  The text is tokenised in pieces cut at those boundaries, the way
-``generate`` tokenises a prompt before the model answers (one rule for training and inference,
-:func:`assistant_token_mask`), so the answer is exactly the tokens of the turn's piece; the run is
-cut after its last end-of-turn token.
-
-**Special tokens are the template's alone.**  A message whose content spells one of the
-tokenizer's special tokens (``<|im_end|>``, ``<|im_start|>``...) would be tokenised as that control
-token: a quoted end of turn trained as a real one, a user message forging extra turns.  Such a
-row is refused, naming the row, the turn and the token (:func:`special_token_problem`).  A row
-whose trained tokens are end-of-turn tokens only (an empty answer) is counted in a warning.
-
-**Truncation** (``truncation``): ``right`` keeps a row's first ``max_length`` tokens, ``left``
-its last ones (the prompt is cut from the left, the answer kept).  A row left with no trained
-token is dropped, counted and named in a warning (and ``inspect_data`` exits non-zero on it);
-it never reaches the loss as a row that trains nothing.
-
-**Packing** (``mode``): ``pad`` gives one row per sequence, padded per micro-batch;
-``pack_rows`` packs whole rows into blocks of at most ``max_length`` tokens (best fit, longest
-rows first) with ``position_ids`` restarting at 0 in each row and no attention mask.
-transformers then builds a block-diagonal causal mask from the position ids (SDPA and eager: a
-dense ``(B, 1, T, T)`` mask; ``flash_attention_2``: its variable-length kernel), so no row
-attends to another; the first token of each row is never a target of the row before it.
+Rows (:func:`conversation`; ``data.columns`` renames fields): ``messages`` (``{role, content}`` turns), ShareGPT
+``conversations``, Alpaca ``instruction``/``input``/``output`` or ``prompt``/``completion``.  Each is rendered with the chat
+template (the tokenizer's, or ``chat_template``) and tokenised once (cached by ``datasets``); a turn spelling a special token is
+refused.  ``train_on`` (labels -100 elsewhere): ``assistant`` (each answer and the end-of-turn token closing it, so the model
+learns to stop), ``last_assistant``, ``completion`` (prompt/completion rows) or ``all``; the spans come from ``{% generation %}``
+markers, else from rendering prefix by prefix (:func:`assistant_token_mask`).  ``truncation``: ``right`` keeps the first
+``max_length`` tokens, ``left`` the last; a row left with no trained token is dropped and counted.  ``mode``: ``pad`` (a row per
+sequence) or ``pack_rows`` (whole rows in ``max_length`` blocks, best fit, ``position_ids`` from 0 per row, no attention mask:
+transformers builds a block-diagonal causal mask, dense ``(B, 1, T, T)`` for SDPA/eager, varlen for flash_attention_2).
 """
 
 from __future__ import annotations
@@ -59,7 +25,6 @@ import jinja2
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ...core.config.groups import CHAT_MODES, TRAIN_ON, TRUNCATION
 from ...core.data.batching import TokenizedDataModule
 from ...core.data.loading import load_split
 from ...core.data.tokenization import load_tokenizer
@@ -69,6 +34,9 @@ from .text import IGNORE_INDEX, pad_token_id
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+CHAT_MODES = ("pad", "pack_rows")  # data.mode: one row per sequence, or rows packed (position ids restart per row)
+TRAIN_ON = ("assistant", "last_assistant", "completion", "all")  # data.train_on: the tokens with a loss
+TRUNCATION = ("right", "left")  # data.truncation: which end of a row longer than max_length is cut
 # ShareGPT's speakers (and our own role names) -> roles; data.roles replaces it for other names.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 # The fields of every row format conversation() reads (data.columns maps them to a file's names).
@@ -76,14 +44,12 @@ ROW_FIELDS = ("messages", "conversations", "instruction", "input", "output", "sy
 # Named templates shipped with the project (data.chat_template=<name>), for tokenizers without one.
 TEMPLATES_DIR = Path(__file__).resolve().parent / "chat_templates"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
-# The labelling rule, in the tokenised cache's key (datasets hashes the map function, not the
-# functions it calls): a cache written under an earlier rule is not read back.
+# In the tokenised cache's key (datasets hashes the map function, not what it calls): a new labelling rule, a new cache.
 LABEL_RULE = "pieces-at-answer-boundaries-2"
 
 
 def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
-    """The Jinja template to render with: the tokenizer's own (``chat_template=None``), a shipped
-    one by name (``tasks/causal_lm/chat_templates/<name>.jinja``) or a ``.jinja`` file.
+    """The Jinja template: the tokenizer's own (``None``), a shipped one by name (``chat_templates/<name>.jinja``) or a ``.jinja`` file.
 
     Raises:
         ConfigError: no template at all, or an unknown name / missing file.
@@ -111,8 +77,7 @@ def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, end_of_turn: str | None) -> int:
-    """The id of the token that closes an assistant turn: ``end_of_turn``, or the tokenizer's EOS
-    (``<|im_end|>`` for SmolLM2/Qwen, ``<|eot_id|>`` for Llama 3 Instruct).
+    """The id of the token closing an assistant turn: ``end_of_turn``, else the EOS (``<|im_end|>``, Llama 3's ``<|eot_id|>``).
 
     Raises:
         ConfigError: the token is not a single token of the vocabulary.
@@ -130,26 +95,14 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase, end_of_turn: str | None) 
 def conversation(
     row: dict, system_prompt: str | None, where: str, columns: dict[str, str] | None = None, roles: dict[str, str] | None = None
 ) -> tuple[list[dict], bool]:
-    """The row as chat messages (and whether it was a one-turn prompt/completion or Alpaca row),
-    with the system turn set or replaced by ``system_prompt`` when that is not ``None``.
+    """The row as chat messages, and whether it was a one-turn (prompt/completion or Alpaca) row.
 
-    Row formats, read in this order (the first whose columns the row has):
-
-    - ``messages``: a list of ``{role, content}`` turns (roles :data:`ROLES`);
-    - ShareGPT: ``conversations``, a list of ``{from, value}`` turns, ``from`` read through
-      ``roles`` (default :data:`SHAREGPT_ROLES`: ``human`` -> user, ``gpt`` -> assistant...);
-    - ``prompt`` / ``completion`` (both text): one user and one assistant turn; other columns
-      (an ``output`` kept beside them, say) are left alone;
-    - Alpaca: ``instruction``, optional ``input``, ``output`` (and optional ``system``): one user
-      turn, the instruction and the input joined by a newline when the input is not empty (as
-      LLaMA-Factory and axolotl read it), and one assistant turn.
-
-    ``columns`` maps these names to the file's own column names (``{"instruction": "question",
-    "output": "answer"}``); the cell values are read as written, never changed.
+    Formats, first match wins: ``messages`` (roles :data:`ROLES`), ShareGPT ``conversations`` (``from`` mapped by ``roles``),
+    ``prompt``/``completion``, Alpaca (the user turn: the instruction, a newline and the input if any, as LLaMA-Factory and axolotl
+    read it).  ``columns`` maps these names to the file's; ``system_prompt`` (not ``None``) sets or replaces the system turn.
 
     Raises:
-        DataError: the row matches no format, or a field of its format is missing or not text, or
-            a turn without a known role (named by ``where``, the field and the value).
+        DataError: no format matches, a field of it is missing or not text, or a turn has no known role.
     """
     columns = columns or {}
     row = {name: row.get(columns.get(name, name)) for name in ROW_FIELDS}
@@ -202,11 +155,10 @@ def conversation(
 
 
 def sharegpt_messages(turns: object, roles: dict[str, str], where: str) -> list[dict]:
-    """ShareGPT turns (``{from, value}``; ``{role, content}`` is read too) as ``{role, content}``
-    messages, each ``from`` mapped by ``roles``.
+    """ShareGPT turns (``{from, value}``, or ``{role, content}``) as messages, ``from`` mapped by ``roles``.
 
     Raises:
-        DataError: not a non-empty list of turns, a ``from`` missing from ``roles``, non-text ``value``.
+        DataError: not a non-empty list of turns, a ``from`` missing from ``roles``, a non-text ``value``.
     """
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where} must be a non-empty list of {{from, value}} turns; got {turns!r:.80}; fix: the row's conversations")
@@ -233,20 +185,11 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dic
 def assistant_token_mask(
     tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int], generation_prompt: bool = False
 ) -> tuple[list[int], list[int]]:
-    """Token ids of the whole conversation and, per token, the assistant turn it belongs to
-    (its index in ``messages``) or -1.  Only the turns in ``turns`` are marked.
+    """Token ids of the conversation and, per token, its assistant turn (index in ``messages``, if in ``turns``) or -1.
 
-    **One boundary rule, for training and for generation.**  Each assistant turn ``i`` starts
-    where ``messages[:i]`` rendered with the generation prompt ends: exactly the text that
-    ``generate`` and the exact-match pass tokenise alone before the model answers.  So the text
-    is tokenised in pieces cut at those points (and where each turn's rendering ends): no token
-    straddles a boundary, each token belongs to the one piece it covers, and the answer's first
-    token is the one the model must emit after that prompt at inference.  (Tokenised whole, a
-    generation prompt ending in a space, ``Assistant: ``, merges the space into the answer's
-    first token: that token starts before the answer, was masked, and the answer trained nothing.)
-
-    ``generation_prompt``: the conversation ends with the generation prompt (a prompt for the
-    next answer, cut as training cuts it: :func:`chat_prompt_ids`).
+    Turn ``i`` starts where ``messages[:i]`` with the generation prompt ends, the text ``generate`` tokenises before the answer;
+    the text is tokenised in pieces cut there, so training and inference agree on the answer's first token (tokenised whole,
+    ``Assistant: `` would merge its space into it).  ``generation_prompt``: end with the generation prompt (:func:`chat_prompt_ids`).
 
     Raises:
         TemplateError: a prefix of the conversation does not render as a prefix of the whole.
@@ -275,11 +218,8 @@ def assistant_token_mask(
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` rendered with the generation prompt, tokenised as a training row
-    is up to its answer (earlier answers cut at their boundaries, :func:`assistant_token_mask`),
-    so the model sees at inference the ids it was trained on.  For one user turn this is the
-    whole prompt tokenised at once.  A template with ``{% generation %}`` markers tokenises its
-    rows whole (:func:`generation_token_mask`), and so its prompts."""
+    """Ids of ``messages`` with the generation prompt, cut at answer boundaries as training cuts them
+    (:func:`assistant_token_mask`; whole for ``{% generation %}`` templates), so inference sees the ids training saw."""
     if not GENERATION_MARKER.search(template):
         try:
             return assistant_token_mask(tokenizer, template, messages, [], generation_prompt=True)[0]
@@ -291,8 +231,7 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, template: str, messages:
 def generation_token_mask(
     tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int]
 ) -> tuple[list[int], list[int]]:
-    """As :func:`assistant_token_mask`, from the template's ``{% generation %}`` markers.  The
-    markers do not say which turn a token is in, so runs of marked tokens are numbered in order."""
+    """As :func:`assistant_token_mask`, from ``{% generation %}`` markers; runs of marked tokens are numbered in turn order."""
     encoded = tokenizer.apply_chat_template(
         messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
@@ -308,12 +247,10 @@ def generation_token_mask(
 
 
 def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str) -> list[int]:
-    """Labels from the per-token turn owners: each marked run, extended by an end-of-turn token
-    that directly follows it and cut after its last end-of-turn token, keeps its ids; all else -100.
-    ``eot`` is the end-of-turn token's text (``eot_id``'s), for the message.
+    """Labels: each marked run (and an end-of-turn token right after it), cut after its last end-of-turn token; -100 elsewhere.
 
     Raises:
-        TemplateError: a marked run has no end-of-turn token (the model would never learn to stop).
+        TemplateError: a run has no end-of-turn token (``eot``, its text): the model would never learn to stop.
     """
     labels = [IGNORE_INDEX] * len(ids)
     index = 0
@@ -338,8 +275,7 @@ def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str) -> li
 
 
 def special_token_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """The text of every special token of ``tokenizer`` (EOS, BOS, pad, the chat markers...),
-    longest first: text that tokenisation reads as one control token."""
+    """Every special token's text (EOS, BOS, pad, chat markers...), longest first: text tokenised as one control token."""
     texts = set(tokenizer.all_special_tokens) | {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
     return sorted((text for text in texts if text), key=len, reverse=True)
 
@@ -372,19 +308,14 @@ def tokenize_conversations(
     columns: dict[str, str] | None = None,
     roles: dict[str, str] | None = None,
 ) -> dict[str, list]:
-    """Render, tokenise and label a batch of rows (a ``datasets`` map function).  ``rule`` is
-    :data:`LABEL_RULE`, passed so that ``datasets``' cache key changes with the labelling code;
-    ``columns`` and ``roles``: the row formats' names (:func:`conversation`).
+    """Render, tokenise and label a batch of rows (a ``datasets`` map; ``rule``: :data:`LABEL_RULE`, for the cache key).
 
-    Returns per row: ``input_ids``, ``labels`` (-100 where not trained), ``length`` (tokens after
-    truncation), ``n_trained`` (labels that are not -100; 0 = the row would be dropped),
-    ``n_content`` (trained labels other than the end-of-turn token; 0 = no answer text trained),
-    ``truncated`` (tokens cut) and ``row`` (the row's index in the split, for messages).
+    Returns per row ``input_ids``, ``labels`` (-100 where not trained), ``length``, ``n_trained`` (0: dropped), ``n_content``
+    (trained labels other than end-of-turn; 0: no answer text), ``truncated`` (tokens cut) and ``row`` (index in the split).
 
     Raises:
-        DataError: a malformed row (named), ``train_on=completion`` on a messages row, a row
-            with no assistant turn to train on, a turn whose content spells a special token
-            (:func:`special_token_problem`).  TemplateError: see :func:`answer_labels`.
+        DataError: a malformed row, ``train_on=completion`` on a multi-turn row, no assistant turn, a turn spelling a special token.
+        TemplateError: see :func:`answer_labels`.
     """
     names = list(batch)
     out = {"input_ids": [], "labels": [], "length": [], "n_trained": [], "n_content": [], "truncated": [], "row": []}
@@ -426,11 +357,10 @@ def tokenize_conversations(
 def label_conversation(
     tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], train_on: str, eot_id: int, use_markers: bool, where: str
 ) -> tuple[list[int], list[int]]:
-    """Token ids and labels of one conversation (see :func:`tokenize_conversations`).
+    """Token ids and labels of one conversation (:func:`tokenize_conversations`).
 
     Raises:
-        DataError: no assistant turn to train on.  TemplateError: see :func:`answer_labels`;
-        jinja2.TemplateError: the template raised.
+        DataError: no assistant turn.  TemplateError: see :func:`answer_labels`; jinja2.TemplateError: the template raised.
     """
     if train_on == "all":
         ids = tokenizer(render(tokenizer, template, messages), add_special_tokens=False)["input_ids"]
@@ -446,13 +376,8 @@ def label_conversation(
 
 
 def pack_rows(lengths: list[int], block_size: int) -> list[list[int]]:
-    """Group rows into blocks of at most ``block_size`` tokens: best fit, longest rows first
-    (each row goes to the fullest block it still fits in).  Every row is in exactly one block,
-    whole; blocks are returned in the order of their first row.
-
-    Args:
-        lengths: tokens per row, each ``<= block_size``.
-    """
+    """Group rows of ``lengths`` tokens (each ``<= block_size``) into blocks: best fit, longest first, each row whole in one
+    block; blocks in the order of their first row."""
     room: list[tuple[int, int]] = []  # (free tokens, block index), sorted
     blocks: list[list[int]] = []
     for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -468,8 +393,7 @@ def pack_rows(lengths: list[int], block_size: int) -> list[list[int]]:
 
 
 def packed_block(batch: dict[str, list], rows: list[int]) -> dict[str, list[int]]:
-    """Concatenate ``rows`` (indices into ``batch``): ids, labels (each row's first label -100, so
-    no row predicts the next one's first token) and position ids restarting at 0 per row."""
+    """Concatenate ``rows``: ids, labels (each row's first -100: not a target of the row before) and position ids from 0 per row."""
     ids, labels, positions = [], [], []
     for row in rows:
         ids += batch["input_ids"][row]
@@ -479,14 +403,9 @@ def packed_block(batch: dict[str, list], rows: list[int]) -> dict[str, list[int]
 
 
 class ChatCollator:
-    """Pad chat rows (or packed blocks) into a batch, on the right.
-
-    Returns ``input_ids`` (pad id), ``labels`` (-100 on padding) and ``token_mask`` (1 = a real
-    token, for counting), each ``(B, T)`` int64 with ``T`` the longest row rounded up to
-    ``pad_to_multiple_of``; plus ``attention_mask`` for padded rows, or for packed blocks
-    ``position_ids`` (each row from 0; the padding as one more run from 0) and no attention mask,
-    from which transformers builds the block-diagonal causal mask.
-    """
+    """Pad chat rows (or packed blocks) on the right into ``(B, T)`` int64 ``input_ids``, ``labels`` (-100 on padding),
+    ``token_mask`` (1 = a real token) and ``attention_mask``, or for packed blocks ``position_ids`` (from 0 per row) instead;
+    ``T`` is the longest row rounded up to ``pad_to_multiple_of``."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None, packed: bool) -> None:
         self.pad_token_id, self.pad_to_multiple_of, self.packed = pad_token_id, pad_to_multiple_of, packed
@@ -517,11 +436,10 @@ class ChatCollator:
 
 
 def row_format_names(columns: object, roles: object) -> tuple[dict[str, str], dict[str, str]]:
-    """``data.columns`` and ``data.roles`` checked, as plain dicts (``roles`` ``None``: :data:`SHAREGPT_ROLES`).
+    """``data.columns`` and ``data.roles`` checked, as dicts (``roles`` ``None``: :data:`SHAREGPT_ROLES`).
 
     Raises:
-        ConfigError: a ``columns`` key that is no row field, a value that is not a column name; a
-            ``roles`` value that is not a role.
+        ConfigError: a ``columns`` key that is no row field or value that is no column name; a ``roles`` value that is no role.
     """
     columns, roles = dict(columns or {}), dict(roles) if roles is not None else dict(SHAREGPT_ROLES)
     for name, column in columns.items():
@@ -540,8 +458,7 @@ MIX_UNTIL = ("first_exhausted", "all_exhausted")  # datasets.interleave_datasets
 
 
 def mix_problems(splits: dict, ratios: object, until: object) -> list[str]:
-    """What is wrong with a mix of training files (``data.splits.train`` a list, ``data.mix_ratios``,
-    ``data.mix_until``), each with the field, the value and the fix; ``[]`` when it is fine."""
+    """Problems of a training-file mix (``data.splits.train`` list, ``data.mix_ratios``, ``data.mix_until``); ``[]`` when fine."""
     train = splits.get("train")
     if isinstance(train, str) or train is None:
         if ratios is not None:
@@ -581,35 +498,19 @@ def mix_problems(splits: dict, ratios: object, until: object) -> list[str]:
 
 
 class ChatDataModule(TokenizedDataModule):
-    """Causal-LM batches of chat rows, loss on the answers (see the module docstring).
+    """Causal-LM batches of chat rows, loss on the answers (module docstring): ``input_ids``, ``labels``, ``token_mask`` and
+    ``attention_mask`` (``pad``) or ``position_ids`` (``pack_rows``), each ``(micro_batch, T)``, ``T <= max_length`` rounded up.
 
-    Each batch: ``input_ids``, ``labels``, ``token_mask`` and ``attention_mask`` (``pad``) or
-    ``position_ids`` (``pack_rows``), each ``(micro_batch, T)``, ``T <= max_length`` rounded up
-    to ``pad_to_multiple_of``.  Every row has at least one trained token.
+    Args (the ``data`` group's keys, and :class:`...core.data.batching.TokenizedDataModule`'s; ``train`` may be a list of files):
+        mix_ratios: ``None``: the files one after the other; else a share per file (> 0, sum 1), rows drawn at random in these
+            shares (``datasets.interleave_datasets``, seeded by ``mix_seed``: the same mix every run and rank) until ``mix_until``:
+            ``first_exhausted`` (no row repeats) or ``all_exhausted`` (smaller files repeat).
+        chat_template: ``None`` (the tokenizer's), a shipped name or a ``.jinja`` path; set on the tokenizer (checkpoints carry it).
+        answer_rows: the first test rows whose answers are generated for ``test/exact_match``; ``None`` = all.
 
-    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`; ``train``
-    may be a list of files, each in any row format, read and labelled on its own, then mixed):
-        mix_ratios: ``None``: the files' rows one after the other (all of them, once); else one
-            share per file (> 0, summing to 1): rows drawn from the files at random in these
-            shares (``datasets.interleave_datasets``, seeded with ``mix_seed``: the same mix on
-            every run and every rank, so a resume is exact) until ``mix_until``.
-        mix_until: ``first_exhausted`` (no row repeats; the larger files are cut) or
-            ``all_exhausted`` (every row at least once; the smaller files repeat).
-        chat_template: ``None`` (the tokenizer's), a shipped name or a ``.jinja`` path; set on
-            the tokenizer, so checkpoints and exports carry it.
-        system_prompt: ``None`` keeps the rows' system turns (and the template's default);
-            a string sets or replaces each row's system turn.
-        end_of_turn: the token closing assistant turns; ``None`` = the tokenizer's EOS.
-        train_on, truncation, mode: see the module docstring.
-        answer_rows: rows of the test split whose answers ``eval``/``train`` generate for
-            ``test/exact_match`` (the first ones, a fixed subset); ``None`` = all.
-        answer_max_new_tokens: the longest generated answer, in tokens.
-        answer_batch_size: prompts a ``generate`` call for those answers (sorted by length).
-
-    Raises (from ``setup``, before any model weights load):
-        ConfigError: unknown ``mode``/``train_on``/``truncation``, no chat template, an
-            end-of-turn token not in the vocabulary.
-        DataError / TemplateError: a malformed row, a template whose spans cannot be found.
+    Raises (from ``setup``, before any weights load):
+        ConfigError: unknown ``mode``/``train_on``/``truncation``, no chat template, an end-of-turn token not in the vocabulary.
+        DataError / TemplateError: a malformed row, a template whose answer spans cannot be found.
     """
 
     SIDE_PREFIXES = ("",)  # the column prefixes of the sequences a tokenised row holds (inspect_data)
@@ -659,7 +560,6 @@ class ChatDataModule(TokenizedDataModule):
         self.dropped: dict[str, list[int]] = {}  # rows with no trained token, per split
         self.answers: dict[str, list[dict]] = {}  # answer_prompts, per split
 
-    # ------------------------------------------------------------------------------ set-up
     def prepare_tokenizer(self) -> None:
         """Load the tokenizer, resolve the template (set on the tokenizer) and the end-of-turn id."""
         if self.tokenizer is None:
@@ -683,8 +583,7 @@ class ChatDataModule(TokenizedDataModule):
                 train, validation = self.tokenized("train", train), self.tokenized("validation", validation)
             self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)
-        # The test split is checked with the others (train validates before fitting, and scores the
-        # untuned model's answers to it), so a bad test row stops the run before any weights load.
+        # The test split is checked too (train scores the untuned model on it): a bad test row stops the run before weights load.
         if stage in ("fit", "validate", "test") and self.has_test and "test" not in self.datasets:
             self.datasets["test"] = self._prepare("test", self.split_rows("test"))
         if stage == "test" and "test" not in self.datasets:
@@ -697,9 +596,8 @@ class ChatDataModule(TokenizedDataModule):
         return isinstance(self.splits.get(split), list)
 
     def split_rows(self, split: str) -> datasets.Dataset:
-        """The split's rows rendered, tokenised and labelled, none dropped (:meth:`tokenized`); for a
-        list of files, each file's with a ``part`` column (its index in the list), mixed as
-        ``mix_ratios``/``mix_until`` say (``row`` stays the row's index in its own file)."""
+        """The split's rows tokenised and labelled, none dropped; a list of files is read file by file (``part``: the
+        file's index) and mixed by ``mix_ratios``/``mix_until`` (``row`` stays the index in its own file)."""
         if not self.mixes(split):
             return self.tokenized(split, self.load(split))
         parts = []
@@ -752,8 +650,7 @@ class ChatDataModule(TokenizedDataModule):
         )
 
     def _prepare(self, split: str, tokenized: datasets.Dataset) -> datasets.Dataset:
-        """From the split's tokenised rows (:meth:`split_rows`): drop (and count) rows with no
-        trained token, pack when ``mode=pack_rows``."""
+        """Drop (and count) rows with no trained token, pack for ``mode=pack_rows``."""
         self.split_sizes[split] = len(tokenized)
         trained = tokenized["n_trained"]
         self.dropped[split] = [row for row, n in zip(tokenized["row"], trained) if n == 0]
@@ -821,12 +718,9 @@ class ChatDataModule(TokenizedDataModule):
     def collator(self) -> ChatCollator:
         return ChatCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of, packed=self.mode == "pack_rows")
 
-    # ------------------------------------------------------------------------ answers
     def answer_prompts(self, split: str = "test") -> list[dict]:
-        """The rows whose last turn is an assistant answer, as ``{"row", "prompt_ids", "reference"}``:
-        the conversation before that answer rendered with the generation prompt (token ids),
-        and the answer's text.  The first ``answer_rows`` of them (all when ``None``).  Rendered
-        once per split (``train`` scores the untuned and the tuned model on the same prompts)."""
+        """The first ``answer_rows`` rows ending in an assistant answer as ``{"row", "prompt_ids", "reference"}`` (the prompt
+        before it, with the generation prompt, and its text); cached per split (train scores before and after tuning on them)."""
         if split in self.answers:
             return self.answers[split]
         self.prepare_tokenizer()

@@ -3,13 +3,17 @@ Liger) as ``(loss_sum, n_targets)``, the model's arguments for a batch, and the 
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ...core.data.tokenization import IGNORE_INDEX
 from ...core.errors import ConfigError
+from ...core.run.distributed import uses_cuda
 
 # Bidirectional encoders: transformers maps some to a "*LMHeadModel", but they are not causal LMs.
 ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "camembert", "modernbert")
@@ -94,3 +98,18 @@ def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
 def causal_body(model: torch.nn.Module) -> torch.nn.Module:
     """The transformer body (``LlamaModel``, ``GPT2Model``...): hidden states, no lm_head."""
     return causal_lm_of(model).base_model
+
+
+def loss_problems(cfg: DictConfig, runs_here: bool) -> list[str]:
+    """The ``loss`` group: a chunk size for ``chunked``; ``liger`` needs CUDA and liger-kernel."""
+    implementation, chunk_size = cfg.loss.implementation, cfg.loss.chunk_size
+    if implementation == "plain":
+        return []
+    if implementation == "chunked" and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
+        return [f"loss.chunk_size={chunk_size!r} must be a positive integer (positions per chunk), e.g. loss.chunk_size=256"]
+    if implementation == "liger" and runs_here and (importlib.util.find_spec("liger_kernel") is None or not uses_cuda(cfg)):
+        return [
+            'loss=liger needs a CUDA GPU and the liger-kernel package; fix: pip install -e ".[liger]" on a GPU '
+            "machine, or loss=chunked (the same memory saving, in plain PyTorch)"
+        ]
+    return []

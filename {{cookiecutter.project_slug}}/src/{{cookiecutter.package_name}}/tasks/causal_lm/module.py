@@ -22,16 +22,13 @@ CHAT_FILE = "chat.json"
 
 
 class CausalLMModule(TextGeneration, HFModule):
-    """Train an ``AutoModelForCausalLM`` from scratch (``model.config``) or from pretrained weights
-    (``model.name_or_path``), fully or with LoRA/QLoRA adapters (``peft``).
+    """Train an ``AutoModelForCausalLM`` from scratch (``model.config``) or pretrained (``model.name_or_path``), fully or with
+    LoRA/QLoRA (``peft``); the arguments are the config groups of ``task.module_args``, as dicts.
 
-    Batches: ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)``; ``forward`` returns
-    logits ``(B, T, V)``.  The loss is per target token over the whole accumulated batch
-    (:class:`...core.models.base.HFModule`), so micro-batch 1 x accumulation 2 gives micro-batch 2's
-    gradient even for rows of different lengths; ``loss``: plain (full logits), chunked
-    (:func:`.loss.chunked_token_loss_sum`, ``chunk_size`` positions a chunk) or liger (CUDA).
-    Logged: ``train/loss``, ``train/tokens`` (padding excluded), ``train/padding_fraction``,
-    ``val/loss`` and ``val/ppl`` (``exp`` of the token-weighted loss of the split), ``test/*`` alike.
+    Batches: ``input_ids``, ``attention_mask``, ``labels`` ``(B, T)``; ``forward`` returns logits ``(B, T, V)``.  The loss is per
+    target token over the whole accumulated batch (:class:`...core.models.base.HFModule`); ``loss``: plain, chunked
+    (:func:`.loss.chunked_token_loss_sum`) or liger (CUDA).  Logs ``train/loss``, ``train/tokens`` (no padding),
+    ``train/padding_fraction``, ``val/loss``, ``val/ppl`` (exp of the token-weighted loss) and ``test/*`` alike.
     """
 
     AUTO_CLASS = AutoModelForCausalLM
@@ -54,18 +51,16 @@ class CausalLMModule(TextGeneration, HFModule):
         self.tokens_seen = 0
         self._window_tokens = torch.zeros((), dtype=torch.long)
 
-    # ----------------------------------------------------------------------------- building
     @property
     def loss_implementation(self) -> str:
         """``loss.implementation``: plain | chunked | liger."""
         return self.hparams.loss["implementation"] if self.hparams.get("loss") else "plain"
 
     def check_spec(self, config: PretrainedConfig, precision: str, max_length: int | None) -> list[str] | str:
-        """The shared checks and a causal LM's own (:func:`.loss.check_causal_config`).
+        """The shared checks and :func:`.loss.check_causal_config`.
 
         Raises:
-            ConfigError: an encoder, a chunked/Liger loss on logits transformed after the lm_head,
-                or see :meth:`...core.models.base.HFModule.check_spec`.
+            ConfigError: an encoder, a chunked/Liger loss on logits transformed after the lm_head, or see the base's.
         """
         check_causal_config(config, self.hparams.model, self.loss_implementation)
         return super().check_spec(config, precision, max_length)
@@ -74,13 +69,11 @@ class CausalLMModule(TextGeneration, HFModule):
         # The chunked loss calls the transformer body and the lm_head itself: compile the body.
         return causal_body(self.model) if self.loss_implementation != "plain" else None
 
-    # ------------------------------------------------------------------------------ steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.model(**model_arguments(batch)).logits  # (B, T, V)
 
     def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed token loss and target count of a batch (train/val/test): the plain loss on
-        the logits, or the chunked / Liger one on the hidden states (``loss`` group)."""
+        """Summed token loss and target count: plain on the logits, chunked / Liger on the hidden states (``loss`` group)."""
         if self.loss_implementation == "plain":
             return token_loss_sum(self(batch), batch["labels"])
         body = causal_body(self.model)
@@ -91,8 +84,7 @@ class CausalLMModule(TextGeneration, HFModule):
         return chunked_token_loss_sum(hidden, lm_head, batch["labels"], self.hparams.loss["chunk_size"])
 
     def loss_divisor(self) -> float:
-        # The largest possible token count of a micro-batch keeps the loss at the per-token scale
-        # (1 when fit on a bare DataLoader).
+        # The most tokens a micro-batch can hold keeps the loss at per-token scale (1 on a bare DataLoader).
         return self.inputs.micro_batch_size * self.inputs.max_length if self.inputs is not None else 1
 
     def on_train_start(self) -> None:
@@ -123,8 +115,7 @@ class CausalLMModule(TextGeneration, HFModule):
         getattr(self, f"{split}_loss").update(loss_sum / n_targets, weight=n_targets)  # token-weighted mean over the split
 
     def reset_metrics(self, split: str) -> None:
-        """Reset ``split``'s metrics at the start of its pass, not the end: trainer.validate runs under
-        inference mode, and state tensors re-created there could not be updated in place by fit's loop."""
+        """Reset at the pass's start, not its end: tensors re-created under trainer.validate's inference mode break fit's updates."""
         getattr(self, f"{split}_loss").reset()
 
     def log_metrics(self, split: str) -> None:
@@ -151,8 +142,6 @@ class CausalLMModule(TextGeneration, HFModule):
     def on_test_epoch_end(self) -> None:
         self.log_metrics("test")
 
-    # ------------------------------------------------------------------------ generation
-    # ----------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)  # the tokenizer's files
         checkpoint["tokens_seen"] = self.tokens_seen
@@ -162,20 +151,15 @@ class CausalLMModule(TextGeneration, HFModule):
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
 
     def merged_model(self) -> PreTrainedModel:
-        """A plain HF model with this module's weights: LoRA adapters merged into the base
-        (``merge_and_unload``), ``use_cache`` on for generation.  For QLoRA, call this on a
-        module rebuilt without quantization (see the ``export`` entry point)."""
+        """A plain HF model, LoRA merged (``merge_and_unload``), ``use_cache`` on; for QLoRA, from a module rebuilt unquantized."""
         model = super().merged_model()
         model.config.use_cache = True
         return model
 
 
 def causal_module_class(cfg) -> type[CausalLMModule]:
-    """What ``export`` and ``generate`` load a checkpoint into: the config's task module
-    (``task.module``) when its task trains a causal LM (causal_lm, preference), else
-    :class:`CausalLMModule` (a config left at another default task).  A checkpoint of another task
-    than the class's is then refused by ``core.checkpoints.io.load_trained_module``, naming the task
-    to give (``task=preference``)."""
+    """The class ``export``/``generate`` load a checkpoint into: ``task.module`` when it is a causal LM (causal_lm, preference),
+    else :class:`CausalLMModule` (``core.checkpoints.io.load_trained_module`` then refuses another task's checkpoint)."""
     from ...core.task import module_class
 
     found = module_class(cfg)

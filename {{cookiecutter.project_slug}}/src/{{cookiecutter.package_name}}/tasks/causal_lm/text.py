@@ -1,20 +1,9 @@
-"""Plain-text data for causal language models: load, tokenise once, pack or pad, batch.
+"""Plain-text data for causal LMs: load, tokenise once, pack or pad, batch.
 
-Two ways to turn documents into training sequences (``mode``):
-
-- ``pack`` (the default for pretraining): every document is tokenised, an EOS token is
-  appended, the token streams are concatenated and cut into blocks of exactly ``max_length``
-  tokens (only the split's last block may be shorter, and is padded).  Almost no padding;
-  a block may span two documents (the model attends across the EOS, as in GPT-2/Llama
-  pretraining).
-- ``pad``: one sequence per document, truncated to ``max_length`` tokens, padded per micro-batch
-  to the longest one (rounded up to ``pad_to_multiple_of``); with ``group_by_length`` batches hold
-  documents of similar length.  For instruction data, where a row must stay whole.
-
-Labels are the input ids, with -100 (ignored by the loss) wherever the attention mask is 0.
-They are masked from the attention mask, never from the pad id: tokenizers without a pad token
-(GPT-2, Llama, SmolLM2) pad with their EOS id, and a label mask built from the pad id would
-silently stop the model from learning to end a document.
+``mode``: ``pack`` (pretraining) ends each document with EOS, concatenates them and cuts blocks of exactly ``max_length`` tokens
+(the split's last may be shorter; a block may span documents, as in GPT-2/Llama pretraining); ``pad`` keeps one sequence per
+document (rows that must stay whole), truncated to ``max_length``.  Labels are the input ids, -100 where the attention mask is
+0, never where the pad id is: tokenizers without a pad token (GPT-2, Llama, SmolLM2) pad with EOS, which the model must learn.
 """
 
 from __future__ import annotations
@@ -57,17 +46,11 @@ def tokenize_documents(
     max_length: int | None = None,
     in_pieces: bool = False,
 ) -> dict[str, list[list[int]]]:
-    """Tokenise documents and end each with ``eos_token_id``.
+    """Tokenise documents (the tokenizer's special tokens kept) and end each with ``eos_token_id``: ``input_ids``, ``length``.
 
-    The tokenizer's own special tokens are kept (e.g. Llama's BOS); an EOS is appended unless
-    the tokenizer already ended the document with one.  Returns ``input_ids`` and ``length``
-    (tokens per row, kept as a column so counts and length grouping never read the ids).
-
-    A document longer than :func:`...core.data.tokenization.piece_chars` is never given to the tokenizer whole
-    (the module docstring of :mod:`...core.data.tokenization`): with ``max_length`` (``pad`` mode, which keeps
-    that many) it is cut to the pieces that hold them (:func:`...core.data.tokenization.cut_for_tokens`); without
-    (``pack``, every token kept) it is tokenised piece by piece when ``in_pieces`` (the tokenizer
-    :func:`...core.data.tokenization.splits_at_whitespace`), else whole.
+    A long document never goes to the tokenizer whole (:mod:`...core.data.tokenization`): with ``max_length`` (``pad``) it is cut
+    to the pieces that hold that many tokens (:func:`...core.data.tokenization.cut_for_tokens`); without (``pack``) it is tokenised
+    piece by piece when ``in_pieces``, else whole.
     """
     size = piece_chars(max_length or 0)
     texts = list(batch[text_column])
@@ -84,21 +67,9 @@ def tokenize_documents(
 
 
 def pack_documents(tokenized: datasets.Dataset, block_size: int, batch_size: int = 1000, desc: str = "Packing") -> datasets.Dataset:
-    """Concatenate the token lists of all rows, in order, and cut the one stream into blocks of
-    ``block_size``: every token is kept exactly once, every block holds exactly ``block_size``
-    tokens but the split's last one, which may be shorter.
-
-    The blocks are cut from the whole split, not per map batch: a ``map`` over the blocks'
-    start offsets gathers each batch of blocks from the rows their offsets fall in (found from
-    the ``length`` column), so memory stays one map batch of blocks however large the corpus.
-
-    Args:
-        tokenized: rows with ``input_ids`` (token lists) and ``length`` (their lengths).
-        batch_size: blocks per map batch.
-
-    Returns:
-        a data set of ``input_ids`` (the blocks) and ``length`` (their token counts).
-    """
+    """Concatenate all rows' tokens in order and cut blocks of ``block_size`` (the last may be shorter): ``input_ids``, ``length``.
+    A ``map`` over block start offsets gathers each batch of ``batch_size`` blocks from the rows they span (found from the
+    ``length`` column), so memory stays one batch of blocks however large the corpus."""
     ends = np.cumsum(np.asarray(tokenized["length"], dtype=np.int64))
     total = int(ends[-1]) if len(ends) else 0
     starts = datasets.Dataset.from_dict({"start": list(range(0, total, block_size))})
@@ -134,13 +105,8 @@ def has_text(row: dict, text_column: str) -> bool:
 
 
 class CausalLMCollator:
-    """Pad a list of ``{"input_ids": [...]}`` rows into a batch for next-token prediction.
-
-    Returns ``input_ids``, ``attention_mask`` and ``labels``, each ``(B, T)`` int64, where ``T``
-    is the longest row rounded up to a multiple of ``pad_to_multiple_of``.  Padding goes on the
-    right with ``pad_token_id``; ``labels`` equal ``input_ids`` where ``attention_mask`` is 1 and
-    are -100 elsewhere.  The model shifts them by one (position ``t`` predicts ``labels[t+1]``).
-    """
+    """Pad ``{"input_ids": [...]}`` rows on the right into ``input_ids``, ``attention_mask`` and ``labels`` ``(B, T)`` int64
+    (``T`` rounded up to ``pad_to_multiple_of``; labels -100 on padding, shifted by the model)."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
         self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
@@ -160,23 +126,15 @@ class CausalLMCollator:
 
 
 class TextDataModule(TokenizedDataModule):
-    """Causal-LM batches from local text (.txt files or folders of them), jsonl/parquet/csv
-    with a text column, or a hub data set.
+    """Causal-LM batches from .txt files or folders, jsonl/json/parquet/csv/tsv with a text column, or a hub data set:
+    ``input_ids``, ``attention_mask``, ``labels`` ``(micro_batch, T)``, ``T <= max_length``; every sequence has >= 2 tokens.
 
-    Each batch is a dict of ``input_ids``, ``attention_mask`` and ``labels``, each
-    ``(micro_batch, T)`` with ``T <= max_length`` (rounded up to ``pad_to_multiple_of`` in ``pad``
-    mode; exactly ``max_length`` for all but the last block in ``pack`` mode).  Every sequence has
-    at least two tokens, so every batch has at least one supervised target.
+    Args (the ``data`` group's keys, and :class:`...core.data.batching.TokenizedDataModule`'s):
+        sample_by: for ``.txt``: ``document`` (a file) or ``paragraph`` (text between blank lines).
+        mode: ``pack`` or ``pad`` (module docstring); ``max_length`` is the block size when packing.
 
-    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`; a split is a
-    ``.txt`` file, a folder of them (sorted), a jsonl/json/parquet/csv/tsv file or a hub split):
-        sample_by: for ``.txt``: ``document`` (one document per file) or ``paragraph`` (one per
-            block of text between blank lines).
-        mode: ``pack`` or ``pad`` (see the module docstring); ``max_length`` is the block size when packing.
-
-    Raises (from ``setup``, before any model weights load):
-        DataError: missing file or column, a split with no text (empty, or only blank lines),
-            a tokenizer without an EOS token.
+    Raises (from ``setup``, before any weights load):
+        DataError: missing file or column, a split with no text, a tokenizer without an EOS token.
     """
 
     def __init__(self, *, text_column: str, sample_by: str, mode: str, **shared: object) -> None:
@@ -219,8 +177,7 @@ class TextDataModule(TokenizedDataModule):
                 raise DataError(
                     f"{field}={source!r} is a folder with no .txt files; fix: point it at a folder of .txt files or at one file"
                 )
-            # Zero bytes in all: datasets' text builder would fail on it. (Whitespace-only text is
-            # caught below, by the blank-row filter, without reading a large corpus twice.)
+            # All empty: datasets' text builder would fail (whitespace-only text is caught by the blank-row filter below).
             if all(os.path.getsize(f) == 0 for f in files):
                 raise DataError(f"{field}={source!r} is empty; fix: give it some text")
             try:

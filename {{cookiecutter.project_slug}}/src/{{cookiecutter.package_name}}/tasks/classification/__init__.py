@@ -1,5 +1,4 @@
-"""Sequence classification: one label per text (or text pair).  The module is
-:class:`.module.SequenceClassificationModule`, the data
+"""Sequence classification: one label per text (or text pair).  Module :class:`.module.SequenceClassificationModule`, data
 :class:`.data.ClassificationDataModule` (configs/task/classification.yaml)."""
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class SequenceClassification(Task):
             if not isinstance(data.get(field), str) or not data.get(field)
         ]
 
-    def config_problems(self, cfg: DictConfig) -> list[str]:
+    def config_problems(self, cfg: DictConfig, runs_here: bool = True) -> list[str]:
         if (cfg.get("callbacks") or {}).get("neftune") is None:
             return []
         return [
@@ -53,8 +52,7 @@ class SequenceClassification(Task):
         return module.model, []
 
     def write_predictions(self, module, datamodule, outputs: list, path: Path) -> int:
-        """A CSV: the input's columns, then ``predicted_label`` and ``prob_<label>`` per class
-        (:func:`prediction_frame`); ``outputs``: class probabilities ``(B, num_labels)`` per batch."""
+        """A CSV: the input's columns, then ``predicted_label`` and ``prob_<label>`` (:func:`prediction_frame`)."""
         probabilities = torch.cat(outputs)  # (N, num_labels)
         names = [module.inputs.id2label[i] for i in range(probabilities.shape[1])]
         frame = prediction_frame(datamodule.predict_rows.to_pandas(), probabilities, names)
@@ -82,13 +80,11 @@ class SequenceClassification(Task):
 
 
 def prediction_frame(rows, probabilities: torch.Tensor, names: list[str]):
-    """The input's rows (a ``pandas.DataFrame``, their cells as read), then ``predicted_label`` and
-    ``prob_<label>`` for each of the ``len(names)`` classes; ``probabilities`` is (N, num_labels).
-    The columns are joined at once: inserted one by one, 10,000 classes took minutes and a pandas
-    warning each.
+    """The input's rows (a ``pandas.DataFrame``), then ``predicted_label`` and ``prob_<label>`` per class from ``probabilities``
+    ``(N, num_labels)``; the columns are joined at once (inserted one by one: slow, and a pandas warning each).
 
     Raises:
-        DataError: the input already has a column of those names (it would be overwritten or doubled).
+        DataError: the input already has a column of those names.
     """
     import pandas as pd
 

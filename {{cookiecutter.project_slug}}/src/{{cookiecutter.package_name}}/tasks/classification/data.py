@@ -49,10 +49,7 @@ def raw_label_names(dataset: datasets.Dataset, label_column: str) -> list[str | 
 
 
 def build_label_map(dataset: datasets.Dataset, label_column: str, source: str) -> dict[str, int]:
-    """Map each training label to an id, once.
-
-    A ``ClassLabel`` column (hub data sets) keeps its own order; other labels are sorted
-    (numerically when they all look like integers), so the mapping does not depend on row order.
+    """Map each training label to an id: a ``ClassLabel`` keeps its order, others are sorted (numerically if all integers).
 
     Raises:
         DataError: a row has no label, or there are fewer than two classes.
@@ -76,7 +73,6 @@ def build_label_map(dataset: datasets.Dataset, label_column: str, source: str) -
     for name in names:
         spellings.setdefault(str(name).casefold(), []).append(str(name))
     for same in (group for group in spellings.values() if len(group) > 1):
-        # Kept apart (the data is not changed on the way through), but rarely meant.
         log.warning(
             "data.label_column=%r: the labels %s of the train split (%s) differ only in case and are %d separate classes; "
             "fix: spell them one way in the file if they are one class",
@@ -98,24 +94,13 @@ def encode_labels(
 
 
 class ClassificationDataModule(TokenizedDataModule):
-    """Classification batches from local csv/tsv/jsonl/parquet files or a hub data set.
+    """Classification batches from csv/tsv/jsonl/parquet files or a hub data set: ``input_ids``, ``attention_mask`` (and
+    ``token_type_ids``) ``(micro_batch, T)``, ``T`` the longest row rounded up to ``pad_to_multiple_of``; ``labels`` ``(micro_batch,)``.
+    The arguments are the ``data`` group's keys (and :class:`...core.data.batching.TokenizedDataModule`'s); ``label2id``: a fixed
+    label mapping (a checkpoint's), ``None`` builds it from train.
 
-    Each batch is a dict of tensors: ``input_ids``, ``attention_mask`` (and ``token_type_ids``)
-    of shape ``(micro_batch, T)`` where ``T`` is the longest row of the batch rounded up to a
-    multiple of ``pad_to_multiple_of`` (at most ``max_length`` rounded up), and ``labels``
-    of shape ``(micro_batch,)``.
-
-    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`; a null
-    ``validation`` split is cut from train with ``val_split_seed``, a null ``test`` has no stage):
-        label2id: a fixed label mapping (from a checkpoint); ``None`` builds it from train.
-        predict_file: a file to predict on (``predict`` stage only).
-
-    A tokenizer without a pad token (a decoder's) pads with its EOS token
-    (:func:`...core.data.tokenization.use_eos_as_pad`); rows are padded on the right.
-
-    Raises (from ``setup``, before any model weights load):
-        DataError: missing file or column, empty file, unknown label in validation/test, a
-            tokenizer with neither a pad nor an EOS token.
+    Raises (from ``setup``, before any weights load):
+        DataError: missing file or column, empty file, an unknown label in validation/test, neither a pad nor an EOS token.
     """
 
     def __init__(
@@ -145,17 +130,14 @@ class ClassificationDataModule(TokenizedDataModule):
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.tokenizer_name)
         use_eos_as_pad(self.tokenizer)  # decoders (GPT-2, Llama) ship no pad token
-        # Padding on the right keeps each row's tokens at the positions they have alone (GPT-2's
-        # position ids count from the first column, padding or not), and a decoder's classifier
-        # reads the rightmost non-pad token: with right padding, the row's last real token.
+        # Right padding: rows keep their positions (GPT-2 counts from column 0), and a decoder reads its last real token.
         self.tokenizer.padding_side = "right"
         if stage == "predict":
             self._setup_predict()
             return
         if self.label2id is None or (stage in ("fit", "validate") and "train" not in self.datasets):
             self._setup_train_and_validation()
-        # On fit the test split is checked (and tokenised) too, so an unknown test label stops
-        # the run before training rather than after it.
+        # On fit the test split is checked too: an unknown test label stops the run before training.
         if stage in ("fit", "test") and self.has_test and "test" not in self.datasets:
             test = self._load("test")
             self._warn_about_overlap("test", test)  # (when this process has read the train split)
@@ -206,8 +188,7 @@ class ClassificationDataModule(TokenizedDataModule):
         return list(zip(*(dataset[column] for column in self.text_columns)))
 
     def _warn_about_duplicates(self, train: datasets.Dataset) -> None:
-        """Duplicates are kept (they may be meant as weighting); say how many there are, and
-        keep the training texts for :meth:`_warn_about_overlap`."""
+        """Count duplicate texts (kept: they may be weighting); keep the train texts for :meth:`_warn_about_overlap`."""
         seen = self._texts(train)
         repeated = len(seen) - len(set(seen))
         if repeated:
@@ -215,8 +196,7 @@ class ClassificationDataModule(TokenizedDataModule):
         self.train_texts = set(seen)
 
     def _warn_about_overlap(self, split: str, dataset: datasets.Dataset) -> None:
-        """Say how many rows of an evaluation split also appear in train (their scores would
-        flatter the model); nothing when the train split was not read here (eval from a checkpoint)."""
+        """Count eval rows whose text is also in train (their scores flatter the model); nothing if train was not read here."""
         if not self.train_texts:
             return
         leaked = sum(1 for row in self._texts(dataset) if row in self.train_texts)
@@ -278,8 +258,7 @@ class ClassificationDataModule(TokenizedDataModule):
         return self.group_by_length
 
     def collator(self) -> DataCollatorWithPadding:
-        # pad_to_multiple_of=8: lengths that are multiples of 8 use fp16/bf16 tensor cores
-        # fully (NVIDIA, "Matrix multiplication background", Deep Learning Performance Guide).
+        # Multiples of 8 fill fp16/bf16 tensor cores (NVIDIA Deep Learning Performance Guide, "Matrix multiplication background").
         return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of)
 
     def predict_dataloader(self) -> DataLoader:

@@ -13,9 +13,8 @@ from ...core.models.base import HFModule
 
 
 def classification_metrics(num_classes: int, split: str) -> MetricCollection:
-    """Accuracy (``average="micro"``: the fraction of rows right) and F1 (``average="macro"``:
-    the unweighted mean of per-class F1, so a rare class counts as much as a common one),
-    logged as ``{split}/acc`` and ``{split}/f1_macro``."""
+    """Accuracy (micro: the share of rows right) and F1 (macro: the unweighted mean over classes, so a rare class counts as
+    much), logged as ``{split}/acc`` and ``{split}/f1_macro``."""
     return MetricCollection(
         {
             "acc": MulticlassAccuracy(num_classes=num_classes, average="micro"),
@@ -26,16 +25,8 @@ def classification_metrics(num_classes: int, split: str) -> MetricCollection:
 
 
 class PendingUpdates:
-    """A metric collection's training updates, gathered and applied ``every`` micro-batches at a
-    time (one ``update`` of the concatenated rows) and when :meth:`flush` is called.
-
-    The training metrics are read once, at the epoch's end, and accuracy and F1 are sums over
-    rows, so the figures are those of per-micro-batch updates; what changes is the cost: a
-    torchmetrics ``update`` of two metrics is about 0.1 ms of Python and a dozen small kernels
-    (2-core CPU, ``bench/throughput.py``'s overhead workload), once per ``every`` micro-batches
-    here, while :meth:`add` is a list append.  Holds at most ``every`` predictions ``(B,)`` and
-    labels ``(B,)`` on their device.
-    """
+    """Training metric updates, applied every ``every`` micro-batches as one ``update`` of the gathered predictions and labels
+    ``(B,)`` (and on :meth:`flush`): the same figures (sums over rows, read at the epoch's end) for far fewer small kernels."""
 
     def __init__(self, metrics: MetricCollection, every: int = 64) -> None:
         self.metrics, self.every = metrics, every
@@ -56,17 +47,13 @@ class PendingUpdates:
 
 
 class SequenceClassificationModule(HFModule):
-    """Fine-tune (or train from scratch) a sequence classifier; built by the shared builder
-    (:meth:`...core.models.base.HFModule.build_model`) once the data has set the labels, so bad
-    data fails before any weights load and ``num_labels``/``id2label`` come from the data.
+    """Fine-tune (or train from scratch) a sequence classifier, built (:meth:`...core.models.base.HFModule.build_model`) once
+    the data has set the labels, so bad data fails before any weights load.
 
-    Batches: ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)``, ``labels`` ``(B,)``;
-    ``forward`` returns logits ``(B, num_labels)``.  A decoder (GPT-2, Llama) classifies from each
-    row's last token: ``pad_token_id`` follows the tokenizer (its EOS when it has none), rows are
-    padded on the right.  With LoRA/QLoRA the base is frozen, the new head trains in full, and
-    checkpoints hold the trained weights only (eval/predict re-read the base).  The arguments are
-    the config groups of ``task.module_args`` as plain dicts; ``hf_config`` is stored by the first
-    fit, from which eval/predict rebuild the model.
+    The arguments are the config groups of ``task.module_args``; ``hf_config`` is stored by the first fit (eval/predict rebuild
+    the model from it).  Batches: ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)``, ``labels`` ``(B,)``; ``forward``
+    returns logits ``(B, num_labels)``.  A decoder classifies from each row's last token (right padding; EOS as pad if none).
+    LoRA/QLoRA: the base is frozen, the new head trains in full, checkpoints hold the trained weights only.
     """
 
     AUTO_CLASS = AutoModelForSequenceClassification  # the transformers class of the model (one label per row)
@@ -98,9 +85,7 @@ class SequenceClassificationModule(HFModule):
         return {**super().datamodule_kwargs(), "label2id": self.label2id}
 
     def config_fields(self) -> dict:
-        """The head's labels and the pad id a decoder's classifier reads the last token by: the
-        checkpoint's, else the data's (a tokenizer without a pad token pads with its EOS); ``{}``
-        before the data is read."""
+        """The head's labels and the pad id a decoder's classifier reads by: the checkpoint's, else the data's; ``{}`` before any."""
         stored = self.hparams.hf_config
         if stored is not None:
             return {key: stored[key] for key in ("id2label", "label2id", "pad_token_id")}
@@ -119,8 +104,7 @@ class SequenceClassificationModule(HFModule):
         self.val_acc_best.persistent(True)  # in the checkpoint's state_dict: a resumed run keeps the best so far
 
     def metrics(self, split: str) -> MetricCollection:
-        """The metrics of ``split`` (``train``/``val``/``test``), logged as ``{split}/<name>``
-        (:func:`classification_metrics`); the model is built, so its labels are known."""
+        """The metrics of ``split``, logged as ``{split}/<name>`` (:func:`classification_metrics`); needs the built model's labels."""
         return classification_metrics(self.model.config.num_labels, split)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -128,8 +112,7 @@ class SequenceClassificationModule(HFModule):
         return self.model(**inputs).logits  # (B, num_labels)
 
     def model_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """The loss contract of every task: ``(loss_sum, items)``, the cross-entropy summed over
-        the micro-batch's rows (fp32 scalar) and their count (an int: the host knows it)."""
+        """The loss contract of every task, ``(loss_sum, items)``: the rows' summed cross-entropy (fp32) and their count (an int)."""
         return self.loss_sum(self(batch), batch)
 
     @staticmethod
@@ -143,17 +126,13 @@ class SequenceClassificationModule(HFModule):
         return self.inputs.micro_batch_size if self.inputs is not None else 1
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        """The summed cross-entropy of the rows, normalised over the whole accumulated batch
-        (see :class:`...core.models.base.HFModule`): each optimizer step follows the mean over its rows."""
+        """The summed cross-entropy, normalised over the accumulated batch (:class:`...core.models.base.HFModule`)."""
         logits = self(batch)  # (B, num_labels)
         self.train_updates.add(logits.detach().argmax(dim=-1), batch["labels"])  # logged at the epoch's end (on_train_epoch_end)
         return self.add_to_window(*self.loss_sum(logits, batch))
 
     def on_train_epoch_end(self) -> None:
-        """``train/acc`` and ``train/f1_macro`` over the epoch's rows (all processes), once: a
-        ``self.log`` of the metric objects in every training step would cost Lightning's
-        per-call bookkeeping each step (about 0.5 ms on a small CPU, ``docs/performance.md``)
-        for the same figures."""
+        """``train/acc`` and ``train/f1_macro`` over the epoch's rows, logged once (a per-step ``self.log`` costs Lightning overhead)."""
         self.train_updates.flush()
         if any(metric.update_count for metric in self.train_metrics.values()):  # (none after a resume at the epoch's end)
             self.log_dict(self.train_metrics.compute())
@@ -163,9 +142,7 @@ class SequenceClassificationModule(HFModule):
         logits = self(batch)  # (B, num_labels)
         loss_sum, rows = self.loss_sum(logits, batch)
         metrics.update(logits, batch["labels"])
-        # A torchmetrics mean weighted by rows: under DDP the ranks' sums and row counts add up
-        # exactly, also when they hold different numbers of rows (Lightning's sync_dist mean of
-        # an integer batch size would round).
+        # Row-weighted: exact under DDP with uneven ranks (Lightning's sync_dist mean of an int batch size would round).
         loss.update(loss_sum / rows, weight=rows)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

@@ -1,7 +1,5 @@
-"""Preference tuning of a causal LM: DPO, and the reference-free ORPO and SimPO, on pairs of a
-chosen and a rejected answer.  The module is :class:`.module.PreferenceModule`, the data
-:class:`.data.PreferenceDataModule`, the objectives :mod:`.objectives`, the reference of a full
-fine-tune :mod:`.reference_logps` (configs/task/preference.yaml, configs/objective/)."""
+"""Preference tuning of a causal LM on chosen/rejected pairs: DPO, and the reference-free ORPO and SimPO.  Module
+:class:`.module.PreferenceModule`, data :class:`.data.PreferenceDataModule` (configs/task/preference.yaml, configs/objective/)."""
 
 from __future__ import annotations
 
@@ -10,17 +8,17 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from ...core.config.groups import rewrites_base
+from ...core.models.adapters import rewrites_base
 from ..causal_lm import CausalLM
-from .objectives import NEEDS_REFERENCE, OBJECTIVES
+from .objectives import NEEDS_REFERENCE, OBJECTIVES, Objective
 
 
 class Preference(CausalLM):
     """A causal LM tuned on pairs; built, exported, generated from and quantized as a causal LM."""
 
     loss_implementations = ("plain",)
-    # An exported folder is the merged policy alone: DPO's reference (adapters off, or the tables
-    # in the checkpoint) is not in it, so eval and quantize read the checkpoint.
+    config_groups = {"objective": Objective}
+    # An exported folder lacks DPO's reference (adapters off, or the checkpoint's tables): eval and quantize read the checkpoint.
     reads_exported_folders = False
     identity_keys = {
         "model": ("data.chat_template", "data.end_of_turn", "data.system_prompt", "objective.*"),
@@ -30,10 +28,10 @@ class Preference(CausalLM):
     def data_problems(self, data: DictConfig) -> list[str]:
         return []  # the pair columns are fixed; the rows are checked when read
 
-    def config_problems(self, cfg: DictConfig) -> list[str]:
+    def config_problems(self, cfg: DictConfig, runs_here: bool = True) -> list[str]:
         """The ``objective`` group's values (field, value, fix), and the causal LM's callbacks."""
         objective = cfg.get("objective") or {}
-        problems = super().config_problems(cfg)
+        problems = super().config_problems(cfg, runs_here)
         name = objective.get("name")
         if name not in OBJECTIVES:
             return [*problems, f"objective.name={name!r} is not one of {OBJECTIVES}; fix: objective=dpo (or orpo, simpo)"]
@@ -62,9 +60,8 @@ class Preference(CausalLM):
         return problems
 
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
-        """``micro_batch`` pairs: ``2 * micro_batch`` sequences of ``data.max_length`` tokens, the
-        completion scored on the second half of each; for DPO without adapters, reference log-probs
-        read from the batch (the tables: no reference pass), with adapters the adapters-off pass runs."""
+        """``micro_batch`` pairs: ``2 * micro_batch`` sequences of ``data.max_length`` tokens, scored on their second half; DPO
+        without adapters reads reference log-probs from the batch (no reference pass), with adapters the adapters-off pass runs."""
         length = cfg.data.max_length
         input_ids = torch.randint(0, vocab_size, (2 * micro_batch, length))  # (2P, T)
         labels = input_ids.clone()
@@ -82,9 +79,8 @@ class Preference(CausalLM):
         return batch
 
     def after_test(self, module, datamodule, trainer, predictions: Path, split: str, key: str) -> dict:
-        """With a ``data.judge`` and ``data.sample_prompts``: :func:`.samples.judged_samples` of
-        the model as it is, as ``{split}/<judge metric>`` (``..._start`` when ``key`` is the
-        untuned model's, as train names it), the samples written to ``predictions``."""
+        """With ``data.judge`` and ``data.sample_prompts``: :func:`.samples.judged_samples` as ``{split}/<judge metric>``
+        (``..._start`` for the untuned model's ``key``), the samples written to ``predictions``."""
         if getattr(datamodule, "judge", None) is None or not datamodule.sample_prompts:
             return {}
         from .samples import judged_samples

@@ -1,33 +1,12 @@
-"""Preference pairs: a prompt, a chosen and a rejected completion, rendered as chat SFT renders a
-conversation.
+"""Preference pairs: a prompt, a chosen and a rejected completion, rendered as chat SFT renders a conversation.
 
-**Rows.**  ``prompt``, ``chosen`` and ``rejected`` columns (jsonl, parquet, csv or a Hub data
-set), each either text or a list of ``{role, content}`` messages in the format ``data=chat``
-reads:
-
-- ``prompt`` text is one user turn; ``chosen``/``rejected`` text is one assistant answer;
-- ``prompt`` messages (a system turn, earlier turns...) end before the answer;
-  ``chosen``/``rejected`` messages end with the assistant answer, and may carry the whole
-  conversation with no ``prompt`` column (the "implicit prompt" format: every turn before the
-  last is the prompt).
-
-Each side is the conversation ``prompt + side``, rendered with the chat template and labelled
-exactly as chat SFT labels it with ``train_on=last_assistant`` (:func:`..causal_lm.chat.label_conversation`:
-the answer and the end-of-turn token that closes it are scored, nothing else; the same
-special-token refusal).  Both sides must have the same prompt, turn by turn.
-
-**Refused with the row named** (before any weights load): a missing column, an empty side,
-``chosen == rejected``, sides whose prompts differ, a malformed turn.  **Dropped and counted**:
-a pair with a side that keeps no scored token after ``max_length`` (a prompt that fills it), as
-chat SFT drops such rows.  Sides longer than ``max_length`` keep their first ``max_length``
-tokens (``truncation=right``: the prompt is kept whole, so both sides keep the same prompt).
-
-**Batches** hold whole pairs (a micro-batch of ``P`` pairs is ``2P`` sequences; no sampler,
-no DDP shard, splits a pair): ``input_ids``, ``labels``, ``attention_mask``, ``token_mask``,
-each ``(2P, T)``, the chosen sides first, then the rejected ones in the same order, and
-``pair`` ``(P,)``: each pair's index in its prepared split, and ``pair_fingerprint`` ``(P,)`` its
-checksum (:func:`pair_fingerprint`), for the reference log-probs computed before training
-(:mod:`.reference_logps`).
+Rows: ``prompt``, ``chosen``, ``rejected``, each text (a user turn / an assistant answer) or ``{role, content}`` messages;
+``chosen``/``rejected`` may hold the whole conversation without ``prompt`` (the "implicit prompt" format).  Each side,
+``prompt + side``, is labelled as chat SFT with ``train_on=last_assistant`` (:func:`..causal_lm.chat.label_conversation`).
+Refused, naming the row: a missing column, an empty side, ``chosen == rejected``, different prompts, a malformed turn.
+Dropped and counted: a pair with a side left with no scored token; sides keep their first ``max_length`` tokens.
+Batches hold whole pairs: ``input_ids``, ``labels``, ``attention_mask``, ``token_mask`` ``(2P, T)``, chosen sides first, and
+``pair`` ``(P,)`` (index in the split) and ``pair_fingerprint`` ``(P,)`` (:func:`pair_fingerprint`), for :mod:`.reference_logps`.
 """
 
 from __future__ import annotations
@@ -64,11 +43,10 @@ PAIR_RULE = "pairs-last-assistant-1"
 
 
 def side_messages(value: object, where: str, column: str) -> list[dict]:
-    """One side (or the prompt) as messages: text becomes one turn (assistant for a side, user
-    for the prompt); a list is checked turn by turn as chat rows are.
+    """One side (or the prompt) as messages: text is one turn (assistant, or user for the prompt); a list is checked as chat rows.
 
     Raises:
-        DataError: missing, empty, or not text / a list of ``{role, content}`` turns.
+        DataError: missing, empty, or neither text nor a list of ``{role, content}`` turns.
     """
     role = "user" if column == "prompt" else "assistant"
     if isinstance(value, str):
@@ -90,9 +68,7 @@ def pair_conversations(row: dict, system_prompt: str | None, where: str) -> tupl
     """The chosen and the rejected conversations of a row (prompt turns, then the answer).
 
     Raises:
-        DataError: see :func:`side_messages`; a missing column; identical sides; sides whose
-            prompts (every turn before the answer) differ; a side that does not end with an
-            assistant answer.
+        DataError: a missing column, identical answers, different prompts, no final assistant answer; see :func:`side_messages`.
     """
     missing = [column for column in SIDES if row.get(column) is None]
     sides_are_text = all(isinstance(row.get(column), str) for column in SIDES)
@@ -135,18 +111,14 @@ def tokenize_pairs(
     split: str,
     rule: str = "",
 ) -> dict[str, list]:
-    """Render, tokenise and label a batch of pairs (a ``datasets`` map function; ``rule`` is
-    :data:`PAIR_RULE`, so the cache key changes with the labelling code).
+    """Render, tokenise and label a batch of pairs (a ``datasets`` map; ``rule``: :data:`PAIR_RULE`, for the cache key).
 
-    Returns per pair, for each side ``s`` in chosen/rejected: ``s_input_ids``, ``s_labels``
-    (-100 where not scored), ``s_n_trained``; and for the pair as chat rows report them:
-    ``length`` (tokens of its longer side), ``n_trained`` and ``n_content`` (the smaller side's:
-    0 = the pair is dropped / trains no answer text), ``truncated`` (tokens cut from its longer
-    side) and ``row``.
+    Returns per pair each side's ``input_ids``, ``labels``, ``n_trained`` (``chosen_``/``rejected_``), and for the pair, as chat
+    rows report them, ``length``, ``n_trained``, ``n_content``, ``truncated`` (each its worse side's) and ``row``.
 
     Raises:
         DataError: see :func:`pair_conversations`; a turn spelling a special token.
-        TemplateError: as chat SFT (a template whose answer spans cannot be found).
+        TemplateError: as chat SFT.
     """
     columns = list(batch)
     out = {f"{side}_{key}": [] for side in SIDES for key in ("input_ids", "labels", "n_trained")}
@@ -185,8 +157,8 @@ def tokenize_pairs(
 
 
 def pair_fingerprint(pair: dict) -> int:
-    """A checksum of a tokenised pair (CRC-32 of both sides' ids and labels): a reference table
-    computed for other pairs is refused, never read for these (:meth:`.module.PreferenceModule.reference_logps`)."""
+    """CRC-32 of a tokenised pair's ids and labels: a reference table computed for other pairs is refused
+    (:meth:`.module.PreferenceModule.reference_logps`)."""
     checksum = 0
     for side in SIDES:
         for key in ("input_ids", "labels"):
@@ -195,9 +167,8 @@ def pair_fingerprint(pair: dict) -> int:
 
 
 class PairCollator:
-    """Pad a list of pairs into one batch of ``2P`` sequences (see the module docstring): the chat
-    collator's padding (:class:`..causal_lm.chat.ChatCollator`) over the chosen sides, then the
-    rejected ones, plus each pair's ``pair`` and ``pair_fingerprint``."""
+    """Pad pairs into ``2P`` sequences with :class:`..causal_lm.chat.ChatCollator` (chosen sides first), plus ``pair`` and
+    ``pair_fingerprint`` ``(P,)``."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None) -> None:
         self.pad = ChatCollator(pad_token_id, pad_to_multiple_of, packed=False)
@@ -211,22 +182,15 @@ class PairCollator:
 
 
 class PreferenceDataModule(ChatDataModule):
-    """Batches of preference pairs (see the module docstring); the chat data module's loading,
-    template, end-of-turn token, held-out validation, length grouping and drop-and-count rule.
+    """Batches of preference pairs (module docstring), loaded as :class:`..causal_lm.chat.ChatDataModule` loads chat rows.
 
-    Args: as :class:`..causal_lm.chat.ChatDataModule`, without ``train_on`` (the last assistant
-    answer of each side), ``truncation`` (right) and ``mode`` (one row per side, padded); the
-    exact-match answers are not generated (``answer_rows`` is not read).  And, for judging what
-    the model writes (:meth:`.Preference.after_test`):
+    Args: as chat data, without ``train_on``, ``truncation``, ``mode`` and the exact-match answers (fixed for pairs); and, for
+    judging samples (:meth:`.Preference.after_test`):
+        sample_prompts: a jsonl file of ``{"prompt": text}`` rows, or ``None``.
+        sample_seed: one seed before and after tuning (the same random stream); ``sample_batch_size``: samples generated at once.
+        judge: scores texts, one ``{metric: value}`` each (e.g. :func:`...core.assets.vader.sentiment_scores`); ``None``: no samples.
 
-        sample_prompts: a jsonl file of ``{"prompt": text}`` rows (held-out instructions), or ``None``.
-        samples_per_prompt, sample_max_new_tokens, sample_temperature, sample_seed: the samples
-            drawn per prompt (the same seed before and after tuning: the same random stream).
-        sample_batch_size: samples generated at once (left-padded; the KV cache grows with it).
-        judge: scores a list of texts, one ``{metric: value}`` per text (e.g.
-            :func:`...core.assets.vader.sentiment_scores`); ``None``: no samples are drawn.
-
-    Raises (from ``setup``, before any model weights load): as chat data, and the pair refusals above.
+    Raises (from ``setup``, before any weights load): as chat data, and the pair refusals above.
     """
 
     SIDE_PREFIXES = ("chosen_", "rejected_")  # what inspect_data shows of a row: each side
@@ -247,7 +211,6 @@ class PreferenceDataModule(ChatDataModule):
         self.sample_prompts, self.samples_per_prompt = sample_prompts, samples_per_prompt
         self.sample_max_new_tokens, self.sample_temperature, self.sample_seed = sample_max_new_tokens, sample_temperature, sample_seed
         self.judge, self.sample_batch_size = judge, sample_batch_size
-        # A pair is two chat rows: the last assistant turn trained, cut on the right, padded.
         fixed = {"train_on": "last_assistant", "truncation": "right", "mode": "pad", "answer_rows": 0, "answer_max_new_tokens": 0}
         if set(fixed) & set(shared):
             raise ConfigError(f"data.{sorted(set(fixed) & set(shared))[0]} is fixed for preference pairs ({fixed}); fix: drop it")
@@ -276,8 +239,7 @@ class PreferenceDataModule(ChatDataModule):
         return [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")] + ["length"]
 
     def finish(self, split: str, kept: datasets.Dataset) -> datasets.Dataset:
-        """Number the kept pairs and checksum them, once (``pair``: the index the reference log-probs
-        are looked up by; ``pair_fingerprint``: :func:`pair_fingerprint`, checked at each lookup)."""
+        """Number (``pair``: the reference tables' index) and checksum (:func:`pair_fingerprint`) the kept pairs, once."""
         kept = kept.add_column("pair", list(range(len(kept))))
         return kept.add_column("pair_fingerprint", [pair_fingerprint(pair) for pair in kept])
 
@@ -297,7 +259,7 @@ class PreferenceDataModule(ChatDataModule):
         """The instructions of :attr:`sample_prompts`, in file order.
 
         Raises:
-            DataError: a missing or empty file, or a row without ``prompt`` text (named by line).
+            DataError: a missing or empty file, or a row without ``prompt`` text (by line).
         """
         path = Path(self.sample_prompts)
         if not path.is_file():

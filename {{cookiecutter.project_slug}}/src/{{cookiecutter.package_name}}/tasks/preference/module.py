@@ -1,5 +1,4 @@
-"""LightningModule for preference tuning (DPO, ORPO, SimPO) of a causal LM: the causal-LM module's
-model, adapters, levers and generation, with a pair loss."""
+"""LightningModule for preference tuning (DPO, ORPO, SimPO): the causal-LM module with a pair loss."""
 
 from __future__ import annotations
 
@@ -25,33 +24,15 @@ SPLIT_OF_STAGE = {"train": "train", "val": "validation", "test": "test"}
 
 
 class PreferenceModule(CausalLMModule):
-    """Tune a causal LM on preference pairs (:mod:`.data`): each batch holds ``P`` pairs as ``2P``
-    sequences (chosen first), and the loss is the ``objective`` group's (:mod:`.objectives`).
+    """Tune a causal LM on preference pairs: ``P`` pairs a batch as ``2P`` sequences (chosen first), the ``objective`` group's
+    loss (:mod:`.objectives`; ``name``: dpo | orpo | simpo, ``beta``, DPO's ``label_smoothing``, SimPO's ``gamma``).
 
-    **The reference model** (DPO only; ORPO and SimPO need none), never a second copy in memory:
-
-    - LoRA/QLoRA (standard initialisation: the adapters start at zero, so the model with its
-      adapters switched off *is* the starting policy): the reference log-probs are the same
-      forward with the adapters off (peft's ``disable_adapter()``), under ``no_grad``;
-    - a full fine-tune: read from tables computed once with the starting weights, before the
-      first step (:class:`.reference_logps.ReferenceLogProbs`), and stored in every checkpoint, so a
-      resumed run and ``eval`` use the starting policy's values, never the tuned one's.
-
-    **Dropout is off** in the policy (every ``nn.Dropout`` and attention-dropout probability set to
-    0 when the model is built, as TRL's trainers do by default): the log-probs of the policy and the
-    reference are deterministic, and the reference of a full fine-tune equals the policy at step 0.
-
-    **Loss normalisation**: the per-pair loss is summed over the micro-batch and divided by the
-    pairs of the whole accumulated batch (:class:`...core.models.base.HFModule`), so the update follows
-    the mean over the global batch's pairs.
-
-    Logged per optimizer step and per validation/test pass (means over the pairs):
-    ``train/loss`` and ``train/reward_chosen``, ``reward_rejected``, ``reward_margin``,
-    ``reward_accuracy`` (share of pairs with ``reward_chosen > reward_rejected``), ``logp_chosen``,
-    ``logp_rejected`` (summed completion log-probs, nats); ``val/*`` and ``test/*`` alike.
-
-    Args: as :class:`..causal_lm.module.CausalLMModule`, and ``objective``: the ``objective`` group
-    (``name``: dpo | orpo | simpo; ``beta``; ``label_smoothing`` for DPO; ``gamma`` for SimPO).
+    DPO's reference (ORPO and SimPO need none) is never a second model in memory: with LoRA/QLoRA, the same forward with the
+    adapters off (they start at zero); for a full fine-tune, tables of the starting weights' log-probs computed before the first
+    step (:class:`.reference_logps.ReferenceLogProbs`) and kept in checkpoints.  Dropout is off (as in TRL), so log-probs are
+    deterministic.  The summed pair loss is divided by the accumulated batch's pairs (:class:`...core.models.base.HFModule`).
+    Logged per step and per val/test pass (means over pairs): ``loss``, ``reward_chosen``, ``reward_rejected``, ``reward_margin``,
+    ``reward_accuracy`` (share with chosen > rejected), ``logp_chosen``, ``logp_rejected`` (summed completion log-probs, nats).
     """
 
     def __init__(
@@ -68,14 +49,12 @@ class PreferenceModule(CausalLMModule):
         hf_config: dict | None = None,
     ) -> None:
         super().__init__(model, optimizer, peft, attention, activation_checkpointing, compile, loss, qat, hf_config)
-        # split -> (pairs, 2) reference log-probs (chosen, rejected) of the starting weights, for a
-        # full fine-tune's DPO (ReferenceLogProbs fills them; checkpoints keep them).
+        # split -> (pairs, 2) starting-weights log-probs (chosen, rejected) for a full fine-tune's DPO (ReferenceLogProbs).
         self.reference_tables: dict[str, torch.Tensor] = {}
         self.reference_fingerprints: dict[str, torch.Tensor] = {}  # split -> (pairs,) the checksums of the pairs they are for
         self.at_starting_weights = True  # False once trained or loaded from a checkpoint
         self._window_pairs = torch.zeros(len(PAIR_METRICS))
 
-    # ----------------------------------------------------------------------------- building
     def build_model(self, precision: str, config=None) -> torch.nn.Module:
         model = super().build_model(precision, config=config)
         disable_dropout(model)
@@ -92,8 +71,7 @@ class PreferenceModule(CausalLMModule):
 
     @property
     def reference_from_adapters_off(self) -> bool:
-        """Whether the reference is this model with its adapters switched off (LoRA/QLoRA, whose
-        standard initialisation leaves the starting policy equal to the base)."""
+        """The reference is this model with its adapters off (LoRA/QLoRA: standard init starts equal to the base)."""
         return self.peft_method in ("lora", "qlora")
 
     @property
@@ -101,11 +79,9 @@ class PreferenceModule(CausalLMModule):
         """DPO without adapters to switch off: the reference log-probs come from tables."""
         return self.objective in NEEDS_REFERENCE and not self.reference_from_adapters_off
 
-    # ------------------------------------------------------------------------------ steps
     def sequence_logps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed completion log-probs ``(2P,)`` and completion tokens ``(2P,)`` of every side: the
-        lm_head on the scored positions only (:func:`.objectives.completion_logps_from_hidden`),
-        or on the full logits for a model that transforms them after the lm_head (Gemma 2's softcap)."""
+        """Summed completion log-probs and completion tokens, ``(2P,)`` each: the lm_head on the scored positions only
+        (:func:`.objectives.completion_logps_from_hidden`), or full logits if transformed after the lm_head (Gemma 2's softcap)."""
         lm = causal_lm_of(self.model)
         if any(getattr(lm.config, field, None) not in (None, 1.0) for field in LOGIT_TRANSFORM_FIELDS):
             return completion_logps(self(batch), batch["labels"])
@@ -113,12 +89,10 @@ class PreferenceModule(CausalLMModule):
         return completion_logps_from_hidden(hidden, lm.get_output_embeddings(), batch["labels"], batch.get("scored_from"))
 
     def reference_logps(self, batch: dict[str, torch.Tensor], split: str | None) -> torch.Tensor:
-        """``(2P,)`` reference log-probs of the batch's sides: given in the batch
-        (``reference_logps``, the planner's), the forward with the adapters off, or the
-        ``split``'s table.
+        """``(2P,)`` reference log-probs: the batch's own (the planner's), the adapters-off forward, or the ``split``'s table.
 
         Raises:
-            ConfigError: a full fine-tune's split with no table (computed from the starting weights only).
+            ConfigError: a full fine-tune's split without a table, or pairs other than the table's.
         """
         if "reference_logps" in batch:
             return batch["reference_logps"]
@@ -209,7 +183,6 @@ class PreferenceModule(CausalLMModule):
         self.log_dict(shown, prog_bar=split == "val")
         self.log_dict(rest)
 
-    # ----------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["reference_logps"] = {
@@ -226,9 +199,8 @@ class PreferenceModule(CausalLMModule):
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability of ``model`` to 0: each ``nn.Dropout`` (LoRA's included), and
-    each float ``attention_dropout`` / ``dropout`` attribute that attention layers read at forward
-    (Llama's, passed to SDPA).  The model's config is left as it was (exports keep it)."""
+    """Set every dropout probability to 0: each ``nn.Dropout`` (LoRA's too) and float ``attention_dropout``/``dropout``
+    attribute read at forward (Llama's, passed to SDPA); the config is left as it was (exports keep it)."""
     for module in model.modules():
         if isinstance(module, DROPOUT):
             module.p = 0.0

@@ -17,6 +17,17 @@ NEEDS_REFERENCE = ("dpo",)
 OBJECTIVES = ("dpo", "orpo", "simpo")
 
 
+@dataclass(frozen=True)
+class Objective:
+    """The ``objective`` group (configs/objective/), declared by this task: its keys are these
+    fields (the config check binds the group to this signature)."""
+
+    name: str  # dpo | orpo | simpo
+    beta: float
+    label_smoothing: float = 0.0  # DPO only
+    gamma: float = 0.0  # SimPO only
+
+
 @dataclass
 class PairTerms:
     """Per-pair ``(P,)`` float32 values: the loss and each side's reward (``reward_chosen > reward_rejected``: ranked right)."""

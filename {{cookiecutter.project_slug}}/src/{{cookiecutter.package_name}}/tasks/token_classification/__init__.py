@@ -1,6 +1,5 @@
-"""Token classification: one tag per word (named entities, part of speech, chunks).  The module is
-:class:`.module.TokenClassificationModule`, the data
-:class:`.data.TokenTagsDataModule` (configs/task/token_classification.yaml)."""
+"""Token classification: one tag per word (named entities, part of speech, chunks).  Module
+:class:`.module.TokenClassificationModule`, data :class:`.data.TokenTagsDataModule` (configs/task/token_classification.yaml)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ ADDED = ("tags", "words_cut")  # the fields predict adds to each input row
 
 
 class TokenClassification(SequenceClassification):
-    """One tag per word; cross-entropy over the tags of each word's first sub-token, token
-    accuracy and entity-level F1 (:mod:`.spans`).  What it does not override is the sequence
-    classifier's (the timed inputs of ``quantize``)."""
+    """One tag per word: cross-entropy on each word's first sub-token, token accuracy and entity-level F1 (:mod:`.spans`);
+    the rest (``quantize``'s timed inputs) is the sequence classifier's."""
 
     quantize_variants = ("fp32", *TORCHAO_VARIANTS)
     quality = {"f1": "max", "accuracy": "max"}
@@ -68,8 +66,7 @@ class TokenClassification(SequenceClassification):
         return module.model, []
 
     def write_predictions(self, module, datamodule, outputs: list, path: Path) -> int:
-        """A jsonl file: per input row, its fields as read, then ``tags`` (one per word: the
-        predicted tag, ``null`` for a word ``data.max_length`` cut off) and ``words_cut``."""
+        """A jsonl file: each input row's fields, ``tags`` (one per word, ``null`` if ``data.max_length`` cut it off) and ``words_cut``."""
         names = module.inputs.id2label
         rows = datamodule.predict_rows
         taken = [field for field in ADDED if field in rows.column_names]

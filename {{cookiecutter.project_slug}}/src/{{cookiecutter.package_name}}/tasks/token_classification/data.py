@@ -18,8 +18,7 @@ from .spans import entity_spans, tag_problem
 
 log = logging.getLogger(__name__)
 
-# Suffixes read as CoNLL-style text (one word a line, blank lines between sentences); the rest go
-# to datasets' readers (jsonl/json/parquet).  data.format=conll reads any suffix as CoNLL.
+# Read as CoNLL text (a word a line, blank lines between sentences); data.format=conll reads any suffix as CoNLL.
 CONLL_SUFFIXES = (".conll", ".conll03", ".conllx", ".iob", ".iob2", ".bio", ".bioes", ".txt")
 TABLE_SUFFIXES = (".jsonl", ".json", ".parquet")
 METRIC_SPLIT = {"validation": "val"}  # the metrics' name of a split
@@ -27,17 +26,12 @@ WHERE = "__where__"  # the column of each row's place in its file while it is ch
 
 
 def read_conll(path: str, field: str, tag_column: int | None) -> tuple[dict[str, list], int]:
-    """The sentences of a CoNLL-style file as ``{"tokens": [[word, ...]], "tags": [[tag, ...]],
-    "line": [first line]}`` (``tags`` only when ``tag_column`` is given), and how many empty
-    sentences (a blank line after a blank line) were dropped.
-
-    Each line is ``word`` then whitespace-separated columns (``EU B-ORG`` or CoNLL-2003's
-    ``EU NNP B-NP B-ORG``); ``tag_column`` picks the tag (0-based, negative counts from the
-    end: -1 is the last).  A blank line ends a sentence; ``-DOCSTART-`` lines (document breaks)
-    are skipped and end one too.
+    """A CoNLL-style file's sentences as ``{"tokens", "tags", "line"}`` lists (``tags`` only with ``tag_column``) and the number
+    of empty sentences dropped.  A line is a word, then columns; ``tag_column`` picks the tag (0-based, -1 = last).  Blank and
+    ``-DOCSTART-`` lines end a sentence.
 
     Raises:
-        DataError: the file is missing, not UTF-8, empty, or a line lacks the tag column (its number).
+        DataError: a missing, non-UTF-8 or empty file, or a line without the tag column or with another width (its number).
     """
     if not Path(path).is_file():
         raise DataError(f"{field}={path!r} does not exist; fix: point {field} at an existing file")
@@ -60,8 +54,7 @@ def read_conll(path: str, field: str, tag_column: int | None) -> tuple[dict[str,
                     "or tabs), or data.conll_tag_column=<the tag's column, 0-based; -1 = last>"
                 )
             if tag_column is not None and width is not None and len(columns) != width:
-                # A line that lost a column would have its tag read from another one (a chunk
-                # tag taken for an entity tag): refused, never guessed.
+                # A line that lost a column would have its tag read from another one: refused, never guessed.
                 raise DataError(
                     f"{field}={path!r} line {number}: {line.strip()!r} has {len(columns)} column(s), the file's first "
                     f"word line {width}; fix: give every word line the same columns (a missing tag: O)"
@@ -119,14 +112,8 @@ def class_names(tags: list[int], names: list[str], column: str) -> dict[str, lis
 
 
 def align_tags(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, max_length: int, tags: bool) -> dict[str, list]:
-    """Tokenise pre-split words (``is_split_into_words``) and put each word's tag id on its first
-    sub-token, -100 on later sub-tokens and on special tokens (the loss and the metrics skip them).
-    Without ``tags`` (predict) the first sub-tokens get 0: the positions to read a tag from.
-
-    Adds ``input_ids``/``attention_mask`` (``token_type_ids``) of at most ``max_length`` tokens,
-    ``labels`` (as long), and ``words_cut``: the words of the row that ``max_length`` cut off
-    (no sub-token left), which get no tag.
-    """
+    """Tokenise pre-split words; each word's tag id on its first sub-token (0 without ``tags``: predict), -100 elsewhere.
+    Adds ``input_ids``/``attention_mask`` (``token_type_ids``), ``labels`` and ``words_cut`` (words ``max_length`` cut off)."""
     encoded = tokenizer(batch["tokens"], is_split_into_words=True, truncation=True, max_length=max_length)
     labels, cut = [], []
     for row, words in enumerate(batch["tokens"]):
@@ -141,28 +128,18 @@ def align_tags(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, max_l
 
 
 class TokenTagsDataModule(TokenizedDataModule):
-    """Batches of tagged words from jsonl/json/parquet rows, CoNLL-style text or a hub data set.
+    """Batches of tagged words (jsonl/json/parquet rows, CoNLL text, a hub data set): ``input_ids``, ``attention_mask``, ``labels``
+    (a tag id on each word's first sub-token, else -100) ``(micro_batch, T)``, ``words_cut`` ``(micro_batch,)``.
 
-    Each batch is a dict of tensors: ``input_ids``, ``attention_mask`` (and ``token_type_ids``)
-    of shape ``(micro_batch, T)``, ``labels`` ``(micro_batch, T)`` (the tag id on each word's
-    first sub-token, -100 elsewhere, padded with -100) and ``words_cut`` ``(micro_batch,)``.
+    Args (the ``data`` group's keys, and :class:`...core.data.batching.TokenizedDataModule`'s):
+        tokens_column, tags_column: a row's words and tags (strings, or a hub data set's class ids), one tag per word.
+        format, conll_tag_column: ``auto`` (CoNLL for :data:`CONLL_SUFFIXES`) or ``conll``; the tag's column there (-1 = last).
+        scheme, strict: the tag scheme and seqeval's strict mode (:mod:`.spans`).
+        label2id, trained_facts: a checkpoint's tag mapping (``None``: built from train) and ``scheme``/``strict`` (must match).
 
-    Args (and the shared ones of :class:`...core.data.batching.TokenizedDataModule`):
-        tokens_column, tags_column: the columns of a row's words (a list of strings) and tags
-            (a list of strings, or of a hub data set's class ids), one tag per word.
-        format: ``auto`` (CoNLL for the suffixes of :data:`CONLL_SUFFIXES`) or ``conll``.
-        conll_tag_column: the tag's column in a CoNLL line (0-based; -1 = last).
-        scheme: ``IOB2`` / ``BIO`` / ``BIOES`` / ``none`` (:mod:`.spans`); every tag is checked.
-        strict: score only well-formed entities (seqeval's strict mode); see :mod:`.spans`.
-        label2id: a fixed tag mapping (from a checkpoint); ``None`` builds it from train.
-        predict_file: a file to tag (``predict`` stage): only the words are read.
-        trained_facts: the checkpoint's ``scheme`` and ``strict`` (eval, predict, quantize): the
-            model is scored by them, so a config that says otherwise is refused.
-
-    Raises (from ``setup``, before any model weights load):
-        DataError: missing file or column, a row whose words and tags differ in number (its
-            row and both lengths), an empty word, a tag outside ``scheme``, a tag in
-            validation/test that train lacks, a CoNLL line without the tag column (its number).
+    Raises (from ``setup``, before any weights load):
+        DataError: missing file or column, words and tags of different lengths, an empty word, a tag outside ``scheme`` or train's.
+        ConfigError: ``scheme``/``strict`` other than ``trained_facts``.
     """
 
     def __init__(
@@ -212,8 +189,7 @@ class TokenTagsDataModule(TokenizedDataModule):
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.tokenizer_name)
             if getattr(self.tokenizer, "add_prefix_space", None) is False:
-                # Byte-level BPE (GPT-2, RoBERTa) refuses pre-split words unless each word is
-                # tokenised as if after a space, as it is inside running text.
+                # Byte-level BPE (GPT-2, RoBERTa) needs add_prefix_space for pre-split words: each one as after a space.
                 self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name, add_prefix_space=True)
         use_eos_as_pad(self.tokenizer)  # decoders (GPT-2, Llama) ship no pad token
         self.tokenizer.padding_side = "right"  # each word's sub-tokens keep the positions they have alone
@@ -244,10 +220,8 @@ class TokenTagsDataModule(TokenizedDataModule):
         return self.hub_name is None and (self.format == "conll" or Path(source).suffix.lower() in CONLL_SUFFIXES)
 
     def _load(self, split: str, tags: bool) -> datasets.Dataset:
-        """One split as rows of ``tokens_column`` (and, with ``tags``, ``tags_column`` as tag names),
-        checked row by row, with a :data:`WHERE` column (the row's first line in a CoNLL file, or its
-        1-based row).  Empty sentences are dropped and counted, except in predict's input (one
-        output row per input row)."""
+        """One split's rows (with ``tags``, ``tags_column`` as names), checked, with a :data:`WHERE` column (CoNLL line or 1-based
+        row); empty sentences are dropped and counted, except in predict's input (one output row per input row)."""
         source = self.splits[split] if split != "predict" else self.predict_file
         field = split_field(split)
         if self._is_conll(source):
@@ -283,8 +257,7 @@ class TokenTagsDataModule(TokenizedDataModule):
         return dataset
 
     def _where(self, source: str, where: int, word: int) -> str:
-        """Where word ``word`` of a row is: its line in a CoNLL file (a sentence's words are on
-        consecutive lines), else the row's number."""
+        """Where word ``word`` is: its CoNLL line (a sentence's words are on consecutive lines), else the row."""
         return f"line {where + word}" if self._is_conll(source) else f"row {where}"
 
     def _tags_as_names(self, dataset: datasets.Dataset) -> datasets.Dataset:
@@ -298,13 +271,10 @@ class TokenTagsDataModule(TokenizedDataModule):
         return dataset.map(class_names, input_columns=self.tags_column, fn_kwargs=fn_kwargs, features=features)
 
     def _check_rows(self, dataset: datasets.Dataset, field: str, source: str, where: str, tags: bool) -> None:
-        """Every row: words a list of non-empty strings; as many tags, each of ``scheme``.  Tags that
-        continue no entity (an ``I-`` after ``O``) are counted and logged with the first place, not
-        refused.
+        """Check every row: non-empty words, as many tags, each of ``scheme``; tags continuing no entity are counted and logged.
 
         Raises:
-            DataError: a bad row (where it is, both lengths or the tag); a split with tags but no
-                entity under ``scheme`` and ``strict`` (every score would be 0).
+            DataError: a bad row (where, lengths or tag); tags but no entity under ``scheme``/``strict`` (every score would be 0).
         """
         malformed, first_malformed, entities, tagged = 0, None, 0, False
         columns = [self.tokens_column, WHERE] + ([self.tags_column] if tags else [])
@@ -356,7 +326,7 @@ class TokenTagsDataModule(TokenizedDataModule):
             )
 
     def _tag_map(self, train: datasets.Dataset) -> dict[str, int]:
-        """Tag -> id from the train split: ``O`` first, then by name (independent of row order).
+        """Tag -> id from train: ``O`` first, then by name.
 
         Raises:
             DataError: fewer than two tags.
@@ -426,8 +396,7 @@ class TokenTagsDataModule(TokenizedDataModule):
         return self.group_by_length
 
     def collator(self) -> DataCollatorForTokenClassification:
-        # Labels padded with -100 (skipped by the loss and the metrics); lengths a multiple of 8
-        # for tensor cores (as the classification data).
+        # Labels padded with -100 (skipped by loss and metrics); lengths a multiple of 8 for tensor cores.
         return DataCollatorForTokenClassification(
             self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of, label_pad_token_id=IGNORE_INDEX
         )

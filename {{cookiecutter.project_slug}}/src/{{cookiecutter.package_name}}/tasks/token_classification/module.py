@@ -17,16 +17,9 @@ DEFAULT_FACTS = {"scheme": "IOB2", "strict": False}
 
 
 class TagMetrics:
-    """One split's metrics: ``{split}/acc`` (token accuracy: the share of words whose tag is right,
-    torchmetrics' micro accuracy over the positions with a label), ``{split}/words_cut`` (words
-    ``data.max_length`` cut off: untagged and not scored) and, with ``entities``, entity-level
-    ``{split}/precision``, ``/recall``, ``/f1`` (micro), ``/f1_<type>`` (:class:`.spans.EntityScores`)
-    and ``{split}/invalid_tags`` (predicted tags that continue no entity).
-
-    Entity scoring reads the predicted tags on the host (``.tolist()``): a device sync per batch,
-    paid in evaluation and never in a training step (the training split logs ``train/acc`` only).
-    ``module``: where the metrics are registered (they move to its device and are reset with it).
-    """
+    """One split's metrics: ``{split}/acc`` (token accuracy over the labelled positions), ``/words_cut`` (words ``max_length``
+    cut off: unscored) and, with ``entities``, ``/precision``, ``/recall``, ``/f1`` (micro), ``/f1_<type>``, ``/invalid_tags``
+    (:class:`.spans.EntityScores`: tags read on the host, so not in training).  ``module``: where the metrics are registered."""
 
     def __init__(
         self, split: str, id2label: dict[int, str], facts: dict, entities: bool = True, module: torch.nn.Module | None = None
@@ -69,18 +62,12 @@ class TagMetrics:
 
 
 class TokenClassificationModule(SequenceClassificationModule):
-    """Fine-tune (or train from scratch) a token classifier: one tag per word.
+    """Fine-tune (or train from scratch) a token classifier: as :class:`..classification.module.SequenceClassificationModule`,
+    with another head (peft ``TOKEN_CLS``), loss and metrics.
 
-    Built, checked, adapted (LoRA/QLoRA: peft's ``TOKEN_CLS``, the new head trained in full) and
-    checkpointed as :class:`..classification.module.SequenceClassificationModule` is; what
-    differs is the head (``AutoModelForTokenClassification``), the loss and the metrics.
-
-    Batches are dicts of ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)``,
-    ``labels`` ``(B, T)`` (a tag id on each word's first sub-token, -100 elsewhere) and
-    ``words_cut`` ``(B,)``; ``forward`` returns logits ``(B, T, num_tags)``.  The loss is the
-    cross-entropy summed over the labelled positions (one per word), normalised per word over
-    the optimizer step.  The tag scheme the metrics parse is the data's (``data.scheme``,
-    ``data.strict``), stored in the checkpoint (``model_inputs.task_facts``).
+    Batches: ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)``, ``labels`` ``(B, T)`` (a tag id on each word's first
+    sub-token, -100 elsewhere), ``words_cut`` ``(B,)``; ``forward`` returns logits ``(B, T, num_tags)``.  The loss is summed over
+    the labelled positions, normalised per word.  The metrics parse tags by the data's ``scheme``/``strict`` (checkpointed).
     """
 
     AUTO_CLASS = AutoModelForTokenClassification
@@ -93,9 +80,7 @@ class TokenClassificationModule(SequenceClassificationModule):
         return {**DEFAULT_FACTS, **((self.inputs.task_facts if self.inputs is not None else None) or {})}
 
     def datamodule_kwargs(self) -> dict:
-        """What eval/predict pass to the data module: the checkpoint's tokenizer, tags and tag
-        scheme (``trained_facts``: the model is scored by them; a config that says otherwise is
-        refused)."""
+        """The base's, and the checkpoint's tag scheme (``trained_facts``: a config that says otherwise is refused)."""
         return {**super().datamodule_kwargs(), "trained_facts": self.tag_facts}
 
     def metrics(self, split: str) -> TagMetrics:
@@ -103,8 +88,7 @@ class TokenClassificationModule(SequenceClassificationModule):
         return TagMetrics(split, id2label, self.tag_facts, entities=split != "train", module=self)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Read the checkpoint's data facts (the base), then build the metrics again: eval builds
-        the model before it reads them, and the stored tag scheme is the one to score by."""
+        """Read the stored facts, then rebuild the metrics: eval builds the model first, and scores by the stored tag scheme."""
         super().on_load_checkpoint(checkpoint)
         if self.model is not None:
             self.train_metrics, self.val_metrics, self.test_metrics = (self.metrics(split) for split in ("train", "val", "test"))
@@ -115,8 +99,7 @@ class TokenClassificationModule(SequenceClassificationModule):
 
     @staticmethod
     def loss_sum(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss_sum, words)`` of ``logits`` ``(B, T, num_tags)`` against ``batch["labels"]``
-        ``(B, T)``: the cross-entropy summed over the positions with a label (-100 skipped)."""
+        """``(loss_sum, words)``: cross-entropy of logits ``(B, T, num_tags)`` summed over the labelled positions of ``(B, T)``."""
         labels = batch["labels"]
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, (labels != IGNORE_INDEX).sum()
@@ -141,8 +124,7 @@ class TokenClassificationModule(SequenceClassificationModule):
         self.log("val/loss", self.val_loss, on_epoch=True)
 
     def on_validation_epoch_end(self) -> None:
-        # The entity scores are sums over the whole split: computed once it is seen, then logged;
-        # the base then tracks the best val/f1 (BEST_OF) from the same computed values.
+        # Entity scores are sums over the split: computed once at its end; the base then tracks the best val/f1 (BEST_OF).
         self.log_dict(self.val_metrics.compute())
         super().on_validation_epoch_end()
         self.val_metrics.reset()

@@ -28,21 +28,18 @@ import sys
 
 from hydra import compose, initialize_config_module
 
-import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
-from {{ cookiecutter.package_name }}.core.memory.planner import GIB, architecture, plan_memory, training_step
-from {{ cookiecutter.package_name }}.tasks import task_of
+import my_4090_project  # noqa: F401  (registers the config resolvers)
+from my_4090_project.core.memory.planner import GIB, architecture, plan_memory, training_step
+from my_4090_project.tasks import task_of
 
 COMMON = ["hardware=cpu", "logger=none", "trainer=cpu"]
 # One case a line, as written (the lists differ by task, so the formatter's layout would too).
 # fmt: off
-{%- if cookiecutter.tasks != "classification" %}
 # A 4-layer Llama (hidden 256) with the SmolLM2 vocabulary (49,152): at 8 x 512 tokens the logits
 # and activations dominate the 0.1 GB of weights.
 LLAMA = ["experiment=demo_lm_scratch", "model.config.hidden_size=256", "model.config.intermediate_size=768",
          "model.config.num_hidden_layers=4", "data.max_length=512", "batch.micro_batch_size=8", "batch.global_batch_size=8"]
-{%- endif %}
 CASES = {
-{%- if cookiecutter.tasks != "classification" %}
     "llama_fp32": LLAMA + ["precision=32-true"],
     # bf16 matmuls are emulated (slow) on CPUs without AVX512-BF16/AMX: a quarter of the tokens.
     "llama_bf16_mixed": LLAMA + ["precision=bf16-mixed", "data.max_length=256", "batch.micro_batch_size=4", "batch.global_batch_size=4"],
@@ -51,11 +48,8 @@ CASES = {
     "llama_fp32_step_in_backward": LLAMA + ["precision=32-true", "optimizer.step_in_backward=true", "trainer.gradient_clip_val=null"],
     "smollm2_lora_fp32": ["experiment=demo_lm_lora", "precision=32-true", "data.max_length=512",
                           "batch.micro_batch_size=4", "batch.global_batch_size=4"],
-{%- endif %}
-{%- if cookiecutter.tasks != "causal_lm" %}
     "minilm_classifier_fp32": ["experiment=demo_classification", "precision=32-true", "data.max_length=512",
                                "batch.micro_batch_size=32", "batch.global_batch_size=32"],
-{%- endif %}
 }
 # fmt: on
 
@@ -68,7 +62,7 @@ MEASURE_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def compose_case(overrides: list[str]):
-    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+    with initialize_config_module(version_base="1.3", config_module="my_4090_project.configs"):
         return compose(config_name="train", overrides=COMMON + overrides)
 
 

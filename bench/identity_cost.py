@@ -36,9 +36,9 @@ def paths_of_default_config(out: Path) -> tuple[list[Path], object]:
     missing), and the config."""
     from hydra import compose, initialize_config_module
 
-    from {{ cookiecutter.package_name }}.core.assets import fetch_model_files
+    from my_4090_project.core.assets import fetch_model_files
 
-    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+    with initialize_config_module(version_base="1.3", config_module="my_4090_project.configs"):
         cfg = compose("train", [f"paths.output_dir={out}", f"paths.log_dir={out}/logs"])
     if cfg.model.get("fetch") and not Path(cfg.model.name_or_path).exists():
         fetch_model_files(dict(cfg.model.fetch))
@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--files", nargs="*", type=Path, help="files or model folders (default: the default config's)")
     args = parser.parse_args()
 
-    from {{ cookiecutter.package_name }}.core.identity import hashes as file_hashes
-    from {{ cookiecutter.package_name }}.core.identity.fingerprint import config_changes, named_files, plain_config, resume_problems
+    from my_4090_project.core.identity import hashes as file_hashes
+    from my_4090_project.core.identity.fingerprint import config_changes, named_files, plain_config, resume_problems
 
     with tempfile.TemporaryDirectory() as scratch:
         os.environ[file_hashes.CACHE_ENV] = str(Path(scratch) / "file_hashes.json")  # a cold cache, this bench's own

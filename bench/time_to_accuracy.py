@@ -64,9 +64,9 @@ from omegaconf import open_dict
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
-from {{ cookiecutter.package_name }}.core.task import build_module
-from {{ cookiecutter.package_name }}.train import train
+from my_4090_project.core.models.inputs import ModelInputs
+from my_4090_project.core.task import build_module
+from my_4090_project.train import train
 
 
 class SharedDropout:
@@ -136,7 +136,7 @@ class HFUntilAccuracy(TrainerCallback):
 
 def compose_config(run_dir: Path, every: int, overrides: list[str]):
     """The demo's ``train`` config, validating every ``every`` optimizer steps."""
-    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+    with initialize_config_module(version_base="1.3", config_module="my_4090_project.configs"):
         cfg = compose(
             config_name="train",
             overrides=[

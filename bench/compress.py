@@ -2,25 +2,16 @@
 
     python bench/compress.py                        # trains the demos first (minutes on 2 CPU cores)
     python bench/compress.py --classifier-ckpt RUN/checkpoints/best-epoch00-step000265.ckpt --lm-dir models/lora_demo
-{% if cookiecutter.tasks != "causal_lm" %}
+
 Classifier: the classification demo (all-MiniLM-L6-v2 on VADER movie reviews, ``experiment=demo_classification``);
 its best checkpoint, or ``--classifier-ckpt``.
-{%- endif %}
-{%- if cookiecutter.tasks != "classification" %}
 Causal LM: the LoRA demo (SmolLM2-135M on Shakespeare, ``experiment=demo_lm_lora``) merged by ``export``; or
 ``--lm-dir``, a folder ``export`` wrote (validation perplexity: the demo data has no test split).
-{%- endif %}
 
-Each model goes through ``python -m {{ cookiecutter.package_name }}.quantize`` (every variant this machine can make, as
+Each model goes through ``python -m my_4090_project.quantize`` (every variant this machine can make, as
 ``train`` composes it) and its ``compress_report.md`` table is printed.  The last line is
-{%- if cookiecutter.tasks != "causal_lm" %}
 ``int8_acc_delta=<x> int8_size_ratio=<x> int8_latency_ratio=<x>`` for the best int8 variant of the classifier:
-{%- if cookiecutter.tasks == "both" %}
 (or, with ``--skip-classifier``, ``int8_ppl_ratio=<x> ...`` for the causal LM's)
-{%- endif %}
-{%- else %}
-``int8_ppl_ratio=<x> int8_size_ratio=<x> int8_latency_ratio=<x>`` for the best int8 variant of the causal LM:
-{%- endif %}
 the fastest (p50, against the fp32 of its own runtime) among those within the quality tolerance
 (accuracy at most 0.01 below fp32, perplexity at most 1.03 x fp32), or the fastest of all if none is.
 ``--overrides`` adds Hydra overrides to every command (the smoke test points them at tiny models).
@@ -36,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PACKAGE = "{{ cookiecutter.package_name }}"
+PACKAGE = "my_4090_project"
 INT8 = ("int8_weight_only", "int8_dynamic", "onnx_int8")  # 8-bit weights (ptq_int8a_int4w has 4-bit ones)
 
 
@@ -89,7 +80,6 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_compress_"))
     extra = shlex.split(args.overrides)
     last = None
-{%- if cookiecutter.tasks != "causal_lm" %}
     if not args.skip_classifier:
         demo = ["experiment=demo_classification", *extra]
         ckpt = args.classifier_ckpt
@@ -103,8 +93,6 @@ def main() -> None:
             f"int8_latency_ratio={best['latency_ratio']['p50']:.3f}"
         )
         print(f"best int8 variant of the classifier: {best['name']} ({best['runtime']})")
-{%- endif %}
-{%- if cookiecutter.tasks != "classification" %}
     if not args.skip_lm:
         demo = ["experiment=demo_lm_lora", *extra]
         model_dir = args.lm_dir
@@ -122,7 +110,6 @@ def main() -> None:
             f"int8_size_ratio={best['size_ratio']:.3f} int8_latency_ratio={best['latency_ratio']['p50']:.3f}"
         )
         last = last or lm_line  # the classifier's line when both were measured
-{%- endif %}
     if last is None:
         sys.exit("nothing measured: drop --skip-classifier/--skip-lm")
     print(last)

@@ -41,15 +41,15 @@ from pathlib import Path
 import hydra
 from hydra import compose, initialize_config_module
 
-from {{ cookiecutter.package_name }}.core.models.inputs import ModelInputs
-from {{ cookiecutter.package_name }}.core.task import build_module
-from {{ cookiecutter.package_name }}.tasks.causal_lm.answers import exact_match
+from my_4090_project.core.models.inputs import ModelInputs
+from my_4090_project.core.task import build_module
+from my_4090_project.tasks.causal_lm.answers import exact_match
 
 
 def prepared(experiment: str, overrides: list[str], folder: Path):
     """The experiment's module (pretrained weights loaded, its data facts connected) and its set-up data module."""
     chosen = [] if experiment == "none" else [f"experiment={experiment}"]
-    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+    with initialize_config_module(version_base="1.3", config_module="my_4090_project.configs"):
         cfg = compose(config_name="train", overrides=[*chosen, f"paths.output_dir={folder}", *overrides])
     datamodule = hydra.utils.instantiate(cfg.data)
     module = build_module(cfg)

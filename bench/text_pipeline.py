@@ -30,15 +30,15 @@ from pathlib import Path
 import datasets
 from hydra import compose, initialize_config_module
 
-from {{ cookiecutter.package_name }}.core.assets.gguf import fetch_gguf_model
-from {{ cookiecutter.package_name }}.core.assets.shakespeare import fetch_shakespeare
-from {{ cookiecutter.package_name }}.core.data.tokenization import load_tokenizer
-from {{ cookiecutter.package_name }}.tasks.causal_lm.text import TextDataModule
+from my_4090_project.core.assets.gguf import fetch_gguf_model
+from my_4090_project.core.assets.shakespeare import fetch_shakespeare
+from my_4090_project.core.data.tokenization import load_tokenizer
+from my_4090_project.tasks.causal_lm.text import TextDataModule
 
 
 def demo_paths() -> tuple[str, str, str]:
     """(train jsonl, validation jsonl, tokenizer folder) of ``experiment=demo_lm_lora``, fetched."""
-    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+    with initialize_config_module(version_base="1.3", config_module="my_4090_project.configs"):
         cfg = compose(config_name="train", overrides=["experiment=demo_lm_lora", "paths.output_dir=."])
     fetch = cfg.data.fetch
     fetch_shakespeare(fetch.out_dir, list(fetch.validation_works), list(fetch.test_works))

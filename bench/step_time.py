@@ -28,10 +28,10 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config resolvers)
-from {{ cookiecutter.package_name }}.core.memory.planner import architecture, step_cost, training_step
-from {{ cookiecutter.package_name }}.core.memory.steptime import Peaks, measure_peaks, predict
-from {{ cookiecutter.package_name }}.tasks import task_of
+import my_4090_project  # noqa: F401  (registers the config resolvers)
+from my_4090_project.core.memory.planner import architecture, step_cost, training_step
+from my_4090_project.core.memory.steptime import Peaks, measure_peaks, predict
+from my_4090_project.tasks import task_of
 
 # optimizer.fused=false: torch's CPU fused AdamW does its per-value arithmetic in scalar code (about
 # 2 GB/s here, a tenth of the bandwidth), where the for-each AdamW's kernels are the memory-bound
@@ -84,7 +84,7 @@ CASES = {
 
 
 def compose_case(overrides: list[str]):
-    with initialize_config_module(version_base="1.3", config_module="{{ cookiecutter.package_name }}.configs"):
+    with initialize_config_module(version_base="1.3", config_module="my_4090_project.configs"):
         cfg = compose(config_name="train", overrides=COMMON + overrides)
     with open_dict(cfg):
         cfg.hardware.kernels_overlap = False
