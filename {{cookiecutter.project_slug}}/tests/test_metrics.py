@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from {{ cookiecutter.package_name }}.core.models.metrics import PendingUpdates
 from {{ cookiecutter.package_name }}.core.optim import build_optimizer, optimizer_factory, param_groups
-from {{ cookiecutter.package_name }}.tasks.classification.module import PendingUpdates, classification_metrics
+from {{ cookiecutter.package_name }}.tasks.classification.module import classification_metrics
 
 
 def one_hot_logits(predictions: list[int], num_classes: int) -> torch.Tensor:

@@ -32,7 +32,8 @@ from .core.run.entry import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_ma
 from .core.run.outputs import claim_outputs, replace_folder, staging_folder
 from .eval import full_precision_overrides
 from .tasks import check_config, task_of
-from .tasks.causal_lm.module import CHAT_FILE, causal_module_class
+from .tasks.causal_lm import causal_module_class
+from .tasks.causal_lm.module import CHAT_FILE
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_FOLDER = "adapter"  # output_dir/adapter: the LoRA/QLoRA adapter alone (peft's save_pretrained)

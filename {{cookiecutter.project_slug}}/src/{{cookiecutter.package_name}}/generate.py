@@ -71,7 +71,8 @@ def load_generator(cfg: DictConfig):
     """The causal-LM task module from ``ckpt_path``, or a ``CausalLMModule`` wrapping the HF folder ``model_dir``."""
     from .core.models.builder import config_to_dict
     from .core.models.inputs import ModelInputs
-    from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule, causal_module_class
+    from .tasks.causal_lm import causal_module_class
+    from .tasks.causal_lm.module import CHAT_FILE, CausalLMModule
 
     if cfg.ckpt_path is not None:
         from .core.checkpoints.io import load_trained_module

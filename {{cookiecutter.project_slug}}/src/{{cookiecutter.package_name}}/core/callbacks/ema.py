@@ -1,23 +1,12 @@
 """An exponential moving average (EMA) of the trainable parameters, validated, tested and exported
 in place of the raw weights.
 
-After each optimizer step, ``ema = decay * ema + (1 - decay) * weight`` for every parameter with
-``requires_grad`` (torch's ``swa_utils.get_ema_multi_avg_fn``), never for a frozen base: with
-LoRA the average is the size of the adapter.  The average is kept on the parameters' device, in
-their dtype, which must be fp32 (``*-mixed`` or ``32-true`` precision; in bf16 most updates of
-``(1 - decay) * (weight - ema)`` round away).
-
-What each file holds:
-
-- validation (during the fit and after it) runs on the averaged weights, so ``val/*``, the best
-  checkpoint's choice and early stopping judge the average;
-- every checkpoint (``last.ckpt``, ``best-*.ckpt``) holds the averaged weights as the model's
-  weights, so ``eval``, ``test``, ``predict``, ``export`` and ``generate`` use them with no
-  option; the raw weights are in the callback's state (``callbacks["EMA"]["raw"]``), and a resume
-  puts them back in the model and continues both exactly;
-- after the fit the model holds the averaged weights.
-
-Swapping the two sets for a validation exchanges tensor references (no copy).
+After each optimizer step ``ema = decay * ema + (1 - decay) * weight`` for every trained parameter
+(torch's ``swa_utils.get_ema_multi_avg_fn``; with LoRA the adapter only), on its device, in fp32
+(in bf16 most updates round away).  Validation, the best checkpoint and early stopping judge the
+average; every checkpoint holds it as the model's weights (eval, predict, export, generate use it),
+the raw weights in the callback's state (``callbacks["EMA"]["raw"]``), so a resume continues both
+exactly.  Swapping the two sets for a validation exchanges tensor references (no copy).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Config typos caught by signature, before anything loads.
 
-Hydra's struct mode already refuses ``trainer.max_epoch=3`` on the command line, but a key added
-with ``+`` (``+callbacks.model_checkpoint.save_top=2``) or written in an experiment YAML
-(``weight_decy: 0.1`` under ``optimizer:``) reaches the config, and then either fails deep inside
-a library after the weights load or, worse, is silently ignored.  :func:`unknown_key_problems`
-binds the keys of every ``_target_`` node to the callable's signature (the torchtune
-``tune validate`` habit), and checks the nodes without a ``_target_`` against the keys declared
-once per group below.
-
-What is declared here, and only here:
-
-- :data:`OWN_KEYS`: keys of a group that this project reads itself and strips before the call
-  (``optimizer.step_in_backward``).
-- :data:`NAMED_NODES`: nodes that name what they build by a word of one of the project's tables
-  (``optimizer.name``, ``model.fetch.kind``: :mod:`.named`), checked against that callable's
-  signature as a ``_target_`` node would be (checkpoints store these nodes: no class path).
-- :data:`GROUP_KEYS`: the keys of each group that has no ``_target_`` (``model``, ``batch``, ...),
-  and of the top level of the entry configs.
-- :data:`FREE_FORM`: nodes whose keys belong to someone else and are not checked here
-  (``model.config`` is a Hugging Face config: its class accepts any attribute).
-- :data:`FORWARDS`: callables that take ``**kwargs`` and the callable the extra keys are passed
-  on to (``WandbLogger`` -> ``wandb.init``); a ``**kwargs`` callable not listed there is refused
-  by the config test, so nothing is left unchecked without being named.
+A key added with ``+`` or written in an experiment YAML (``weight_decy: 0.1``) reaches the config
+past Hydra's struct mode, then fails deep in a library or is silently ignored.
+:func:`unknown_key_problems` binds the keys of every ``_target_`` node to the callable's signature
+(torchtune's ``tune validate`` habit) and checks the other nodes against the keys declared here:
+:data:`OWN_KEYS` (read by this project, stripped before the call), :data:`NAMED_NODES` (named by a
+word of the project's tables: :mod:`.named`), :data:`GROUP_KEYS` (groups without a ``_target_``, and
+the top level), :data:`FREE_FORM` (someone else's keys: ``model.config``), :data:`FORWARDS` (where a
+``**kwargs`` callable sends its extra keys).  A task's own groups are bound to its specs
+(``Task.config_groups``).
 """
 
 from __future__ import annotations

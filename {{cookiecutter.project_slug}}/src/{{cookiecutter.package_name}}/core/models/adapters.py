@@ -1,32 +1,17 @@
-"""LoRA and QLoRA through the ``peft`` library, from the ``peft`` config group (a plain dict).
+"""LoRA and QLoRA through ``peft``, from the ``peft`` config group, and that group's check.
 
-- LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021): the base
-  weights are frozen; each target linear layer ``W`` gains a trainable ``B @ A`` of rank ``r``,
-  scaled by ``alpha / r``.  Only the adapter is trained, saved and exported -- and, for a
-  sequence classifier, its new head (``score``/``classifier``), trained in full: peft's
-  ``SEQ_CLS`` task type lists it in ``modules_to_save``.
-- QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023): the same, on
-  a base model stored in 4-bit NormalFloat (NF4) by bitsandbytes, optionally with "double
-  quantization" of the quantization constants (about 0.37 bits per parameter saved, their
-  Section 3).  Their finding that adapters on *all* linear layers are needed to match full
-  fine-tuning is why the default target is peft's ``all-linear``.
-- Variants, each a ``peft.LoraConfig`` option: DoRA (Liu et al., "DoRA: Weight-Decomposed
-  Low-Rank Adaptation", 2024: a trained magnitude per output feature times the direction of
-  ``W + B @ A``; ``use_dora``), rsLoRA (Kalajdzievski, "A Rank Stabilization Scaling Factor for
-  Fine-Tuning with LoRA", 2023: scale ``alpha / sqrt(r)``; ``use_rslora``).  LoRA+ (Hayou et al.,
-  "LoRA+: Efficient Low Rank Adaptation of Large Models", 2024: ``B`` learns ``ratio`` times
-  faster than ``A``) is an optimizer parameter group (:func:`..optim.param_groups`).
-- Initialisations that rewrite the frozen base (``init_lora_weights``): PiSSA (Meng et al.,
-  "PiSSA: Principal Singular Values and Singular Vectors Adaptation of Large Language Models",
-  2024: ``A``, ``B`` from the top-``r`` singular vectors of ``W``; ``pissa_niter_<n>``: the fast
-  randomised SVD) and OLoRA (Büyükakyüz, "OLoRA: Orthonormal Low-Rank Adaptation of Large
-  Language Models", 2024: from a QR decomposition of ``W``).  Both leave the base at the residual
-  ``W - scale * B0 @ A0``.  A checkpoint keeps trained weights only, so it also keeps the initial
-  adapter ``(A0, B0)`` (:func:`adapter_tensors`); a load builds the adapters with peft's plain
-  initialisation and recomputes the residual from the stored pair (:func:`restore_residual`:
-  peft's own expression, no SVD again), and the adapter folder of ``export`` is converted for the
-  original base by peft (``save_pretrained(..., path_initial_model_for_weight_conversion=...)``:
-  a rank-``2r`` adapter, :func:`save_adapter`).
+- LoRA (Hu et al. 2021): the base is frozen; each target linear layer ``W`` gains a trainable
+  ``B @ A`` of rank ``r``, scaled by ``alpha / r``; a classifier's new head trains in full (peft's
+  ``SEQ_CLS``/``TOKEN_CLS`` put it in ``modules_to_save``).  QLoRA (Dettmers et al. 2023): the same on
+  an NF4 base (bitsandbytes), double quantization optional; adapters on all linear layers (their
+  finding) is why the default target is peft's ``all-linear``.
+- Variants, ``peft.LoraConfig`` options: DoRA (Liu et al. 2024, ``use_dora``), rsLoRA
+  (Kalajdzievski 2023: ``alpha / sqrt(r)``, ``use_rslora``); LoRA+ (Hayou et al. 2024) is an
+  optimizer parameter group (:func:`..optim.param_groups`).
+- PiSSA (Meng et al. 2024) and OLoRA (Büyükakyüz 2024) initialise ``A``, ``B`` from ``W`` and leave
+  the base at ``W - scale * B0 @ A0``: checkpoints keep ``(A0, B0)`` (:func:`adapter_tensors`), a
+  load rebuilds the residual (:func:`restore_residual`), ``export`` converts the adapter for the
+  original base (:func:`save_adapter`).
 """
 
 from __future__ import annotations

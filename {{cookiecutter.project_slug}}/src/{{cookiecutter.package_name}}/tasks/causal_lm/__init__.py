@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from ...core.compress.quantization import TORCHAO_VARIANTS
 from ...core.models.levers import MASK_FREE_ATTENTION
-from ...core.task import Task, to_device
+from ...core.task import Task, module_class, to_device
 
 # Values of the causal-LM groups (checked here, before anything imports the task's code).
 
@@ -136,3 +136,12 @@ def quantized_weights(model: torch.nn.Module) -> list[int]:
 
 
 TASK = CausalLM()
+
+
+def causal_module_class(cfg: DictConfig) -> type:
+    """The class ``export``/``generate`` load a checkpoint into: ``task.module`` when it is a causal LM (causal_lm, preference),
+    else :class:`CausalLMModule` (``core.checkpoints.io.load_trained_module`` then refuses another task's checkpoint)."""
+    from .module import CausalLMModule
+
+    found = module_class(cfg)
+    return found if issubclass(found, CausalLMModule) else CausalLMModule

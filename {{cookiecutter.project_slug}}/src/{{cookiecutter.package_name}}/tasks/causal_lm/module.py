@@ -155,12 +155,3 @@ class CausalLMModule(TextGeneration, HFModule):
         model = super().merged_model()
         model.config.use_cache = True
         return model
-
-
-def causal_module_class(cfg) -> type[CausalLMModule]:
-    """The class ``export``/``generate`` load a checkpoint into: ``task.module`` when it is a causal LM (causal_lm, preference),
-    else :class:`CausalLMModule` (``core.checkpoints.io.load_trained_module`` then refuses another task's checkpoint)."""
-    from ...core.task import module_class
-
-    found = module_class(cfg)
-    return found if issubclass(found, CausalLMModule) else CausalLMModule
