@@ -9,8 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory) -> Path:
-    """One ``paths.cache_dir`` for the demos that only need the fetched files, not the fetch: the
-    first to run installs SmolLM2 and the VADER data there, the next ones read them (each GGUF
-    conversion costs about a minute on 2 CPU cores).  The LoRA demo keeps a fresh cache of its own,
-    so the fetch itself is still exercised."""
+    """One ``paths.cache_dir`` for the demos: the first to run (the LoRA demo, by file order) fetches
+    SmolLM2 and its data there, so the fetch is exercised; the next ones read the files (each GGUF
+    conversion costs about a minute on 2 CPU cores)."""
     return tmp_path_factory.mktemp("shared_cache")

@@ -12,8 +12,9 @@ import subprocess
 import sys
 
 
-def test_lora_demo_cuts_validation_perplexity_by_a_fifth(tmp_path):
-    run_dir, cache = tmp_path / "run", tmp_path / "cache"  # a fresh cache: the fetch is exercised too
+def test_lora_demo_cuts_validation_perplexity_by_a_fifth(tmp_path, shared_cache):
+    # The first real-data test to run (file order): it fetches SmolLM2 into the shared cache, the others read it.
+    run_dir, cache = tmp_path / "run", shared_cache
     result = subprocess.run(
         [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", "experiment=demo_lm_lora", f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}"],
         capture_output=True,
