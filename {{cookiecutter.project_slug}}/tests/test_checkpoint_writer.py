@@ -206,6 +206,19 @@ def test_the_writer_thread_does_the_write(tmp_path):
 {%- if cookiecutter.tasks != "causal_lm" %}
 
 
+def test_a_finished_run_leaves_no_writer_thread_holding_a_staged_copy(make_cfg, tmp_path):
+    """Each run's writer thread ends with the run (a sweep's trials in one process leaked one thread
+    and one staged checkpoint each); a later save starts another."""
+    import threading
+
+    from {{ cookiecutter.package_name }}.core.checkpoints.writer import THREAD_NAME
+    from {{ cookiecutter.package_name }}.train import train
+
+    for run in ("a", "b"):  # no test split after the fit: its last write was never followed by a teardown
+        train(make_cfg("trainer.max_steps=2", "test_after_fit=false", f"paths.output_dir={tmp_path / run}"))
+    assert not [thread for thread in threading.enumerate() if thread.name == THREAD_NAME]
+
+
 def test_in_a_real_fit_last_ckpt_after_a_validation_is_not_written_again(make_cfg, tmp_path):
     from {{ cookiecutter.package_name }}.core.checkpoints.io import trained_checkpoint
     from {{ cookiecutter.package_name }}.train import train

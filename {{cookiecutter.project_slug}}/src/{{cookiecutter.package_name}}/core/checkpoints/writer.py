@@ -216,21 +216,27 @@ class BackgroundWriter:
         self._jobs.put(job)
 
     def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
             try:
                 if self._error is None:
                     job()
             except BaseException as error:  # kept for the training thread
                 self._error = error
             finally:
+                job = None  # (the staged checkpoint it holds is freed now, not at the next job)
                 with self._count_lock:
                     self._pending -= 1
                 self._jobs.task_done()
+        self._jobs.task_done()
 
     def wait(self) -> None:
-        """Wait until every queued job has run (an error stays kept)."""
+        """Wait until every queued job has run (an error stays kept), then end the thread: a run that is
+        over holds no thread and no staged copy (a later :meth:`submit` starts another)."""
         self._jobs.join()
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._thread = None
 
     def flush(self) -> None:
         """:meth:`wait`, then raise the first job error, if any."""
