@@ -125,7 +125,7 @@ def test_default_bake_full_test_suite_with_the_real_demo(default_project, capsys
     assert gpu_tests >= 1, collected.stdout[-2000:]
     # (16 min on the 2-core machines this was written on; 52 on an AVX2-only one, 2026-12-01, 23 of
     # them the real-data demos: the limit leaves room for the slower kind, inside CI's 90 minutes)
-    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--durations=25"],
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-n", "2", "--dist", "loadfile", "--durations=25"],
                  cwd=default_project, timeout=4500)
     summary = result.stdout.strip().splitlines()[-1]
     with capsys.disabled():  # CI's log shows where the time goes
@@ -186,7 +186,7 @@ def test_generated_workflow_runs_the_fast_tier_on_push_and_the_rest_on_a_schedul
     assert {"push", "pull_request", "schedule", "workflow_dispatch"} <= set(triggers)
     steps = {step.get("name"): step for step in workflow["jobs"]["test"]["steps"]}
     assert steps["Fast tier"]["run"].startswith("pytest") and "-m" not in steps["Fast tier"]["run"]
-    assert 'pytest -m "not gpu"' in steps["Every tier but gpu (slow, e2e, ddp, real_data included)"]["run"]
+    assert 'pytest -m "not gpu" -n 2 --dist loadfile' in steps["Every tier but gpu (slow, e2e, ddp, real_data included)"]["run"]
     assert "-c src/*/tested_versions.txt" in steps["Install (CPU torch first, so pip does not pull the CUDA build)"]["run"]
     # The nightly job without the pins: the tests must pass inside pyproject's ranges; it never gates.
     unpinned = workflow["jobs"]["unpinned"]
@@ -265,7 +265,8 @@ def test_single_task_bake_holds_only_its_task_and_its_tests_pass(tasks, default_
         "causal_lm": "tests/test_causal_lm.py::test_scratch_fast_dev_run_writes_start_and_final_validation",
     }[tasks]
     # test_no_silent_results.py holds a block per task: the bake's own variant must pass too.
-    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_configs.py", "tests/test_no_silent_results.py", "tests/test_imports.py", fast_dev_run],
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+                 "tests/test_configs.py", "tests/test_no_silent_results.py", "tests/test_imports.py", fast_dev_run],
                  cwd=project, timeout=1200, env=env)
     summary = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary and "skipped" not in summary, summary

@@ -12,10 +12,12 @@ tokenizer (GPT-2 style: an EOS token and no pad token) trained on toy documents.
 from __future__ import annotations
 
 {% if cookiecutter.tasks != "causal_lm" %}import csv
-{% endif %}import random
+{% endif %}import os
+import random
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig
@@ -28,6 +30,13 @@ import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config reso
 # ``slow``, ``ddp``, ``real_data``, ``gpu``) runs one tier, ``pytest -m "not gpu"`` all that
 # needs no GPU (what CI runs).
 TIERS = ("slow", "e2e", "ddp", "real_data", "gpu")
+
+# Under pytest-xdist (``pytest -n 2 --dist loadfile``, what CI runs: a file's tests on one worker,
+# its module fixtures made once) each worker, and every process it starts, computes on one thread:
+# two workers of two threads on two cores slow each other far more than twice (OpenMP spin-waits).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def requires_cuda() -> pytest.MarkDecorator:

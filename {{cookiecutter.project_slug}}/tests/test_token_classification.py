@@ -373,7 +373,7 @@ def test_lora_trains_the_adapters_and_the_head_and_eval_reproduces_its_test_scor
     evaluated = evaluate(
         make_ner_cfg(
             *lora,
-            f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
+            f"ckpt_path={metrics['best_checkpoint']}",  # the weights train's test scored (last.ckpt may be a later epoch)
             f"paths.output_dir={tmp_path / 'eval'}",
             config_name="eval",
         )

@@ -1,5 +1,5 @@
 """Adding a task: the README's worked example ("Add your own task") written into a copy of the
-package (its folder and its YAML, nothing else), then trained from the command line; no file under
+package (its folder and its YAML, nothing else; beside a helper folder that is no task), then trained from the command line; no file under
 ``core/`` changes, and its checkpoints name the new task."""
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def test_the_readme_example_task_trains_from_its_folder_and_yaml_alone(lm_tokeni
     for relative, text in files.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(text)
+    (tmp_path / "src" / name / "tasks" / "helpers").mkdir()  # a folder the tasks share, with no TASK: not a task
+    (tmp_path / "src" / name / "tasks" / "helpers" / "__init__.py").write_text('"""Helpers."""\n')
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "src"), env["PYTHONPATH"]])  # the copy, before the installed package
     command = [sys.executable, "-m", name, "train", "task=smoothed", *overrides, "debug=fdr", "logger=csv"]

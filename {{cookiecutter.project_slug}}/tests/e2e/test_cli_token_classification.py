@@ -38,7 +38,7 @@ def test_train_killed_and_resumed_then_eval_predict_plan_quantize_and_a_sweep(tm
     ok(run_train(killed, base + ["ckpt_path=last", WITHOUT_FAULT]))
     assert step_losses(killed) == losses  # bit-identical, step by step
 
-    ckpt = f"ckpt_path={reference / 'checkpoints' / 'last.ckpt'}"
+    ckpt = f"ckpt_path={metrics['best_checkpoint']}"  # the weights train's test scored
     ok(run_module("eval", [*base, ckpt, f"hydra.run.dir={tmp_path / 'eval'}"]))
     evaluated = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert evaluated["test/f1"] == metrics["test/f1"] and evaluated["test/acc"] == metrics["test/acc"]

@@ -16,11 +16,11 @@ from ..core.task import Task
 
 @cache
 def tasks() -> dict[str, Task]:
-    """Every task folder's ``TASK``, by its name."""
+    """Every task folder's ``TASK``, by its name (a folder without one, e.g. helpers the tasks share, is not a task)."""
     found = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.ispkg:
-            task = importlib.import_module(f"{__name__}.{info.name}").TASK
+        task = getattr(importlib.import_module(f"{__name__}.{info.name}"), "TASK", None) if info.ispkg else None
+        if task is not None:
             found[task.name] = task
     return found
 
