@@ -123,8 +123,8 @@ def test_default_bake_full_test_suite_with_the_real_demo(default_project, capsys
                     cwd=default_project, timeout=300)
     gpu_tests = int(re.search(r"(\d+)(?:/\d+)? tests? (?:collected|selected)", collected.stdout).group(1))
     assert gpu_tests >= 1, collected.stdout[-2000:]
-    # (16 min on the 2-core machines this was written on; 52 on an AVX2-only one, 2026-12-01, 23 of
-    # them the real-data demos: the limit leaves room for the slower kind, inside CI's 90 minutes)
+    # (22.5-25 min in 2 processes on the 2-core machines this was written on, 2026-12-05, about 12 of
+    # them the real-data demos; 52 serially on an AVX2-only one: the limit leaves room for the slower kind)
     result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-n", "2", "--dist", "loadfile", "--durations=25"],
                  cwd=default_project, timeout=4500)
     summary = result.stdout.strip().splitlines()[-1]

@@ -1,6 +1,6 @@
 """Adding a task: the README's worked example ("Add your own task") written into a copy of the
-package (its folder and its YAML, nothing else; beside a helper folder that is no task), then trained from the command line; no file under
-``core/`` changes, and its checkpoints name the new task."""
+package (its folder and its YAML, nothing else; beside a helper folder that is no task), then
+trained from the command line; no file under ``core/`` changes, and its checkpoints name the new task."""
 
 from __future__ import annotations
 
