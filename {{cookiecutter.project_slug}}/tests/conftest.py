@@ -46,15 +46,24 @@ def requires_cuda() -> pytest.MarkDecorator:
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
+def pytest_configure(config):
+    """pytest-xdist hands out files in collection order (not its default: the files with the most tests first)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection reads the markers
 def pytest_collection_modifyitems(config, items):
-    """Mark every test below ``tests/<tier>/`` with that tier; ``gpu`` tests also skip without CUDA."""
+    """Mark every test below ``tests/<tier>/`` with that tier; ``gpu`` tests also skip without CUDA.  The longest tiers
+    run first, so that under pytest-xdist the minutes-long demos start at once and short files fill in beside them."""
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
             if tier == "gpu":
                 item.add_marker(requires_cuda())
+    longest_first = ("real_data", "ddp", "e2e", "slow")
+    items.sort(key=lambda item: longest_first.index(item.path.parent.name) if item.path.parent.name in longest_first else 4)
 
 
 def compose_config(config_name: str, overrides: list[str]) -> DictConfig:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from {{ cookiecutter.package_name }}.core.assets import pypi, vader
@@ -49,4 +52,20 @@ def test_failed_download_leaves_no_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(vader, "pip_download", failing)
     with pytest.raises(pypi.FetchError):
         vader.fetch_vader_movie_reviews(str(tmp_path / "data"), split_seed=0)
-    assert list(tmp_path.iterdir()) == []  # neither the target nor a temporary folder is left
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".data.lock"] == []  # neither the target nor a temporary folder
+
+
+def test_runs_sharing_a_cache_build_it_once_and_each_gets_the_whole_folder(tmp_path):
+    """Parallel sweep jobs, DDP ranks or test workers on one ``paths.cache_dir``: the first builds, the others wait."""
+    builds = []
+
+    def build(staging, scratch):
+        builds.append(1)
+        time.sleep(0.3)  # the others arrive while this one builds
+        (staging / "a.txt").write_text("a")
+        (staging / "b.txt").write_text("b")
+
+    with ThreadPoolExecutor(4) as pool:  # filelock's lock is per open file: threads exclude each other like processes
+        folders = list(pool.map(lambda _: pypi.install_once(tmp_path / "model", build), range(4)))
+    assert len(builds) == 1 and folders == [tmp_path / "model"] * 4
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["a.txt", "b.txt"]

@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 
-from my_4090_project.core.assets.vader import review_prompts
+from {{ cookiecutter.package_name }}.core.assets.vader import review_prompts
 
 SHORT = [
     "trainer.max_steps=8",
@@ -31,7 +31,7 @@ def test_dpo_ranks_held_out_pairs_and_the_samples_are_judged_before_and_after(tm
     prompts = tmp_path / "prompts.jsonl"
     held_out = review_prompts(0)[1]
     prompts.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in held_out[:16]))
-    command = [sys.executable, "-m", "my_4090_project.train", "experiment=demo_dpo_sentiment", *SHORT, f"data.sample_prompts={prompts}"]
+    command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", "experiment=demo_dpo_sentiment", *SHORT, f"data.sample_prompts={prompts}"]
     result = subprocess.run([*command, f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}"], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())

