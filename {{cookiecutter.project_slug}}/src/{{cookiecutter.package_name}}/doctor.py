@@ -33,6 +33,7 @@ REQUIRED = {
     "omegaconf": ("omegaconf", "2.3"),
     "torchmetrics": ("torchmetrics", "1.4"),
     "rich": ("rich", "13.0"),
+    "filelock": ("filelock", "3.12"),  # one fetch of a demo's model or data when runs share paths.cache_dir
     "peft": ("peft", "0.15"),  # LoRA/QLoRA (peft group, both tasks)
     "bitsandbytes": ("bitsandbytes", "0.45"),  # 8-bit optimizers, 4-bit NF4 weights (peft=qlora)
     "wandb": ("wandb", "0.19"),  # logger=wandb (the default)
