@@ -123,8 +123,8 @@ def test_default_bake_full_test_suite_with_the_real_demo(default_project, capsys
     every = [line for line in collected.stdout.splitlines() if line.startswith("tests/") and "::" in line]
     gpu_tests = sum(line.startswith("tests/gpu/") for line in every)
     assert gpu_tests >= 1 and f"{len(every)} tests collected" in collected.stdout, collected.stdout[-2000:]
-    # (22.5-25 min in 2 processes on the 2-core machines this was written on, 2026-12-05, about 12 of
-    # them the real-data demos; 52 serially on an AVX2-only one: the limit leaves room for the slower kind)
+    # (18.8 min in 2 processes on the 2-core machines this was written on, 2026-12-05, the real-data demos
+    # first; 52 serially on an AVX2-only one: the limit leaves room for the slower kind)
     result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-n", "2", "--dist", "loadfile", "--durations=25"],
                  cwd=default_project, timeout=4500)
     summary = result.stdout.strip().splitlines()[-1]
