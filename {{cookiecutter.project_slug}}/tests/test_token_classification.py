@@ -139,12 +139,26 @@ def test_entity_f1_matches_a_hand_count():
     metric = EntityScores(dict(enumerate(names)), "IOB2", strict=False)
     predicted = as_ids(guess)
     predicted[:, 0] = 0
-    metric.update(predicted, as_ids(gold))
+    metric.update(predicted, as_ids(gold), as_ids(gold)[:, 1:], torch.ones(2, 5, dtype=torch.long))
     scores = metric.compute()
     assert scores["precision"].item() == pytest.approx(0.5) and scores["recall"].item() == pytest.approx(0.5)
     assert scores["f1"].item() == pytest.approx(0.5)
     assert scores["f1_PER"].item() == pytest.approx(2 / 3) and scores["f1_LOC"].item() == pytest.approx(2 / 3)
     assert scores["f1_ORG"].item() == 0.0 and scores["invalid_tags"].item() == 0
+
+
+def test_entities_in_words_the_model_did_not_see_are_misses():
+    """Gold PER(0-1), LOC(4): the model saw words 0, 1 and 3 (2 has no sub-token, 4 was cut) and tagged them right. Scored
+    over what it saw, recall would be 1; against the gold file LOC is a miss: P 1/1, R 1/2 (as conlleval on the same file)."""
+    names = ["O", "B-LOC", "B-PER", "I-PER"]
+    gold = torch.tensor([[2, 3, 0, 0, 1, -100]])  # (B, W): one row of 5 words, padded
+    kept = torch.tensor([[1, 1, 0, 1, 0, 0]])
+    labels = torch.tensor([[-100, 2, 3, 0, -100]])  # [CLS] w0 w1 w3 [SEP]
+    metric = EntityScores(dict(enumerate(names)), "IOB2", strict=False)
+    metric.update(labels.clamp(min=0), labels, gold, kept)
+    scores = metric.compute()
+    assert scores["precision"].item() == 1.0 and scores["recall"].item() == pytest.approx(0.5)
+    assert scores["f1_PER"].item() == 1.0 and scores["f1_LOC"].item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -195,6 +209,37 @@ def test_tags_go_on_each_words_first_sub_token_and_cut_words_are_counted(ner_tok
     short = datamodule(ner_tokenizer_dir, {"train": str(train), "validation": str(train)}, max_length=4)
     short.setup("fit")  # [CLS] alice visited [SEP]: "london" cut
     assert short.datasets["train"][0]["labels"] == [-100, 2, 0, -100] and short.words_cut["train"] == 4
+    assert short.datasets["train"][0]["word_kept"] == [1, 1, 0] and short.datasets["train"][0]["words_no_token"] == 0
+
+
+# Words the WordPiece tokenizer makes nothing of: zero-width space, soft hyphen, variation selector, a lone combining accent.
+NO_TOKEN_WORDS = ["\u200b", "\u00ad", "\ufe0f", "\u0301", "\u200b\u00ad"]
+
+
+@pytest.mark.parametrize("word", NO_TOKEN_WORDS)
+def test_a_word_without_a_sub_token_keeps_its_place_and_is_counted_as_such(ner_tokenizer_dir, tmp_path, word, caplog):
+    rows = [{"tokens": ["alice", word, "visited", "london"], "tags": ["B-PER", "O", "O", "B-LOC"]}] * 4
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    dm = datamodule(ner_tokenizer_dir, {"train": str(train), "validation": str(train)}, max_length=5)
+    dm.setup("fit")  # [CLS] alice visited lon [SEP]: "##don" cut, no word cut
+    row = dm.datasets["train"][0]
+    assert row["labels"] == [-100, 2, 0, 1, -100] and row["word_tags"] == [2, 0, 0, 1] and row["word_kept"] == [1, 0, 1, 1]
+    assert row["words_no_token"] == 1 and row["words_cut"] == 0 and dm.words_cut["train"] == 0
+    assert f"have no sub-token under this tokenizer (the first, in sentence 1: {ascii(word)})" in caplog.text
+    assert "data.max_length" not in caplog.text  # not blamed on the length
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["word_tags"].shape == batch["word_kept"].shape == (4, 4) and batch["words_no_token"].tolist() == [1] * 4
+
+
+def with_no_token_words(rows: list[dict], every: int) -> list[dict]:
+    """A copy of ``rows`` in which every ``every``-th sentence gains a no-sub-token word (tagged O) after its first word."""
+    noisy = []
+    for index, row in enumerate(rows):
+        if index % every == 0:
+            word = NO_TOKEN_WORDS[index // every % len(NO_TOKEN_WORDS)]
+            row = {"tokens": [row["tokens"][0], word, *row["tokens"][1:]], "tags": [row["tags"][0], "O", *row["tags"][1:]]}
+        noisy.append(row)
+    return noisy
 
 
 @pytest.mark.parametrize(
@@ -335,7 +380,7 @@ def test_predict_writes_one_tag_per_word_in_input_order_and_null_for_cut_words(n
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["id"] for row in written] == ["007", "1.50", "x", "y"]  # the input's fields as read, in its order
     assert [row["tokens"] for row in written] == [row["tokens"] for row in rows]
-    assert written[0]["tags"] == ["B-PER", "O", "B-LOC"] and written[0]["words_cut"] == 0
+    assert written[0]["tags"] == ["B-PER", "O", "B-LOC"] and written[0]["words_cut"] == written[0]["words_no_token"] == 0
     # 12 sub-tokens: [CLS] + 10 + [SEP] -> "london" is 2, so 9 words keep a sub-token; the rest are null
     assert written[1]["words_cut"] == 3 and written[1]["tags"][9:] == [None, None, None]
     assert None not in written[1]["tags"][:9] and len(written[1]["tags"]) == 12
@@ -379,6 +424,30 @@ def test_lora_trains_the_adapters_and_the_head_and_eval_reproduces_its_test_scor
         )
     )
     assert evaluated["test/f1"] == metrics["test/f1"] and evaluated["test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-6)
+
+
+def test_words_without_a_sub_token_change_no_score_and_no_other_words_tag(ner_ckpt, make_ner_cfg, tmp_path):
+    """The acceptance case: 200 sentences, 10 % of them with an inserted zero-width/soft-hyphen/... word tagged O, score the
+    clean file's entity F1; predict tags every other word as on the clean file and the inserted ones null."""
+    from {{ cookiecutter.package_name }}.eval import evaluate
+    from {{ cookiecutter.package_name }}.predict import predict
+
+    clean = ner_rows(200, seed=5)
+    noisy = with_no_token_words(clean, every=10)
+    files = {name: write_conll(tmp_path / f"{name}.conll", rows) for name, rows in (("clean", clean), ("noisy", noisy))}
+    scores, tagged = {}, {}
+    for name, path in files.items():
+        run = [f"ckpt_path={ner_ckpt[0]}", f"data.splits.test={path}"]
+        scores[name] = evaluate(make_ner_cfg(*run, f"paths.output_dir={tmp_path / name}", config_name="eval"))
+        out = predict(make_ner_cfg(*run, f"input={path}", f"output={tmp_path / name}.jsonl", config_name="predict"))
+        tagged[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert scores["noisy"]["test/f1"] == scores["clean"]["test/f1"] and scores["noisy"]["test/words_no_token"] == 20
+    assert scores["noisy"]["test/words_cut"] == scores["clean"]["test/words_cut"] == 0
+    for index, (plain, extra) in enumerate(zip(tagged["clean"], tagged["noisy"], strict=True)):
+        if index % 10:
+            assert extra["tags"] == plain["tags"] and extra["words_no_token"] == 0
+        else:
+            assert extra["tags"] == [plain["tags"][0], None, *plain["tags"][1:]] and extra["words_no_token"] == 1
 
 
 def test_a_checkpoint_is_scored_by_its_stored_tag_scheme(ner_ckpt, make_ner_cfg, tmp_path):

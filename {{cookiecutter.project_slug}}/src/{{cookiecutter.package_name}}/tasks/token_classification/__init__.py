@@ -16,7 +16,7 @@ from ...core.task import to_device
 from ..classification import SequenceClassification
 from .spans import SCHEMES
 
-ADDED = ("tags", "words_cut")  # the fields predict adds to each input row
+ADDED = ("tags", "words_cut", "words_no_token")  # the fields predict adds to each input row
 
 
 class TokenClassification(SequenceClassification):
@@ -66,7 +66,8 @@ class TokenClassification(SequenceClassification):
         return module.model, []
 
     def write_predictions(self, module, datamodule, outputs: list, path: Path) -> int:
-        """A jsonl file: each input row's fields, ``tags`` (one per word, ``null`` if ``data.max_length`` cut it off) and ``words_cut``."""
+        """A jsonl file: each input row's fields, ``tags`` (one per word; ``null`` for a word ``data.max_length`` cut off or
+        one without a sub-token), ``words_cut`` and ``words_no_token`` (how many of each)."""
         names = module.inputs.id2label
         rows = datamodule.predict_rows
         taken = [field for field in ADDED if field in rows.column_names]
@@ -74,24 +75,24 @@ class TokenClassification(SequenceClassification):
             raise DataError(
                 f"input has field(s) {taken} that predict writes; fix: rename them in the input (its fields are copied as they are)"
             )
-        tagged = [row for batch in outputs for row in batch]  # tag ids per row, in input order
-        words_column = datamodule.tokens_column
+        tagged = [row for batch in outputs for row in batch]  # tag ids (None: untagged) per word, per row, in input order
+        counts = datamodule.datasets["predict"].select_columns(["words_cut", "words_no_token"])
         with path.open("w", encoding="utf-8") as file:
-            for row, ids in zip(rows, tagged, strict=True):
-                cut = len(row[words_column] or []) - len(ids)
-                tags = [names[i] for i in ids] + [None] * cut
+            for row, ids, count in zip(rows, tagged, counts, strict=True):
+                tags = [None if i is None else names[i] for i in ids]
                 # (default=str: a parquet timestamp or decimal is written as its text, never dropped)
-                file.write(json.dumps({**row, "tags": tags, "words_cut": cut}, ensure_ascii=False, default=str) + "\n")
+                file.write(json.dumps({**row, "tags": tags, **count}, ensure_ascii=False, default=str) + "\n")
         return len(tagged)
 
     def score(self, forward: Callable[[dict], torch.Tensor], loader, device: str, datamodule) -> dict[str, float]:
         """``f1`` (entity level, micro) and ``accuracy`` (token level), as ``eval`` logs them."""
+        from .data import NOT_INPUTS
         from .module import DEFAULT_FACTS, TagMetrics
 
         metrics = TagMetrics("test", datamodule.id2label, {**DEFAULT_FACTS, **(datamodule.task_facts or {})})
         with torch.inference_mode():
             for batch in loader:
-                logits = forward(to_device({k: v for k, v in batch.items() if k not in ADDED and k != "labels"}, device))
+                logits = forward(to_device({k: v for k, v in batch.items() if k not in NOT_INPUTS}, device))
                 metrics.update(logits.float().cpu(), batch)  # (B, T, num_tags)
         values = metrics.compute()
         return {"f1": float(values["test/f1"]), "accuracy": float(values["test/acc"])}

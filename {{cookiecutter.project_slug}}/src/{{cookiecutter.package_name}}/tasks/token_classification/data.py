@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import datasets
+import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorForTokenClassification, PreTrainedTokenizerBase
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 CONLL_SUFFIXES = (".conll", ".conll03", ".conllx", ".iob", ".iob2", ".bio", ".bioes", ".txt")
 TABLE_SUFFIXES = (".jsonl", ".json", ".parquet")
 METRIC_SPLIT = {"validation": "val"}  # the metrics' name of a split
+PER_WORD = ("word_tags", "word_kept")  # a row's per-word lists (WordTagsCollator pads them)
+NOT_INPUTS = ("labels", *PER_WORD, "words_cut", "words_no_token")  # batch keys the model does not read
 WHERE = "__where__"  # the column of each row's place in its file while it is checked (a line or row number)
 
 
@@ -113,18 +116,51 @@ def class_names(tags: list[int], names: list[str], column: str) -> dict[str, lis
 
 def align_tags(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, max_length: int, tags: bool) -> dict[str, list]:
     """Tokenise pre-split words; each word's tag id on its first sub-token (0 without ``tags``: predict), -100 elsewhere.
-    Adds ``input_ids``/``attention_mask`` (``token_type_ids``), ``labels`` and ``words_cut`` (words ``max_length`` cut off)."""
+
+    Adds ``input_ids``/``attention_mask`` (``token_type_ids``) and ``labels`` (per sub-token); ``word_tags`` (every word's
+    tag id, 0 without ``tags``) and ``word_kept`` (1: the word has a first sub-token in the input) per word; ``words_cut``
+    (words ``max_length`` cut off) and ``words_no_token`` (words the tokenizer makes nothing of, e.g. a zero-width space or
+    a soft hyphen) per row.  A word without a sub-token keeps its place: the next word's tag stays the next word's."""
     encoded = tokenizer(batch["tokens"], is_split_into_words=True, truncation=True, max_length=max_length)
-    labels, cut = [], []
+    labels, kept_rows, missing = [], [], []
     for row, words in enumerate(batch["tokens"]):
-        row_labels, seen = [], set()
+        row_labels, kept = [], [0] * len(words)
         for word in encoded.word_ids(row):
-            first = word is not None and word not in seen
+            first = word is not None and not kept[word]
             row_labels.append((batch["tag_ids"][row][word] if tags else 0) if first else IGNORE_INDEX)
-            seen.add(word)
+            if word is not None:
+                kept[word] = 1
         labels.append(row_labels)
-        cut.append(len(words) - len(seen - {None}))
-    return {**encoded, "labels": labels, "words_cut": cut}
+        kept_rows.append(kept)
+        missing += [(row, words[index]) for index, seen in enumerate(kept) if not seen]
+    # A missing word was cut off, or has no sub-token at all: tokenised alone, one at a time, it tells which.
+    alone = tokenizer([[word] for _, word in missing], is_split_into_words=True, add_special_tokens=False) if missing else None
+    no_token = [0] * len(batch["tokens"])
+    for index, (row, _) in enumerate(missing):
+        no_token[row] += not alone["input_ids"][index]
+    cut = [kept.count(0) - empty for kept, empty in zip(kept_rows, no_token)]
+    word_tags = batch["tag_ids"] if tags else [[0] * len(words) for words in batch["tokens"]]
+    return {**encoded, "labels": labels, "word_tags": word_tags, "word_kept": kept_rows, "words_cut": cut, "words_no_token": no_token}
+
+
+class WordTagsCollator:
+    """Pads each micro-batch: the model's inputs and ``labels`` ``(B, T)`` (labels with -100) by
+    ``DataCollatorForTokenClassification``, the per-word ``word_tags`` (with -100) and ``word_kept`` (with 0) to ``(B, W)``,
+    ``W`` the most words of a row; ``words_cut``, ``words_no_token`` ``(B,)``."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, pad_to_multiple_of: int | None) -> None:
+        # Lengths a multiple of 8 for tensor cores.
+        self.tokens = DataCollatorForTokenClassification(tokenizer, pad_to_multiple_of=pad_to_multiple_of, label_pad_token_id=IGNORE_INDEX)
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        width = max((len(feature["word_tags"]) for feature in features), default=0)
+        word_tags = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
+        word_kept = torch.zeros((len(features), width), dtype=torch.long)
+        for row, feature in enumerate(features):
+            word_tags[row, : len(feature["word_tags"])] = torch.tensor(feature["word_tags"], dtype=torch.long)
+            word_kept[row, : len(feature["word_kept"])] = torch.tensor(feature["word_kept"], dtype=torch.long)
+        batch = self.tokens([{k: v for k, v in feature.items() if k not in PER_WORD} for feature in features])
+        return {**batch, "word_tags": word_tags, "word_kept": word_kept}
 
 
 class TokenTagsDataModule(TokenizedDataModule):
@@ -163,7 +199,7 @@ class TokenTagsDataModule(TokenizedDataModule):
         self.label2id = label2id
         self.predict_file = predict_file
         self.trained_facts = trained_facts
-        self.words_cut: dict[str, int] = {}  # per split: words max_length cut off (untagged, unscored)
+        self.words_cut: dict[str, int] = {}  # per split: words max_length cut off (untagged; scored as O)
         self.predict_rows: datasets.Dataset | None = None  # the predict file's rows, their fields as read
 
     @property
@@ -364,20 +400,34 @@ class TokenTagsDataModule(TokenizedDataModule):
             remove_columns=dataset.column_names,
             desc=f"Tokenizing {split}",
         )
-        cut = sum(tokenized["words_cut"])
-        self.words_cut[split] = cut
+        self.words_cut[split] = cut = sum(tokenized["words_cut"])
+        outcome = "null in the predictions" if split == "predict" else "scored as O: an entity there is a miss"
         if cut:
-            rows = sum(1 for n in tokenized["words_cut"] if n)
-            outcome = "null in the predictions" if split == "predict" else f"not scored, {METRIC_SPLIT.get(split, split)}/words_cut"
             log.warning(
-                "%s: data.max_length=%d cut %d word(s) off %d of %d row(s): they get no tag (%s); fix: a larger "
+                "%s: data.max_length=%d cut %d word(s) off %d of %d row(s): they get no tag (%s, %s/words_cut); fix: a larger "
                 "data.max_length, or shorter sentences",
                 split_field(split),
                 self.max_length,
                 cut,
-                rows,
+                sum(1 for n in tokenized["words_cut"] if n),
                 len(tokenized),
                 outcome,
+                METRIC_SPLIT.get(split, split),
+            )
+        rows = [index for index, n in enumerate(tokenized["words_no_token"]) if n]
+        if rows:
+            unkept = [word for word, kept in zip(dataset[rows[0]]["tokens"], tokenized[rows[0]]["word_kept"]) if not kept]
+            example = next(w for w in unkept if not self.tokenizer([w], is_split_into_words=True, add_special_tokens=False)["input_ids"])
+            log.warning(
+                "%s: %d word(s) in %d row(s) have no sub-token under this tokenizer (the first, in sentence %d: %s): they get no tag "
+                "(%s, %s/words_no_token); the other words keep theirs. Fix, if they are not meant as words: remove them",
+                split_field(split),
+                sum(tokenized["words_no_token"]),
+                len(rows),
+                rows[0] + 1,
+                ascii(example),
+                outcome,
+                METRIC_SPLIT.get(split, split),
             )
         return tokenized
 
@@ -395,11 +445,8 @@ class TokenTagsDataModule(TokenizedDataModule):
     def groups_by_length(self) -> bool:
         return self.group_by_length
 
-    def collator(self) -> DataCollatorForTokenClassification:
-        # Labels padded with -100 (skipped by loss and metrics); lengths a multiple of 8 for tensor cores.
-        return DataCollatorForTokenClassification(
-            self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of, label_pad_token_id=IGNORE_INDEX
-        )
+    def collator(self) -> WordTagsCollator:
+        return WordTagsCollator(self.tokenizer, self.pad_to_multiple_of)
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("predict")

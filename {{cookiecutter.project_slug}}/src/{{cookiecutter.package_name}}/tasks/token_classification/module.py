@@ -10,7 +10,8 @@ from transformers import AutoModelForTokenClassification
 
 from ...core.data.tokenization import IGNORE_INDEX
 from ..classification.module import SequenceClassificationModule
-from .spans import EntityScores
+from .data import NOT_INPUTS
+from .spans import EntityScores, per_word
 
 # What the data module tells the module of its tags when none was stored (core/models/inputs.ModelInputs.task_facts).
 DEFAULT_FACTS = {"scheme": "IOB2", "strict": False}
@@ -18,7 +19,7 @@ DEFAULT_FACTS = {"scheme": "IOB2", "strict": False}
 
 class TagMetrics:
     """One split's metrics: ``{split}/acc`` (token accuracy over the labelled positions), ``/words_cut`` (words ``max_length``
-    cut off: unscored) and, with ``entities``, ``/precision``, ``/recall``, ``/f1`` (micro), ``/f1_<type>``, ``/invalid_tags``
+    cut off) and ``/words_no_token`` (words with no sub-token): both scored as ``O``, and, with ``entities``, ``/precision``, ``/recall``, ``/f1`` (micro), ``/f1_<type>``, ``/invalid_tags``
     (:class:`.spans.EntityScores`: tags read on the host, so not in training).  ``module``: where the metrics are registered."""
 
     def __init__(
@@ -28,6 +29,7 @@ class TagMetrics:
         self.metrics = {
             "accuracy": MulticlassAccuracy(num_classes=len(id2label), average="micro", ignore_index=IGNORE_INDEX),
             "words_cut": SumMetric(),
+            "words_no_token": SumMetric(),
             **({"entities": EntityScores(id2label, facts["scheme"], bool(facts["strict"]))} if entities else {}),
         }
         for name, metric in self.metrics.items():
@@ -38,12 +40,13 @@ class TagMetrics:
         predicted = logits.argmax(dim=-1)  # (B, T)
         self.metrics["accuracy"].update(predicted, batch["labels"])
         if "entities" in self.metrics:
-            self.metrics["entities"].update(predicted, batch["labels"])
-        if "words_cut" in batch:
-            self.metrics["words_cut"].update(batch["words_cut"].sum())
+            self.metrics["entities"].update(predicted, batch["labels"], batch["word_tags"], batch["word_kept"])
+        for count in ("words_cut", "words_no_token"):
+            self.metrics[count].update(batch[count].sum())
 
     def compute(self) -> dict[str, torch.Tensor]:
-        values = {"acc": self.metrics["accuracy"].compute(), "words_cut": self.metrics["words_cut"].compute()}
+        values = {name: self.metrics[name].compute() for name in ("words_cut", "words_no_token")}
+        values["acc"] = self.metrics["accuracy"].compute()
         if "entities" in self.metrics:
             values.update(self.metrics["entities"].compute())
         return {f"{self.split}/{name}": value for name, value in values.items()}
@@ -66,7 +69,7 @@ class TokenClassificationModule(SequenceClassificationModule):
     with another head (peft ``TOKEN_CLS``), loss and metrics.
 
     Batches: ``input_ids``/``attention_mask``/``token_type_ids`` ``(B, T)``, ``labels`` ``(B, T)`` (a tag id on each word's first
-    sub-token, -100 elsewhere), ``words_cut`` ``(B,)``; ``forward`` returns logits ``(B, T, num_tags)``.  The loss is summed over
+    sub-token, -100 elsewhere), ``word_tags``/``word_kept`` ``(B, W)``, ``words_cut``/``words_no_token`` ``(B,)`` (:class:`.data.WordTagsCollator`); ``forward`` returns logits ``(B, T, num_tags)``.  The loss is summed over
     the labelled positions, normalised per word.  The metrics parse tags by the data's ``scheme``/``strict`` (checkpointed).
     """
 
@@ -94,7 +97,7 @@ class TokenClassificationModule(SequenceClassificationModule):
             self.train_metrics, self.val_metrics, self.test_metrics = (self.metrics(split) for split in ("train", "val", "test"))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k not in ("labels", "words_cut")}
+        inputs = {k: v for k, v in batch.items() if k not in NOT_INPUTS}
         return self.model(**inputs).logits  # (B, T, num_tags)
 
     @staticmethod
@@ -137,7 +140,7 @@ class TokenClassificationModule(SequenceClassificationModule):
         self.log_dict(self.test_metrics.compute())
         self.test_metrics.reset()
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[list[int]]:
-        """Each row's tag ids, one per word that kept a sub-token (the positions of label 0)."""
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> list[list[int | None]]:
+        """Each row's tag id per word, ``None`` for a word without a sub-token in the input (:func:`.spans.per_word`)."""
         predicted = self(batch).argmax(dim=-1)  # (B, T)
-        return [row[mask].tolist() for row, mask in zip(predicted, batch["labels"] != IGNORE_INDEX)]
+        return per_word(predicted, batch["labels"], batch["word_tags"], batch["word_kept"])

@@ -64,10 +64,24 @@ def entity_spans(tags: list[str], scheme: str, strict: bool) -> tuple[set[tuple[
     return spans, invalid
 
 
+def per_word(predicted: torch.Tensor, labels: torch.Tensor, word_tags: torch.Tensor, word_kept: torch.Tensor) -> list[list]:
+    """Each row's predicted tag id per word, ``None`` for a word without a sub-token in the input (cut off or none at all).
+
+    Args: ``predicted``, ``labels`` ``(B, T)`` (a word's tag on its first sub-token, -100 elsewhere); ``word_tags``,
+    ``word_kept`` ``(B, W)`` (-100 past a row's words; 1 for a word with a first sub-token): the labelled positions are the
+    kept words, in order."""
+    rows = []
+    for row_predicted, row_labels, tags, kept in zip(predicted.tolist(), labels.tolist(), word_tags.tolist(), word_kept.tolist()):
+        guesses = iter(p for p, label in zip(row_predicted, row_labels) if label != -100)
+        rows.append([next(guesses) if keep else None for tag, keep in zip(tags, kept) if tag != -100])
+    return rows
+
+
 class EntityScores(Metric):
     """Entity-level true positives, predicted and gold entities per type (summed over batches and processes), and the
-    predicted tags that continue no entity. ``update(predicted, labels)``: tag ids ``(B, T)``; label -100 positions
-    (specials, later sub-tokens, padding) are skipped, leaving each row's words in order."""
+    predicted tags that continue no entity.  ``update(predicted, labels, word_tags, word_kept)`` (see :func:`per_word`):
+    scored against every word's gold tag, so an entity in words the model did not see (cut off by ``data.max_length``, or
+    without a sub-token) is a miss, as conlleval/seqeval count it on the same gold file; such words are predicted ``O``."""
 
     full_state_update = False
 
@@ -80,12 +94,11 @@ class EntityScores(Metric):
             self.add_state(state, default=torch.zeros(len(self.types), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("invalid", default=torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
 
-    def update(self, predicted: torch.Tensor, labels: torch.Tensor) -> None:
+    def update(self, predicted: torch.Tensor, labels: torch.Tensor, word_tags: torch.Tensor, word_kept: torch.Tensor) -> None:
         index = {kind: i for i, kind in enumerate(self.types)}
-        for row_predicted, row_labels in zip(predicted.tolist(), labels.tolist()):
-            words = [(p, g) for p, g in zip(row_predicted, row_labels) if g != -100]
-            guess, invalid = entity_spans([self.names[p] for p, _ in words], self.scheme, self.strict)
-            truth, _ = entity_spans([self.names[g] for _, g in words], self.scheme, self.strict)
+        for guesses, tags in zip(per_word(predicted, labels, word_tags, word_kept), word_tags.tolist()):
+            guess, invalid = entity_spans(["O" if p is None else self.names[p] for p in guesses], self.scheme, self.strict)
+            truth, _ = entity_spans([self.names[g] for g in tags if g != -100], self.scheme, self.strict)
             self.invalid += invalid
             for spans, state in ((guess, self.predicted), (truth, self.gold), (guess & truth, self.true_positives)):
                 for kind, _, _ in spans:
