@@ -602,7 +602,7 @@ def test_inspect_data_marks_exactly_the_assistant_turns(chat_tokenizer_dir, chat
     dropped, out = run_inspect_data([*overrides, "data.max_length=128", "rows=1", "first_row=48", "color=never"])
     assert dropped == []
     assert f"[[to a fool{END}]]\n{START}user\nand the queen{END}\n{START}assistant\n[[love night{END}]]\n" in out
-    assert "every one of the 52 rows has a trained token" in out
+    assert "every one of the 52 rows is kept" in out
 
 
 def test_inspect_data_names_a_row_truncated_away(chat_tokenizer_dir, chat_data, chat_pretrained, tmp_path):
@@ -611,7 +611,7 @@ def test_inspect_data_names_a_row_truncated_away(chat_tokenizer_dir, chat_data, 
     overrides = chat_overrides(chat_tokenizer_dir, data, chat_pretrained, tmp_path / "inspect")
     dropped, out = run_inspect_data([*overrides, "rows=1", "color=never"])
     assert dropped == [3]
-    assert "1 of 4 rows have no trained token" in out and "rows [3]" in out
+    assert "1 of 4 rows would be dropped by train, eval and test: rows [3], with no trained token" in out
 
 
 # ------------------------------------------------------------------ several training files, mixed

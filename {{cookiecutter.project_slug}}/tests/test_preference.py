@@ -191,6 +191,25 @@ def test_a_pair_whose_prompt_fills_max_length_is_dropped_and_counted(tokenizer, 
     assert "dropped 1 of 7 rows" in caplog.text
 
 
+def test_a_pair_tied_by_truncation_is_dropped_and_counted_in_train_eval_and_inspect_data(tokenizer, tmp_path, caplog):
+    """Answers that differ only past data.max_length are one sequence once truncated: the pair always ties.  A pair refused
+    as written (chosen == rejected) stays refused; one tied by the setting is dropped, by row, wherever the split is read."""
+    tied = {"prompt": "the film was", "chosen": "good fine " * 10 + "good", "rejected": "good fine " * 10 + "awful"}
+    rows = pair_rows(6, seed=1) + [tied]
+    files = {"train": write_jsonl(tmp_path / "t.jsonl", rows), "validation": write_jsonl(tmp_path / "v.jsonl", [tied, *rows[:3]])}
+    files["test"] = files["validation"]
+    out = tokenize(tokenizer, [tied], max_length=40)
+    assert out["tied"] == [True] and out["n_trained"][0] > 0  # both sides still train tokens: not dropped as untrained
+    assert tokenize(tokenizer, [tied], max_length=512)["tied"] == [False]
+    datamodule = make_datamodule(tokenizer, files, max_length=40)
+    datamodule.setup("fit")
+    datamodule.setup("test")
+    assert datamodule.dropped == {"train": [6], "validation": [0], "test": [0]} and len(datamodule.datasets["train"]) == 6
+    assert "dropped 1 of 7 rows whose chosen and rejected sides are the same once truncated to data.max_length=40" in caplog.text
+    rows_read = datamodule.split_rows("train")
+    assert [rows_read[i]["row"] for at in datamodule.drops(rows_read).values() for i in at] == [6]
+
+
 def test_batches_hold_whole_pairs_chosen_first(tokenizer, tmp_path):
     rows = pair_rows(10, seed=2)
     datamodule = make_datamodule(

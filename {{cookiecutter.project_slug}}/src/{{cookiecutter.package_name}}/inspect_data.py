@@ -7,7 +7,8 @@ Prints ``rows`` rows of ``split`` (from ``first_row``) as ``train`` tokenises th
 (or between ``[[`` and ``]]``; ``color=always|never``), with token counts; a preference pair shows each side.
 Then names the rows ``train`` would drop (no trained token left after truncation). (``inspect`` is stdlib's.)
 
-Exit codes: 0 every row has a trained token; 2 some rows would be dropped; 1 bad config or data."""
+Exit codes: 0 every row is kept; 2 some rows would be dropped (no trained token; a preference pair tied by truncation);
+1 bad config or data."""
 
 from __future__ import annotations
 
@@ -90,15 +91,15 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
             if prefix:
                 console.print(f"{prefix.rstrip('_')}: {row[prefix + 'n_trained']} trained", style="bold" if color else "")
             console.print(marked_text(datamodule.tokenizer, row[prefix + "input_ids"], row[prefix + "labels"], color))
-    dropped = [row for row, trained in zip(rows["row"], rows["n_trained"]) if trained == 0]
-    if dropped:
-        console.print(
-            f"\n{len(dropped)} of {len(rows)} rows have no trained token within data.max_length={datamodule.max_length} "
-            f"and would be dropped by train: rows {dropped[:50]}{' ...' if len(dropped) > 50 else ''}; fix: a larger "
-            "data.max_length, or data.truncation=left"
-        )
-    else:
-        console.print(f"\nevery one of the {len(rows)} rows has a trained token")
+    dropped = []
+    for reason, at in datamodule.drops(rows).items():
+        numbers = [rows[index]["row"] for index in at]
+        if numbers:
+            shown = f"{numbers[:50]}{' ...' if len(numbers) > 50 else ''}"
+            console.print(f"\n{len(numbers)} of {len(rows)} rows would be dropped by train, eval and test: rows {shown}, {reason}")
+        dropped += numbers
+    if not dropped:
+        console.print(f"\nevery one of the {len(rows)} rows is kept: it has a trained token")
     return dropped
 
 

@@ -57,6 +57,6 @@ def test_inspect_data_exits_2_naming_a_row_whose_answer_is_truncated_away(lm_tok
                  f"hydra.run.dir={tmp_path}/run", f"paths.cache_dir={tmp_path}/cache"]  # fmt: skip
     result = run_module("inspect_data", overrides)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "1 of 2 rows have no trained token" in result.stdout and "rows [1]" in result.stdout
+    assert "1 of 2 rows would be dropped by train, eval and test: rows [1], with no trained token" in result.stdout
     assert "[[speaks<|endoftext|>]]" in result.stdout  # the plain template: the answer and EOS trained
 {%- endif %}

@@ -653,17 +653,11 @@ class ChatDataModule(TokenizedDataModule):
         """Drop (and count) rows with no trained token, pack for ``mode=pack_rows``."""
         self.split_sizes[split] = len(tokenized)
         trained = tokenized["n_trained"]
-        self.dropped[split] = [row for row, n in zip(tokenized["row"], trained) if n == 0]
-        if self.dropped[split]:
-            log.warning(
-                "data.splits.%s: dropped %d of %d rows with no trained token left after truncation to data.max_length=%d "
-                "(rows %s); fix: a larger data.max_length or data.truncation=left (see inspect_data)",
-                split,
-                len(self.dropped[split]),
-                len(tokenized),
-                self.max_length,
-                self.dropped[split][:10],
-            )
+        drops = {reason: at for reason, at in self.drops(tokenized).items() if at}
+        self.dropped[split] = sorted(tokenized[index]["row"] for at in drops.values() for index in at)
+        for reason, at in drops.items():
+            rows = [tokenized[index]["row"] for index in at[:10]]
+            log.warning("data.splits.%s: dropped %d of %d rows %s (rows %s)", split, len(at), len(tokenized), reason, rows)
         answerless = [row for row, n, content in zip(tokenized["row"], trained, tokenized["n_content"]) if n and not content]
         if answerless:
             log.warning(
@@ -673,10 +667,12 @@ class ChatDataModule(TokenizedDataModule):
                 len(answerless),
                 answerless[:10],
             )
-        kept = tokenized.filter(lambda n: n > 0, input_columns="n_trained", desc=f"Dropping untrained rows of {split}")
+        gone = {index for at in drops.values() for index in at}
+        kept = tokenized.select([index for index in range(len(tokenized)) if index not in gone]) if gone else tokenized
         if len(kept) == 0:
             raise DataError(
-                f"data.splits.{split}: no row has a trained token within data.max_length={self.max_length}; fix: a larger data.max_length"
+                f"data.splits.{split}: no row is left to train on within data.max_length={self.max_length} (see the warnings "
+                "above); fix: a larger data.max_length"
             )
         truncated = sum(1 for n in kept["truncated"] if n)
         if truncated:
@@ -691,6 +687,15 @@ class ChatDataModule(TokenizedDataModule):
         self.token_counts[split] = self.count_tokens(kept)
         log.info("%s: %d rows -> %d %s, %d tokens", split, len(tokenized), len(kept), self.BATCH_ITEM, self.token_counts[split])
         return kept
+
+    def drops(self, rows: datasets.Dataset) -> dict[str, list[int]]:
+        """The rows of a tokenised split that train, eval and ``inspect_data`` drop, by reason: ``{reason and fix: [index in
+        rows, ...]}``.  Here: rows with no trained token left after truncation."""
+        reason = (
+            f"with no trained token left after truncation to data.max_length={self.max_length}; fix: a larger data.max_length "
+            "or data.truncation=left (see inspect_data)"
+        )
+        return {reason: [index for index, n in enumerate(rows["n_trained"]) if n == 0]}
 
     def kept_columns(self) -> list[str]:
         """The tokenised columns a batch is made of."""

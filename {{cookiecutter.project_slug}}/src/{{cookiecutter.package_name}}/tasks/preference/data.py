@@ -4,7 +4,8 @@ Rows: ``prompt``, ``chosen``, ``rejected``, each text (a user turn / an assistan
 ``chosen``/``rejected`` may hold the whole conversation without ``prompt`` (the "implicit prompt" format).  Each side,
 ``prompt + side``, is labelled as chat SFT with ``train_on=last_assistant`` (:func:`..causal_lm.chat.label_conversation`).
 Refused, naming the row: a missing column, an empty side, ``chosen == rejected``, different prompts, a malformed turn.
-Dropped and counted: a pair with a side left with no scored token; sides keep their first ``max_length`` tokens.
+Dropped and counted, by row: a pair with a side left with no scored token, and one whose sides are the same once truncated
+(the answers differ only past ``max_length``: it always ties and trains nothing); sides keep their first ``max_length`` tokens.
 Batches hold whole pairs: ``input_ids``, ``labels``, ``attention_mask``, ``token_mask`` ``(2P, T)``, chosen sides first, and
 ``pair`` ``(P,)`` (index in the split) and ``pair_fingerprint`` ``(P,)`` (:func:`pair_fingerprint`), for :mod:`.reference_logps`.
 """
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SIDES = ("chosen", "rejected")
 # The labelling rule, in the tokenised cache's key (as chat.LABEL_RULE).
-PAIR_RULE = "pairs-last-assistant-1"
+PAIR_RULE = "pairs-last-assistant-2"
 
 
 def side_messages(value: object, where: str, column: str) -> list[dict]:
@@ -114,7 +115,8 @@ def tokenize_pairs(
     """Render, tokenise and label a batch of pairs (a ``datasets`` map; ``rule``: :data:`PAIR_RULE`, for the cache key).
 
     Returns per pair each side's ``input_ids``, ``labels``, ``n_trained`` (``chosen_``/``rejected_``), and for the pair, as chat
-    rows report them, ``length``, ``n_trained``, ``n_content``, ``truncated`` (each its worse side's) and ``row``.
+    rows report them, ``length``, ``n_trained``, ``n_content``, ``truncated`` (each its worse side's), ``row``, and ``tied``
+    (both sides the same tokens once truncated: the answers differ only past ``max_length``).
 
     Raises:
         DataError: see :func:`pair_conversations`; a turn spelling a special token.
@@ -122,7 +124,7 @@ def tokenize_pairs(
     """
     columns = list(batch)
     out = {f"{side}_{key}": [] for side in SIDES for key in ("input_ids", "labels", "n_trained")}
-    out.update({"length": [], "n_trained": [], "n_content": [], "truncated": [], "row": []})
+    out.update({"length": [], "n_trained": [], "n_content": [], "truncated": [], "row": [], "tied": []})
     use_markers = bool(GENERATION_MARKER.search(template))
     specials = special_token_texts(tokenizer)
     for offset, index in enumerate(indices):
@@ -153,6 +155,7 @@ def tokenize_pairs(
         out["n_content"].append(min(content))
         out["truncated"].append(max(cut))
         out["row"].append(index)
+        out["tied"].append(all(out[f"chosen_{key}"][-1] == out[f"rejected_{key}"][-1] for key in ("input_ids", "labels")))
     return out
 
 
@@ -234,6 +237,16 @@ class PreferenceDataModule(ChatDataModule):
             remove_columns=dataset.column_names,
             desc=f"Rendering {split} pairs",
         )
+
+    def drops(self, rows: datasets.Dataset) -> dict[str, list[int]]:
+        """Chat data's, and pairs whose sides are the same once truncated to ``max_length`` (``tied``)."""
+        reason = (
+            f"whose chosen and rejected sides are the same once truncated to data.max_length={self.max_length} (the answers "
+            "differ only past it: the pair always ties and trains nothing); fix: a larger data.max_length"
+        )
+        untrained = super().drops(rows)
+        gone = {index for at in untrained.values() for index in at}
+        return {**untrained, reason: [index for index, tied in enumerate(rows["tied"]) if tied and index not in gone]}
 
     def kept_columns(self) -> list[str]:
         return [f"{side}_{key}" for side in SIDES for key in ("input_ids", "labels")] + ["length"]
