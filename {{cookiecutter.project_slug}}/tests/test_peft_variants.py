@@ -216,6 +216,17 @@ def test_a_base_rewriting_init_reloads_in_a_fresh_process_with_another_seed_to_t
     assert scored["test/ppl"] != pytest.approx(metrics["val/ppl_start"], rel=1e-3)  # (the adapters trained: not the start)
 
 
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_a_base_rewriting_fit_with_a_test_split_tests_its_best_checkpoint(init, make_lm_cfg, pretrained_lm_dir, lm_text, tmp_path):
+    """The fit's own test of its best checkpoint loads it into the model the fit initialised (its base already the residual):
+    it exited 1 with no metrics.json.  Best = last here (one validation), so test/ppl is val/ppl on the same rows."""
+    common = (f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.r=4", f"peft.init_lora_weights={init}")
+    common += ("trainer.max_steps=2", "trainer.val_check_interval=2", "callbacks.sample_generation=null", "optimizer.lr=1e-2")
+    metrics = train(make_lm_cfg(*common, f"data.splits.test={lm_text['validation']}"))
+    assert metrics["best_checkpoint"] and metrics["test/ppl"] == pytest.approx(metrics["val/ppl"], rel=1e-5)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["test/ppl"] == metrics["test/ppl"]
+
+
 def test_a_pissa_run_resumed_continues_bit_identically(make_lm_cfg, pretrained_lm_dir, tmp_path):
     common = (f"model.name_or_path={pretrained_lm_dir}", "model.config=null", "peft=lora", "peft.r=4", "peft.init_lora_weights=pissa")
     common += ("lr_schedule=constant", "trainer.val_check_interval=2", "callbacks.sample_generation=null", "optimizer.lr=1e-2")

@@ -39,6 +39,22 @@ def test_fast_dev_run_writes_metrics(make_cfg, tmp_path):
     assert written["rows"] == {"train": 96, "validation": 32, "test": 40}
 
 
+def test_a_step_after_the_fit_that_fails_keeps_what_the_fit_measured(make_cfg, tmp_path, monkeypatch):
+    import lightning as L
+
+    def broken_test(*args, **kwargs):
+        raise RuntimeError("the test loader broke")
+
+    monkeypatch.setattr(L.Trainer, "test", broken_test)
+    with pytest.raises(RuntimeError, match="the test loader broke"):
+        train(make_cfg("debug=fdr"))
+    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert written["after_fit_error"].startswith("the test of ") and written["after_fit_error"].endswith(
+        "RuntimeError: the test loader broke"
+    )
+    assert math.isfinite(written["val/loss"]) and "val/acc" in written and "test/acc" not in written
+
+
 @pytest.fixture(scope="module")
 def trained_run(tokenizer_dir, toy_data, tmp_path_factory):
     """Eight epochs on the toy data (accumulating 2 micro-batches of 8); returns (run_dir, metrics)."""

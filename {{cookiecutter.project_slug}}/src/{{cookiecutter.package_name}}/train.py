@@ -13,6 +13,7 @@ Exit codes: 0 done; 1 bad config or data (the message names the field and the fi
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -128,23 +129,34 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 raise RunStopped(text, EXIT_OUT_OF_MEMORY) from error
             # *_start, the last step's train/* metrics, train/* of the epoch, val/* of the last validation
             metrics = {**module.start_metrics, **module.final_step_metrics(), **scalar_metrics(trainer.callback_metrics)}
-            if cfg.task.validate_before_fit and module.validated_at_step != trainer.global_step:
-                # Stopped between validations (or a resume never validated): val/* must be the final weights'.
-                trainer.validate(module, datamodule=datamodule, verbose=False)
-                metrics.update(scalar_metrics(trainer.callback_metrics))
-            flush_checkpoints(trainer)  # the fit's background writes are on disk before they are read
-            final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
-            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-            pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
-            if pruning is not None and best and final is not None:  # the pruned model, not an early best
-                best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
-            tests = cfg.test_after_fit and datamodule.has_test
-            tested_last = why_no_best(trainer) if tests and not best else None
-            if tests:
-                trainer.test(module, datamodule=datamodule, ckpt_path=best or None, verbose=False)
-                metrics.update(scalar_metrics(trainer.callback_metrics))
-                if main_process:  # e.g. the tested (best) weights' answers
-                    metrics.update(task.after_test(module, datamodule, trainer, run_dir / "predictions.jsonl", "test", "test/exact_match"))
+            step = "the final validation"  # what runs after the fit, for the message if it fails
+            try:
+                if cfg.task.validate_before_fit and module.validated_at_step != trainer.global_step:
+                    # Stopped between validations (or a resume never validated): val/* must be the final weights'.
+                    trainer.validate(module, datamodule=datamodule, verbose=False)
+                    metrics.update(scalar_metrics(trainer.callback_metrics))
+                step = "writing the checkpoints"
+                flush_checkpoints(trainer)  # the fit's background writes are on disk before they are read
+                final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
+                best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+                pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
+                if pruning is not None and best and final is not None:  # the pruned model, not an early best
+                    best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)
+                tests = cfg.test_after_fit and datamodule.has_test
+                tested_last = why_no_best(trainer) if tests and not best else None
+                if tests:
+                    step = f"the test of {best or 'the last weights'}"
+                    trainer.test(module, datamodule=datamodule, ckpt_path=best or None, verbose=False)
+                    metrics.update(scalar_metrics(trainer.callback_metrics))
+                    if main_process:  # e.g. the tested (best) weights' answers
+                        step = "the test's answers"
+                        metrics.update(
+                            task.after_test(module, datamodule, trainer, run_dir / "predictions.jsonl", "test", "test/exact_match")
+                        )
+            except Exception as error:
+                if trainer.is_global_zero:
+                    keep_after_failure(run_dir, metrics, step, error)
+                raise
             metrics.update(
                 best_checkpoint=best or None,
                 rows=datamodule.split_sizes,  # rows (classification) or documents (causal LM) per split
@@ -166,6 +178,18 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
         flush_checkpoints(trainer, raise_error=False)  # (before the run folder's lock is released)
         close_loggers(loggers, failed=failed)
         finish_ranks(trainer)  # DDP: rank 0 ends after the ranks it started (its own exit code, also in a sweep)
+
+
+def keep_after_failure(run_dir: Path, metrics: dict, step: str, error: Exception) -> None:
+    """A finished fit keeps its results when a step after it fails: ``metrics.json`` gets what was measured and
+    ``after_fit_error`` (the step and the error), and the terminal says so; the caller re-raises (its exit code)."""
+    metrics["after_fit_error"] = f"{step}: {type(error).__name__}: {error}"
+    where = run_dir / "metrics.json"
+    try:
+        write_metrics(where, metrics, announce=False)
+    except OSError as write_error:  # (e.g. the disk that is full)
+        where = f"not written ({write_error}): {json.dumps(metrics, default=str)}"
+    print(f"\nThe fit finished, then {step} failed: {type(error).__name__}: {error}\nWhat was measured: {where}", file=sys.stderr)
 
 
 def model_line(cfg: DictConfig) -> str:

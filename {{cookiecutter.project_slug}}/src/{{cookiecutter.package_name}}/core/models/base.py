@@ -417,7 +417,7 @@ class HFModule(L.LightningModule):
         """Restore the module's own state; for PiSSA/OLoRA first the residual base, which the loaded weights then adapt.
 
         Raises:
-            ConfigError: a PiSSA/OLoRA checkpoint without its initial adapter, or adapters initialised again.
+            ConfigError: a PiSSA/OLoRA checkpoint without its initial adapter, or adapters initialised again otherwise.
         """
         initial = checkpoint.get("initial_adapter")
         if rewrites_base(self.hparams.get("peft")) and self.model is not None:
@@ -426,10 +426,14 @@ class HFModule(L.LightningModule):
                     f"the checkpoint was trained with peft.init_lora_weights={self.hparams.peft['init_lora_weights']} but holds "
                     "no initial adapter, without which its residual base weights cannot be rebuilt; fix: retrain with this version"
                 )
-            if self.initial_adapter is not None:  # (built with PiSSA/OLoRA again: its base is not the original)
+            if self.initial_adapter is None:
+                restore_residual(self.model, initial)
+                self.initial_adapter = {name: tensor.cpu() for name, tensor in initial.items()}
+            elif initial.keys() != self.initial_adapter.keys() or not all(
+                torch.equal(self.initial_adapter[name].cpu(), tensor.cpu()) for name, tensor in initial.items()
+            ):  # (built with PiSSA/OLoRA again: its base is not the original)
                 raise ConfigError("internal: a PiSSA/OLoRA model was initialised before its checkpoint loaded (restores_weights unset)")
-            restore_residual(self.model, initial)
-            self.initial_adapter = {name: tensor.cpu() for name, tensor in initial.items()}
+            # else the fit that wrote the checkpoint, in this process (its test of the best checkpoint): the base is its residual
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         self.start_metrics = {str(k): float(v) for k, v in checkpoint.get("start_metrics", {}).items()}
         if not self.knows_its_data:  # (a resumed fit keeps the data's)
