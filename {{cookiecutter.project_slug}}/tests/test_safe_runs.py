@@ -462,7 +462,27 @@ def test_pieces_give_the_ids_of_the_whole_text_for_wordpiece(tokenizer_dir):
 
 
 # --------------------------------------------------------------------------------- disk full
-def test_a_full_disk_during_a_checkpoint_write_stops_with_the_bytes_and_the_resume_command(make_cfg, tmp_path, monkeypatch):
+class FullAfter:
+    """A file whose writes past ``limit`` bytes find the disk full, as a real full disk does to ``torch.save``: its zip writer
+    turns the ``OSError`` into ``RuntimeError: ... unexpected pos`` (the ``OSError`` its context)."""
+
+    def __init__(self, file, limit: int) -> None:
+        self.file, self.limit, self.written = file, limit, 0
+
+    def write(self, data) -> int:
+        import errno
+
+        if self.written + len(data) > self.limit:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.written += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+@pytest.mark.parametrize("serializer", [False, True], ids=["oserror", "torch_save_runtimeerror"])
+def test_a_full_disk_during_a_checkpoint_write_stops_with_the_bytes_and_the_resume_command(make_cfg, tmp_path, monkeypatch, serializer):
     import errno
 
     from {{ cookiecutter.package_name }}.core.checkpoints.io import AtomicCheckpointIO, trained_checkpoint
@@ -473,9 +493,12 @@ def test_a_full_disk_during_a_checkpoint_write_stops_with_the_bytes_and_the_resu
 
     def second_write_finds_the_disk_full(self, checkpoint, file):
         calls.append(checkpoint["global_step"])
-        if len(calls) > 1:
+        if len(calls) == 1:
+            write(self, checkpoint, file)
+        elif serializer:  # (the background thread's real serializer, as in the report: a traceback and exit 1)
+            torch.save(checkpoint, FullAfter(file, limit=4096))
+        else:
             raise OSError(errno.ENOSPC, "No space left on device")
-        write(self, checkpoint, file)
 
     monkeypatch.setattr(AtomicCheckpointIO, "write", second_write_finds_the_disk_full)
     with pytest.raises(RunStopped) as stop:

@@ -40,6 +40,18 @@ def checkpoint_bytes(checkpoint: object) -> int:
     return sum(storages.values())
 
 
+def ran_out_of_space(error: BaseException) -> bool:
+    """Whether a failed write found no room: an ENOSPC/EDQUOT ``OSError`` in ``error`` or its chain (torch's zip writer reports
+    one as ``RuntimeError: [enforce fail ...] unexpected pos``, with the file's ``OSError`` as its context)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with all-or-nothing saves (:func:`..run.entry.atomic_write_path`); remote paths use Lightning's.
 
@@ -147,8 +159,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             with atomic_write_path(path) as partial, partial.open("wb") as file:
                 self.write(checkpoint, file)
-        except OSError as error:
-            if error.errno not in NO_SPACE:
+        except Exception as error:
+            if not ran_out_of_space(error):
                 raise
             raise DiskFull(path, checkpoint_bytes(checkpoint), shutil.disk_usage(path.parent).free) from error
 
