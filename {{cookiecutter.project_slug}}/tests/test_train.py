@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,6 +54,25 @@ def test_a_step_after_the_fit_that_fails_keeps_what_the_fit_measured(make_cfg, t
         "RuntimeError: the test loader broke"
     )
     assert math.isfinite(written["val/loss"]) and "val/acc" in written and "test/acc" not in written
+
+
+def test_the_printed_commands_pasted_into_a_shell_run_what_ran(make_cfg):
+    """Braces, commas, spaces, ``$`` and quotes in an override survive bash: the pasted command's argv is the run's, so
+    Hydra composes the same config."""
+    import subprocess
+    import sys
+
+    from {{ cookiecutter.package_name }}.train import train_command
+
+    ran = ["+judge={_target_:json.loads,_partial_:true}", "+notes=a b", "+step=${trainer.max_steps}", "+glob=*.csv", '+q="it\'s here"']
+    ran += ["+list=[1,2]", "trainer.max_steps=3", "ckpt_path=old.ckpt"]
+    more = ["ckpt_path=last", "hydra.run.dir=/tmp/a run"]
+    command = train_command(make_cfg(), *more, overrides=ran)
+    echo = f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
+    pasted = subprocess.run(["bash", "-c", command.replace("python -m {{ cookiecutter.package_name }}.train", echo, 1)], capture_output=True, text=True)
+    argv = json.loads(pasted.stdout)
+    assert argv == [*ran[:-1], *more]
+    assert make_cfg(*argv[:-2]) == make_cfg(*ran[:-1])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ Exit codes: 0 done; 1 bad config or data, or a full disk (the message alone); 14
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def export(cfg: DictConfig) -> Path:
     dtype = cfg.dtype or str(compute_dtype((checkpoint.get("model_inputs") or {}).get("precision", "32-true"))).removeprefix("torch.")
     module = load_trained_module(causal_module_class(cfg), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
     scorer = Scorer(cfg, module)  # the test split, read (and refused when bad) before anything is written
-    load = f"python -m {__package__}.eval ckpt_path={cfg.ckpt_path} (with the run's experiment=)"
+    load = f"python -m {__package__}.eval {shlex.quote(f'ckpt_path={cfg.ckpt_path}')} (with the run's experiment=)"
     measurements = [
         scorer.measure("checkpoint", module.model, Path(cfg.ckpt_path).stat().st_size, str(cfg.ckpt_path), CHECKPOINT_NOTE, load)
     ]

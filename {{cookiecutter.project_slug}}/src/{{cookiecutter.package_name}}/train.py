@@ -14,6 +14,7 @@ Exit codes: 0 done; 1 bad config or data (the message names the field and the fi
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -210,13 +211,15 @@ def batch_line(cfg: DictConfig) -> str:
     )
 
 
-def train_command(cfg: DictConfig, *more: str) -> str:
-    """This run's command line with ``more`` instead of its ``ckpt_path``/``hydra.run.dir`` (secrets masked);
-    a sweep trial's is that one run, without the sweep overrides (pasted, they would start the sweep again)."""
-    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+def train_command(cfg: DictConfig, *more: str, overrides: list[str] | None = None) -> str:
+    """This run's command line (``overrides``: Hydra's, by default) with ``more`` instead of its ``ckpt_path``/``hydra.run.dir``,
+    each argument shell-quoted (pasted into bash/zsh, Hydra gets each as typed: braces, commas, spaces, ``$`` intact), secrets
+    masked; a sweep trial's is that one run, without the sweep overrides (pasted, they would start the sweep again)."""
+    if overrides is None:
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     dropped = ("ckpt_path=", "hydra.run.dir=", "hparams_search=", "hydra.sweeper.", "hydra/sweeper=", "hydra.mode=", "hydra.sweep.")
     kept = [o for o in overrides if not o.lstrip("+~").startswith(dropped)]
-    return mask(" ".join([f"python -m {__package__}.train", *kept, *more]))
+    return mask(shlex.join(["python", "-m", f"{__package__}.train", *kept, *more]))
 
 
 def why_no_best(trainer: L.Trainer) -> str:
