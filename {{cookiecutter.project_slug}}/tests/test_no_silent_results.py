@@ -427,7 +427,7 @@ def test_a_prompts_file_that_is_not_utf8_is_named_with_the_byte_and_the_fix(make
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes("café au lait\n".encode("latin-1"))
     cfg = make_lm_cfg(f"model_dir={tmp_path / 'exported'}", f"prompts_file={prompts}", config_name="generate")
-    with pytest.raises(ConfigError, match=r"prompts_file=.* is not UTF-8 text \(byte 3: b'\\xe9'\); fix: re-encode it"):
+    with pytest.raises(DataError, match=r"prompts_file=.* is not UTF-8 text \(byte 3: b'\\xe9'\); fix: re-encode it"):
         entry.generate(cfg)
 
 

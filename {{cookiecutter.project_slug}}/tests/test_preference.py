@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
-from {{ cookiecutter.package_name }}.core.errors import DataError
+from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import IGNORE_INDEX
 from {{ cookiecutter.package_name }}.tasks.preference.data import PairCollator, PreferenceDataModule, pair_fingerprint, tokenize_pairs
 from {{ cookiecutter.package_name }}.tasks.preference.module import PreferenceModule, disable_dropout
@@ -530,3 +531,31 @@ def test_sample_prompts_without_a_prompt_are_refused(tokenizer, tmp_path):
     datamodule = make_datamodule(tokenizer, {"train": tmp_path / "t.jsonl"}, sample_prompts=str(tmp_path / "bad.jsonl"))
     with pytest.raises(DataError, match="line 1 has no prompt text"):
         datamodule.sample_prompt_texts()
+
+
+def test_one_prompt_file_reader_takes_plain_text_and_jsonl_and_refuses_before_anything_loads(pretrained_folder, pair_files, tmp_path):
+    """data.sample_prompts read a .txt file as JSON (a bare JSONDecodeError, after the fit); generate's prompts_file read a
+    .jsonl file as text (each JSON line a prompt).  One reader, by suffix, checked with the config."""
+    from {{ cookiecutter.package_name }}.core.data.loading import read_prompt_file
+    from {{ cookiecutter.package_name }}.generate import read_prompts
+
+    text = tmp_path / "prompts.txt"
+    text.write_text("Write a review\\nof a film\n\nWrite a poem\n")
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text('{"prompt": "Write a review\\nof a film"}\n\n{"prompt": "Write a poem"}\n')
+    assert (
+        read_prompt_file("data.sample_prompts", str(text))
+        == read_prompt_file("x", str(rows))
+        == ["Write a review\nof a film", "Write a poem"]
+    )
+    assert read_prompts(OmegaConf.create({"prompts": [], "prompts_file": str(rows)})) == ["Write a review\nof a film", "Write a poem"]
+    (tmp_path / "plain.jsonl").write_text('{"prompt": "fine"}\nWrite a poem\n')
+    with pytest.raises(DataError, match=r"data.sample_prompts='.*plain.jsonl' line 2 is not a JSON object .*; fix: one \{\"prompt\""):
+        read_prompt_file("data.sample_prompts", str(tmp_path / "plain.jsonl"))
+    from {{ cookiecutter.package_name }}.tasks import check_config
+
+    judge = "data.judge={_target_:{{ cookiecutter.package_name }}.core.assets.vader.sentiment_scores,_partial_:true}"
+    for bad, message in ((tmp_path / "plain.jsonl", "line 2 is not a JSON object"), (tmp_path / "none.txt", "is not a file")):
+        overrides = preference_overrides(pretrained_folder, pair_files, tmp_path / "run", f"data.sample_prompts={bad}", judge)
+        with pytest.raises(ConfigError, match=message):
+            check_config(compose_config("train", overrides))

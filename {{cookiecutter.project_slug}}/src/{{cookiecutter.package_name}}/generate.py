@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from .core.config.resolvers import to_plain
+from .core.data.loading import read_prompt_file
 from .core.errors import ConfigError
 from .core.run.entry import atomic_write_path, exit_on_bad_input, hydra_main
 from .core.run.outputs import claim_outputs
@@ -22,25 +23,14 @@ from .tasks import check_config
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:
-    r"""``cfg.prompts`` plus the non-empty lines of ``cfg.prompts_file``; in both, a literal ``\n`` is a newline.
+    r"""``cfg.prompts`` (a literal ``\n`` is a newline) plus those of ``cfg.prompts_file`` (:func:`...read_prompt_file`).
 
     Raises:
-        ConfigError: no prompt, or a prompts file that is missing or not UTF-8.
+        ConfigError: no prompt.  DataError: a bad prompts file (see :func:`.core.data.loading.read_prompt_file`).
     """
     prompts = [str(p).replace("\\n", "\n") for p in (cfg.prompts or [])]
     if cfg.prompts_file is not None:
-        path = Path(cfg.prompts_file)
-        if not path.is_file():
-            raise ConfigError(f"prompts_file={cfg.prompts_file!r} is not a file; fix: a text file, one prompt per line")
-        data = path.read_bytes()
-        try:
-            lines = data.decode("utf-8").splitlines()
-        except UnicodeDecodeError as error:
-            raise ConfigError(
-                f"prompts_file={cfg.prompts_file!r} is not UTF-8 text (byte {error.start}: {data[error.start : error.start + 1]!r}); "
-                f"fix: re-encode it, e.g. iconv -f latin1 -t utf-8 {path.name} > prompts.txt"
-            ) from error
-        prompts += [line.replace("\\n", "\n") for line in lines if line.strip()]
+        prompts += read_prompt_file("prompts_file", cfg.prompts_file)
     if not prompts or not all(prompts):
         raise ConfigError("no prompts; fix: 'prompts=[\"Once upon a time\"]' or prompts_file=path/to/prompts.txt")
     return prompts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import logging
 from pathlib import Path
 
@@ -210,3 +211,46 @@ def drop_blank_rows(dataset: datasets.Dataset, split: str, columns: list[str]) -
             " / ".join(columns),
         )
     return kept
+
+
+PROMPT_FILES = 'a .txt file, one prompt a line (a literal \\n in it is a newline), or a .jsonl file of {"prompt": "..."} rows'
+
+
+def read_prompt_file(field: str, value: str) -> list[str]:
+    r"""The prompts of a prompt file, in order: ``.jsonl``/``.json`` rows ``{"prompt": text}``, any other suffix plain text,
+    one prompt a non-blank line (a literal ``\n`` in it a newline).  ``field``: the setting that named the file (messages).
+
+    Raises:
+        DataError: a missing file or one not UTF-8; a jsonl line that is not an object with ``prompt`` text (by line); no prompt.
+    """
+    path = Path(value)
+    if not path.is_file():
+        raise DataError(f"{field}={value!r} is not a file; fix: {PROMPT_FILES}")
+    data = path.read_bytes()
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise DataError(
+            f"{field}={value!r} is not UTF-8 text (byte {error.start}: {data[error.start : error.start + 1]!r}); "
+            f"fix: re-encode it, e.g. iconv -f latin1 -t utf-8 {path.name} > fixed{path.suffix}"
+        ) from error
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if path.suffix.lower() not in (".jsonl", ".json"):
+            prompts.append(line.replace("\\n", "\n"))
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(
+                f'{field}={value!r} line {number} is not a JSON object ({error.msg}); fix: one {{"prompt": "..."}} a line, '
+                "or plain text in a .txt file"
+            ) from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise DataError(f'{field}={value!r} line {number} has no prompt text; fix: {{"prompt": "..."}}')
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise DataError(f"{field}={value!r} has no prompt; fix: {PROMPT_FILES}")
+    return prompts

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from ...core.errors import DataError
 from ...core.models.adapters import rewrites_base
 from ..causal_lm import CausalLM
 from .objectives import NEEDS_REFERENCE, OBJECTIVES, Objective
@@ -52,6 +53,15 @@ class Preference(CausalLM):
                 "adapters off, and PiSSA/OLoRA leave a residual base there, not the model you started from; fix: "
                 "peft.init_lora_weights=true, or a reference-free objective (objective=orpo, simpo)"
             )
+        prompts = (cfg.get("data") or {}).get("sample_prompts")
+        fetched = cfg.data.get("fetch") is not None and not Path(prompts or "").exists()  # (read once fetched)
+        if runs_here and prompts and cfg.data.get("judge") is not None and not fetched:  # read now, not after the fit
+            from ...core.data.loading import read_prompt_file
+
+            try:
+                read_prompt_file("data.sample_prompts", prompts)
+            except DataError as error:
+                problems.append(str(error))
         if (cfg.get("callbacks") or {}).get("neftune") is not None:
             problems.append(
                 "callbacks=neftune with task=preference: the noise would reach the adapters-off reference pass too, and "

@@ -12,11 +12,9 @@ Batches hold whole pairs: ``input_ids``, ``labels``, ``attention_mask``, ``token
 
 from __future__ import annotations
 
-import json
 import logging
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import datasets
 import jinja2
@@ -24,6 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ...core.data.loading import read_prompt_file
 from ...core.errors import ConfigError, DataError, TemplateError
 from ..causal_lm.chat import (
     GENERATION_MARKER,
@@ -189,7 +188,7 @@ class PreferenceDataModule(ChatDataModule):
 
     Args: as chat data, without ``train_on``, ``truncation``, ``mode`` and the exact-match answers (fixed for pairs); and, for
     judging samples (:meth:`.Preference.after_test`):
-        sample_prompts: a jsonl file of ``{"prompt": text}`` rows, or ``None``.
+        sample_prompts: a prompt file (a .txt file, a prompt a line, or .jsonl ``{"prompt": text}`` rows), or ``None``.
         sample_seed: one seed before and after tuning (the same random stream); ``sample_batch_size``: samples generated at once.
         judge: scores texts, one ``{metric: value}`` each (e.g. :func:`...core.assets.vader.sentiment_scores`); ``None``: no samples.
 
@@ -269,24 +268,9 @@ class PreferenceDataModule(ChatDataModule):
         return PairCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of)
 
     def sample_prompt_texts(self) -> list[str]:
-        """The instructions of :attr:`sample_prompts`, in file order.
+        """The instructions of :attr:`sample_prompts`, in file order (:func:`...core.data.loading.read_prompt_file`).
 
         Raises:
-            DataError: a missing or empty file, or a row without ``prompt`` text (by line).
+            DataError: a missing, empty or malformed file (by line).
         """
-        path = Path(self.sample_prompts)
-        if not path.is_file():
-            raise DataError(
-                f'data.sample_prompts={self.sample_prompts!r} does not exist; fix: a jsonl file of {{"prompt": ...}} rows, or null'
-            )
-        prompts = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise DataError(f'data.sample_prompts={self.sample_prompts!r} line {number} has no prompt text; fix: {{"prompt": "..."}}')
-            prompts.append(row["prompt"])
-        if not prompts:
-            raise DataError(f'data.sample_prompts={self.sample_prompts!r} has no prompt; fix: {{"prompt": "..."}} rows, or null')
-        return prompts
+        return read_prompt_file("data.sample_prompts", self.sample_prompts)
