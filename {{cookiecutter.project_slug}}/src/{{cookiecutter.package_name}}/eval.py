@@ -3,7 +3,8 @@
     python -m <package>.eval experiment=demo_classification ckpt_path=RUN/checkpoints/last.ckpt
     python -m <package>.eval experiment=demo_sft_sentiment model_dir=models/sft   # an exported folder
 
-Model, labels and tokenizer come from the checkpoint (or folder), the data from the config (use training's
+Model, labels and tokenizer come from the checkpoint (or folder), and so do the settings that shape what the model sees
+(``data.max_length``...; the command line may give others); the data files from the config (use training's
 ``experiment=``/``data=``). Writes ``metrics.json`` (chat answers: ``predictions.jsonl``); exits 1 on bad config or data."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
-from .core.checkpoints.io import load_trained_module
+from .core.checkpoints.io import data_kwargs, load_trained_module
 from .core.config.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .core.config.resolvers import to_plain
 from .core.errors import ConfigError
@@ -81,7 +82,7 @@ def evaluate(cfg: DictConfig) -> dict:
     claim_outputs(cfg, {}, inputs, run_files=("config_tree.log", "metrics.json", "predictions.jsonl"))
     module = load_module(cfg)  # (a refused checkpoint stops here, before the first output)
     print_config_tree(cfg, save_to=run_dir / "config_tree.log", show=bool(cfg.get("print_config")))
-    datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
+    datamodule = hydra.utils.instantiate(cfg.data, **data_kwargs(cfg, module, task_of(cfg).shaping_keys))
     loggers = instantiate_loggers(cfg)
     trainer = instantiate_trainer(cfg, callbacks=[ConnectData()], loggers=loggers)  # (an exported folder's module: the data's facts)
     failed = True

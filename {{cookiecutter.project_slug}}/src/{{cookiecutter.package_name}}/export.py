@@ -23,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from .core.checkpoints.io import load_trained_module, trained_checkpoint
+from .core.checkpoints.io import data_kwargs, load_trained_module, trained_checkpoint
 from .core.compress.pruning import pruned_with, shrink_ffn
 from .core.compress.report import Measurement, build_report, markdown_table, weight_bytes, write_report
 from .core.errors import ConfigError
@@ -127,7 +127,7 @@ class Scorer:
         elif (cfg.data.get("splits") or {}).get("test") is None:
             self.unmeasured = "no test split: data.splits.test is null; set it to measure the folders"
         else:
-            self.datamodule = hydra.utils.instantiate(cfg.data, **module.datamodule_kwargs())
+            self.datamodule = hydra.utils.instantiate(cfg.data, **data_kwargs(cfg, module, self.task.shaping_keys))
             self.datamodule.prepare_data()
             self.datamodule.setup("test")
             self.loader = self.datamodule.test_dataloader()

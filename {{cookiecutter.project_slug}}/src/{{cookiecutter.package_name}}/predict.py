@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, open_dict
 
-from .core.checkpoints.io import load_trained_module
+from .core.checkpoints.io import data_kwargs, load_trained_module
 from .core.config.instantiate import instantiate_trainer
 from .core.config.resolvers import to_plain, world_size
 from .core.errors import ConfigError
@@ -63,7 +63,9 @@ def predict(cfg: DictConfig) -> Path:
     claim_outputs(cfg, {"output": output}, {"input": cfg.input, "ckpt_path": cfg.ckpt_path}, run_files=())
     module = load_trained_module(module_class(cfg), cfg, cfg.ckpt_path)
     # Resolved first, so dropping the training-data download (fetch=None) cannot break paths interpolated from it.
-    datamodule = hydra.utils.instantiate(to_plain(cfg.data), **module.datamodule_kwargs(), predict_file=str(cfg.input), fetch=None)
+    datamodule = hydra.utils.instantiate(
+        to_plain(cfg.data), **data_kwargs(cfg, module, task.shaping_keys), predict_file=str(cfg.input), fetch=None
+    )
     trainer = instantiate_trainer(cfg, callbacks=[], loggers=[])
     outputs = trainer.predict(module, datamodule=datamodule)
 

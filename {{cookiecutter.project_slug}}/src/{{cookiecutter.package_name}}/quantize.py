@@ -23,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig, open_dict
 
-from .core.checkpoints.io import load_trained_module, trained_checkpoint
+from .core.checkpoints.io import data_kwargs, load_trained_module, trained_checkpoint
 from .core.compress import CONV1D_MODEL_TYPES, conv1d_refusal
 from .core.compress.pruning import pruned_with, shrink_ffn
 from .core.compress.quantization import (
@@ -48,7 +48,7 @@ from .core.run.entry import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_ma
 from .core.run.outputs import claim_outputs, replace_folder, staging_folder
 from .core.task import Task, module_class, to_device
 from .eval import exported_folder_problem, full_precision_overrides
-from .tasks import check_config
+from .tasks import check_config, task_of
 
 UNAVAILABLE = ("skip", "error")
 DEVICES = ("auto", "cpu", "cuda")
@@ -263,7 +263,7 @@ def load_source(cfg: DictConfig, hparams: dict) -> tuple[torch.nn.Module, object
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         return module_class(cfg).AUTO_CLASS.from_pretrained(cfg.model_dir).eval(), tokenizer, {"tokenizer": tokenizer}
     module = load_trained_module(module_class(cfg), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
-    return module.merged_model().eval(), module.tokenizer, module.datamodule_kwargs()
+    return module.merged_model().eval(), module.tokenizer, data_kwargs(cfg, module, task_of(cfg).shaping_keys)
 
 
 def make_variant(

@@ -139,7 +139,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 step = "writing the checkpoints"
                 flush_checkpoints(trainer)  # the fit's background writes are on disk before they are read
                 final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
-                best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+                best = getattr(trainer.checkpoint_callback, "best_model_path", "")  # (the first checkpoint callback's)
                 pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
                 if pruning is not None and best and final is not None:  # the pruned model, not an early best
                     best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)

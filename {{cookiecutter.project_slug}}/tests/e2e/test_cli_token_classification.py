@@ -49,6 +49,17 @@ def test_train_killed_and_resumed_then_eval_predict_plan_quantize_and_a_sweep(tm
     assert [row["tokens"] for row in written] == [row["tokens"] for row in ner_rows(5, seed=9)]
     assert all(len(row["tags"]) == len(row["tokens"]) and row["words_cut"] == 0 for row in written)
 
+    # The checkpoint's data.max_length (16) unless the command line gives another: a 20-word sentence is cut at 16 tokens.
+    unlengthed = [o for o in base if not o.startswith("data.max_length=")]
+    long_input = write_conll(tmp_path / "long.conll", [{"tokens": ["alice", "met", "bob"] * 6 + ["in", "rome"], "tags": ["O"] * 20}])
+    for given, cut in ((None, True), ("data.max_length=64", False)):
+        out = tmp_path / f"long_{bool(given)}.jsonl"
+        shown = ok(run_module("predict", [*unlengthed, *([given] if given else []), ckpt, f"input={long_input}", f"output={out}"]))
+        (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+        assert (row["words_cut"] > 0) is cut and len(row["tags"]) == 20
+        said = "as given; the checkpoint was trained with data.max_length=16" if given else "=16, as the checkpoint was trained"
+        assert said in shown.stdout + shown.stderr, shown.stdout[-2000:]
+
     plan = ok(run_module("plan", [*base, "hardware=rtx4090_24gb"]))
     assert "Verdict:" in plan.stdout and "fits" in plan.stdout
 

@@ -128,6 +128,72 @@ def test_classifier_pruned_during_training_killed_mid_ramp_resumes_bit_identical
 {%- if cookiecutter.tasks != "classification" %}
 
 
+def callback_states(run: Path) -> tuple[int, dict, dict]:
+    """The final ``last.ckpt``'s global step, weights, and the states of the stateful callbacks but the checkpoint writers'
+    (early stopping's count and best, EMA's raw weights, pruning's masks and schedule), and the best score tracked."""
+    import torch
+
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    states = {key: value for key, value in checkpoint["callbacks"].items() if not key.startswith("ModelCheckpoint")}
+    states["best_model_score"] = [v.get("best_model_score") for k, v in checkpoint["callbacks"].items() if "monitor" in v]
+    return checkpoint["global_step"], checkpoint["state_dict"], states
+
+
+def assert_same_state(reference: tuple, resumed: tuple, context: str) -> None:
+    import torch
+
+    assert resumed[0] == reference[0], f"{context}: stopped at step {resumed[0]}, the uninterrupted run at {reference[0]}"
+    for name, value in reference[1].items():
+        assert torch.equal(resumed[1][name], value), f"{context}: weight {name} differs"
+
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+        return a == b
+
+    differing = [key for key in reference[2] if not same(reference[2][key], resumed[2].get(key))]
+    assert not differing, f"{context}: callback states differ: {differing}"
+
+
+@pytest.mark.parametrize(
+    "stateful",
+    [
+        ["callbacks=[ema,early_stopping]", "callbacks.ema.decay=0.9"],
+        ["callbacks=early_stopping", "pruning=magnitude", "pruning.begin_step=2", "pruning.end_step=8", "pruning.frequency=2"],
+    ],
+    ids=["ema", "pruning"],
+)
+def test_a_kill_after_a_validation_resumes_to_the_uninterrupted_runs_stop_step_weights_and_callback_states(cls_base, tmp_path, stateful):
+    """The property over the stateful callbacks (early stopping, EMA, the best tracker, pruning's schedule, the LR schedule):
+    killed at the step after a validation that did not improve (its step checkpoint held early stopping's count of before
+    it, so the resumed run stopped a validation later, with other weights) or after another one, and resumed, a run ends
+    where the uninterrupted one ends, with its weights and callback states."""
+    base = cls_base + [
+        *stateful,
+        "callbacks.early_stopping.patience=2",
+        "trainer.val_check_interval=4",  # a validation every 2 optimizer steps, each a step checkpoint too
+        "callbacks.step_checkpoint.every_n_train_steps=2",
+        "optimizer.lr=5e-3",
+    ]
+    reference_dir = tmp_path / "reference"
+    result = run_train(reference_dir, base)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference = callback_states(reference_dir)
+    rows = [row for row in read_metrics(reference_dir / "csv") if row.get("val/acc")]
+    validated = [(int(row["step"]) + 1, float(row["val/acc"]), float(row["val/acc_best"])) for row in rows]  # (optimizer step, ...)
+    steps = [step for step, _, _ in validated if step < reference[0]]
+    missed = [step for (step, _, best), (_, _, before) in zip(validated[1:], validated) if best == before and step < reference[0]]
+    kill = missed[0] if missed else random.Random().choice(steps)
+    context = f"SIGKILL before micro-batch 2 of step {kill}, after the validation at step {kill} (validations: {validated})"
+    fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={kill}", "+callbacks.fault.micro_batch=1"]
+    run_dir, _ = kill_and_resume(base, tmp_path, fault, expect_code=-signal.SIGKILL)
+    assert_same_state(reference, callback_states(run_dir), context)
+
+
 # ----------------------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
 def lm_base(lm_tokenizer_dir, lm_text, tmp_path_factory) -> list[str]:

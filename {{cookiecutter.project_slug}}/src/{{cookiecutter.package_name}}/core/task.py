@@ -40,6 +40,8 @@ class Task:
             keys (the config check binds the group to that signature; ``config_problems`` checks the values).
         identity_keys: ``fnmatch`` patterns of config keys that are part of what a run is made of: ``model`` (what the
             trained model is, e.g. its label set) and ``data`` (how its data are read).  A resume refuses a change of either.
+        shaping_keys: data settings that shape what the model sees; eval/predict/quantize/export take the checkpoint's
+            unless the command line gives another (:func:`.checkpoints.io.data_kwargs`).
     """
 
     name: ClassVar[str] = ""
@@ -52,6 +54,7 @@ class Task:
     prediction_suffix: ClassVar[str] = ""
     config_groups: ClassVar[dict[str, type]] = {}
     identity_keys: ClassVar[dict[str, tuple[str, ...]]] = {"model": (), "data": ()}
+    shaping_keys: ClassVar[tuple[str, ...]] = ("data.max_length",)
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

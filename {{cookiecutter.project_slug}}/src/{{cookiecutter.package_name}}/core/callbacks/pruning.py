@@ -72,6 +72,7 @@ class Pruning(L.Callback):
         self.pruned_all = 0  # masked entries of every pruned tensor (biases too)
         self.step = -1  # the optimizer step whose sparsity the masks hold
         self._pending: dict | None = None
+        self.removed_masks: dict = {}  # the masks on_train_end made permanent
         self._stepped = False
 
     # ---------------------------------------------------------------------------- hooks
@@ -144,6 +145,7 @@ class Pruning(L.Callback):
                 pl_module.log(name, value, on_step=True, on_epoch=False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.removed_masks = self.state_dict()["masks"]  # (a checkpoint saved after this, e.g. Lightning's last, keeps them)
         for module, name in self.tensors:
             if hasattr(module, name + "_mask"):
                 prune.remove(module, name)  # permanent: the zeros stay in a plain parameter
@@ -171,7 +173,7 @@ class Pruning(L.Callback):
         masks = {
             key: getattr(m, n + "_mask").bool() for (m, n), key in zip(self.tensors, self.keys, strict=True) if hasattr(m, n + "_mask")
         }
-        return {"method": self.method, "step": self.step, "masks": masks}
+        return {"method": self.method, "step": self.step, "masks": masks or self.removed_masks}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._pending = state_dict

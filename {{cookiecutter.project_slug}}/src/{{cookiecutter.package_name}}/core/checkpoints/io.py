@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import inspect
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -72,11 +73,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._linked: set[Path] = set()  # files already linked to the previous save's
         self._held: tuple[Path, dict, object] | None = None  # (file, staged checkpoint, global_step) not yet queued
         self.hold_saves = False
+        self.last_saved: tuple[Path, object, int] | None = None  # (file, global_step, number) of the last save asked for
         self._warned = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"AtomicCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
+        self.last_saved = (Path(path), checkpoint.get("global_step"), (self.last_saved or (None, None, 0))[2] + 1)
         if not isinstance(get_filesystem(path), type(get_filesystem("."))):
             self.flush()
             super().save_checkpoint(checkpoint, path)
@@ -315,6 +318,7 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
         )
     module = module_class(**{**stored, "model": model, **overrides})
     module.restores_weights = True  # the checkpoint sets the weights: no PiSSA/OLoRA initialisation first
+    module.trained_config = (identity or {}).get("config") or {}  # the run's resolved config (data_kwargs reads it)
     if entry is not None and peft.get("method", "none") != "none":
         module.expected_base = (entry, f"ckpt_path={str(path)!r}")  # checked once the base is installed (HFModule.prepare_data)
     module.configure_model()
@@ -353,3 +357,35 @@ def fetch_of_same_base(cfg: DictConfig, stored_model: dict) -> dict | None:
         is_local_path(str(mine)) and is_local_path(str(theirs)) and Path(str(mine)).resolve() == Path(str(theirs)).resolve()
     )
     return OmegaConf.to_container(cfg.model.fetch, resolve=True) if same else None
+
+
+def data_kwargs(cfg: DictConfig, module: L.LightningModule, shaping_keys: tuple[str, ...]) -> dict:
+    """What eval/predict/quantize/export hand the data module of a trained checkpoint: :meth:`datamodule_kwargs` (tokenizer,
+    labels) and the settings that shape what the model sees (``shaping_keys``, :attr:`..task.Task.shaping_keys`:
+    ``data.max_length``...) as the checkpoint's run had them.  A differing value given on the command line is used, and
+    said; else the checkpoint's, said where the config's differs.  Called from Python (no Hydra command line), the config's
+    values count as given.  Keys the config's data group lacks (another data module) are left alone."""
+    from hydra.core.hydra_config import HydraConfig
+
+    kwargs = module.datamodule_kwargs()
+    trained = (getattr(module, "trained_config", None) or {}).get("data") or {}
+    for key in shaping_keys:
+        name = key.removeprefix("data.")
+        if name not in cfg.data or name not in trained:
+            continue
+        stored = trained[name]
+        configured = OmegaConf.to_container(cfg.data[name], resolve=True) if OmegaConf.is_config(cfg.data[name]) else cfg.data[name]
+        if configured == stored:
+            continue
+        if not HydraConfig.initialized() or command_line_value(key) is not None:
+            log.warning("%s=%s as given; the checkpoint was trained with %s=%s", key, json.dumps(configured), key, json.dumps(stored))
+        else:
+            kwargs[name] = stored
+            log.warning(
+                "%s=%s, as the checkpoint was trained (the config says %s; give %s=... on the command line to use another)",
+                key,
+                json.dumps(stored),
+                json.dumps(configured),
+                key,
+            )
+    return kwargs

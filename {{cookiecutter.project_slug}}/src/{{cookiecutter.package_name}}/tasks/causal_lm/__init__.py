@@ -29,6 +29,15 @@ class CausalLM(Task):
     quality = {"perplexity": "min"}
     reads_exported_folders = True
     scores_test_split_only = False
+    shaping_keys = (
+        "data.max_length",
+        "data.truncation",
+        "data.chat_template",
+        "data.end_of_turn",
+        "data.system_prompt",
+        "data.columns",
+        "data.roles",
+    )
     identity_keys = {
         "model": ("data.chat_template", "data.end_of_turn", "data.system_prompt"),
         "data": (
