@@ -134,11 +134,15 @@ def test_a_moved_data_file_with_the_same_content_resumes(run, tmp_path):
 
 
 # ------------------------------------------------------------------ resume: allowed, and with the flag
-def test_a_longer_run_resumes_silently_and_logs_that_the_schedule_stretches(run, tmp_path, caplog):
+def test_a_longer_run_resumes_and_says_it_is_an_extended_run_in_the_log_and_metrics(run, tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         metrics, target = resume(run, tmp_path, "trainer.max_steps=6", "logger=none", "callbacks.gpu_stats.every_n_steps=5")
-    assert "resuming with trainer.max_steps: 4 -> 6 (the LR schedule stretches to the new length)" in caplog.text
+    assert "resuming with trainer.max_steps: 4 -> 6: an extended run, not the uninterrupted longer one" in caplog.text
     assert metrics["val/acc"] is not None
+    written = json.loads((target / "metrics.json").read_text())
+    assert written["extended"] == {"from_step": 4, "trainer.max_steps": ["4", "6"]}
+    again, _ = resume(run, tmp_path / "same", "logger=none")
+    assert "extended" not in again
 
 
 def test_another_lr_needs_allow_changed_and_then_resumes(run, tmp_path):

@@ -79,8 +79,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
     task = task_of(cfg)
     resumed = trained_checkpoint(ckpt_path) if ckpt_path else None
     where = f"ckpt_path={str(ckpt_path)!r}"
-    if resumed is not None:
-        check_resume_config(cfg, resumed, where, task.resume_refuses())
+    extended = check_resume_config(cfg, resumed, where, task.resume_refuses()) if resumed is not None else {}
     resumes_wandb_run = resumed.get("wandb_run_id") if resumed else None
     for warning in config_warnings(cfg):
         rank_zero_warn(warning)
@@ -165,6 +164,8 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             )
             if datamodule.token_counts is not None:
                 metrics["tokens"] = datamodule.token_counts  # real tokens per split, EOS included
+            if extended:  # not the uninterrupted longer run: say so where the figures are
+                metrics["extended"] = {"from_step": resumed.get("global_step"), **extended}
             if trainer.is_global_zero:
                 write_metrics(run_dir / "metrics.json", metrics, announce=False)
                 lines = result_lines(cfg, run_dir, best or (str(final) if final else None), loggers)

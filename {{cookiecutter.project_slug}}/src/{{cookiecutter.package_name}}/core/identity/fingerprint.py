@@ -289,7 +289,10 @@ def resume_problems(changes: list[Change], task_keys: tuple[str, ...], allow_cha
         elif kind == "allow_changed":
             notes.append(f"resuming with {change} (resume.allow_changed)")
         elif change.key in SCHEDULE_LENGTH:
-            notes.append(f"resuming with {change} (the LR schedule stretches to the new length)")
+            notes.append(
+                f"resuming with {change}: an extended run, not the uninterrupted longer one (from the checkpoint's step on, "
+                "the LR schedule and epoch count follow the new length; the steps before followed the old one)"
+            )
         elif change.key.endswith(" (content)"):
             notes.append(f"resuming with {change}")
     problems = []
@@ -325,8 +328,9 @@ def check_allow_changed(allow_changed: list[str], task_keys: tuple[str, ...]) ->
             )
 
 
-def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys: tuple[str, ...]) -> None:
+def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys: tuple[str, ...]) -> dict[str, list[str]]:
     """Before data or weights load: compare a resume's config with the checkpoint's identity; log allowed changes.
+    Returns the run-length changes (``{"trainer.max_steps": [old, new]}``: an extended run, for ``metrics.json``).
 
     Raises:
         ConfigError: a refused change, a change not in ``resume.allow_changed``, or an entry of it that is refused or
@@ -337,7 +341,7 @@ def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys
     identity = checkpoint.get("identity")
     if not isinstance(identity, dict):
         log.warning("%s was written before checkpoints recorded their run's identity: its config, data and model cannot be checked", where)
-        return
+        return {}
     config = plain_config(cfg)
     keys = set(flatten(identity.get("config") or {})) | set(flatten(config))
     for pattern in allow:  # (a key that names nothing is a typo; a pattern may match nothing this time)
@@ -348,11 +352,13 @@ def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys
                 f"resume.allow_changed contains {pattern!r}, which names no key of the run's config; {hint}fix: the dotted "
                 "key the refusal names (e.g. resume.allow_changed=[optimizer.lr]; fnmatch patterns such as optimizer.* work)"
             )
-    problems, notes = resume_problems(config_changes(identity.get("config") or {}, config), task_keys, allow, where)
+    changes = config_changes(identity.get("config") or {}, config)
+    problems, notes = resume_problems(changes, task_keys, allow, where)
     if problems:
         raise ConfigError("\n".join(problems))
     for note in notes:
         log.warning(note)
+    return {change.key: [change.old, change.new] for change in changes if change.key in SCHEDULE_LENGTH}
 
 
 def base_problem(entry: dict, name_or_path: str, where: str) -> str | None:
