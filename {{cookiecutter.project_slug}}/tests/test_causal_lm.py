@@ -257,6 +257,8 @@ def test_qlora_trains_on_cpu_with_a_4bit_base_and_exports_a_plain_model(make_lm_
     export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
     plain = AutoModelForCausalLM.from_pretrained(out)
     assert all(type(m).__module__.startswith(("torch", "transformers")) for m in plain.modules())
+    checkpoint_row = json.loads((out / "export_report.json").read_text())["variants"][0]  # the report's baseline, labelled
+    assert checkpoint_row["name"] == "checkpoint" and "not the 4-bit model that was trained" in checkpoint_row["storage"]
     assert getattr(plain.config, "quantization_config", None) is None
 
 

@@ -398,6 +398,18 @@ def test_an_old_group_name_selects_the_renamed_group_and_says_so(tmp_path):
     assert default.activation_checkpointing.mode == "none" and default.lr_schedule.decay == "linear"
 
 
+def test_a_credential_on_the_command_line_is_refused_before_hydra_writes_anything():
+    """A multirun's overrides land in Hydra's multirun.yaml before any job (and its config check) runs."""
+    from {{ cookiecutter.package_name }}.core.run.entry import command_line_problems
+
+    problems = command_line_problems(
+        ["+logger.wandb.api_key=sk-abc123", "+data.url=https://me:hunter22@host/x", "+logger.wandb.api_key=${oc.env:KEY}", "seed=1,2"]
+    )
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("logger.wandb.api_key=*** is a credential typed into the config") and "sk-abc123" not in problems[0]
+    assert "data.url='https://me:***@host/x' carries a password" in problems[1] and "hunter22" not in problems[1]
+
+
 def test_a_key_under_an_old_group_name_is_refused_naming_the_new_key(tmp_path):
     """Hydra cannot forward ``scheduler.warmup_ratio=0.1`` to ``lr_schedule``: refused before
     anything composes (the command line) or loads (a ``scheduler:`` node in a YAML file)."""

@@ -139,3 +139,16 @@ def test_the_checks_find_what_they_look_for(tmp_path, monkeypatch):
         except AssertionError:
             continue
         raise AssertionError(f"{test.__name__} passed on a package that breaks it")
+
+
+def test_importing_an_entry_point_prints_nothing():
+    """torchao logs as it loads (missing CUDA kernels, pytree registrations), before Hydra has set up logging: no entry
+    point may import it at module level (``export`` did, and printed that noise where ``train`` prints none)."""
+    import subprocess
+    import sys
+
+    verbs = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem not in ("__init__", "__main__"))
+    code = "; ".join(f"import {NAME}.{verb}" for verb in verbs) + "; import sys; print('torchao' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr[-2000:]
+    assert not done.stderr.strip(), done.stderr[-2000:]

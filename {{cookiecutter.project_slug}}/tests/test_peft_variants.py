@@ -130,7 +130,7 @@ def run_data_overrides(make_lm_cfg) -> dict[str, str]:
     }
 
 
-def test_export_writes_the_runs_compute_dtype_by_default_and_refuses_other_dtypes(make_lm_cfg, pretrained_lm_dir, tmp_path):
+def test_export_writes_the_runs_compute_dtype_by_default_and_refuses_other_dtypes(make_lm_cfg, pretrained_lm_dir, tmp_path, monkeypatch):
     train(
         make_lm_cfg(
             f"model.name_or_path={pretrained_lm_dir}",
@@ -187,6 +187,19 @@ def test_export_writes_the_runs_compute_dtype_by_default_and_refuses_other_dtype
         else "not measured (no test split: data.splits.test is null; set it to measure the folders)"
     )
     assert {v["note"] for v in json.loads((out / "export_report.json").read_text())["variants"]} == {expected}
+    # A model that does not fit the GPU to be scored (an 8B in fp32 on 24 GB): said per row; the folder is written.
+    from {{ cookiecutter.package_name }}.export import Scorer
+
+    def out_of_memory(self, model):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 30.00 GiB")
+
+    monkeypatch.setattr(Scorer, "score", out_of_memory)
+    out = tmp_path / "oom"
+    export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}", *measured]))
+    rows = json.loads((out / "export_report.json").read_text())["variants"]
+    assert all(v["metrics"] == {} and v["note"].startswith("not measured (out of memory on the ") for v in rows), rows
+    assert (out / "model.safetensors").is_file()
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"dtype='int8' is not one of \('float32', 'bfloat16', 'float16'\).*quantize"):
         export(
             compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'int8'}", f"paths.output_dir={tmp_path}", "dtype=int8"])

@@ -34,7 +34,6 @@ from .core.run.outputs import claim_outputs, replace_folder, staging_folder
 from .eval import full_precision_overrides
 from .tasks import check_config, task_of
 from .tasks.causal_lm import causal_module_class
-from .tasks.causal_lm.module import CHAT_FILE
 
 DTYPES = ("float32", "bfloat16", "float16")
 ADAPTER_FOLDER = "adapter"  # output_dir/adapter: the LoRA/QLoRA adapter alone (peft's save_pretrained)
@@ -70,7 +69,14 @@ def export(cfg: DictConfig) -> Path:
     scorer = Scorer(cfg, module)  # the test split, read (and refused when bad) before anything is written
     load = f"python -m {__package__}.eval {shlex.quote(f'ckpt_path={cfg.ckpt_path}')} (with the run's experiment=)"
     measurements = [
-        scorer.measure("checkpoint", module.model, Path(cfg.ckpt_path).stat().st_size, str(cfg.ckpt_path), CHECKPOINT_NOTE, load)
+        scorer.measure(
+            "checkpoint",
+            module.model,
+            Path(cfg.ckpt_path).stat().st_size,
+            str(cfg.ckpt_path),
+            QLORA_NOTE if (hparams.get("peft") or {}).get("method") == "qlora" else CHECKPOINT_NOTE,
+            load,
+        )
     ]
     with staging_folder(output, "export") as tmp:
         staging = Path(tmp) / "model"
@@ -89,6 +95,8 @@ def export(cfg: DictConfig) -> Path:
         module.tokenizer.save_pretrained(staging)  # with the chat template it was trained with
         if module.chat:
             chat = {"end_of_turn": module.inputs.end_of_turn, "system_prompt": module.inputs.system_prompt}
+            from .tasks.causal_lm.module import CHAT_FILE  # (here: the module brings in torchao, which logs as it loads)
+
             (staging / CHAT_FILE).write_text(json.dumps(chat, indent=1) + "\n", encoding="utf-8")
         base_path, attention = module.hparams.model.get("name_or_path"), module.attn_implementation
         del model, module  # (one model in memory at a time from here)
@@ -103,6 +111,10 @@ def export(cfg: DictConfig) -> Path:
 
 
 CHECKPOINT_NOTE = "the training checkpoint (trained weights, optimizer and run state), loaded as export loads it"
+QLORA_NOTE = (
+    "the QLoRA checkpoint's adapters on the unquantized (fp32) base, as export merges them: not the 4-bit model that was "
+    "trained (eval ckpt_path=... scores that)"
+)
 
 
 class Scorer:
@@ -145,17 +157,25 @@ class Scorer:
     def measure(self, name: str, model: torch.nn.Module, size_bytes: int, path: str, storage: str, load: str = "") -> Measurement:
         if self.loader is not None:
             print(f"[{name}] scoring on the test split ({len(self.datamodule.datasets['test'])} rows, {self.device}) ...")
+        note = f"not measured ({self.unmeasured})" if self.unmeasured else ""
+        try:
+            metrics = self.score(model)
+        except torch.OutOfMemoryError:  # e.g. an 8B model in fp32 on a 24 GB card: the folder is still written
+            model.to("cpu")
+            torch.cuda.empty_cache()
+            bytes_ = sum(p.numel() * p.element_size() for p in model.parameters())
+            metrics, note = {}, f"not measured (out of memory on the {self.device}: its weights alone are {bytes_ / 2**30:.1f} GiB)"
         return Measurement(
             name=name,
             runtime=f"pytorch-eager-{self.device}",
             latency_baseline=name,
             size_bytes=size_bytes,
-            metrics=self.score(model),
+            metrics=metrics,
             latency_ms=[],
             load=load,
             storage=storage,
             path=path,
-            note=f"not measured ({self.unmeasured})" if self.unmeasured else "",
+            note=note,
         )
 
     def measure_folders(self, staging: Path, output: Path, dtype: str, base_path: str | None, attention: str) -> list[Measurement]:

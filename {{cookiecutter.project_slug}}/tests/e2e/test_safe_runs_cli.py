@@ -53,6 +53,10 @@ def test_a_secret_typed_or_read_from_the_environment_is_in_no_file_and_no_line(c
     assert refused.returncode == 1 and "logger.wandb.api_key=*** is a credential typed into the config" in refused.stderr
     assert typed not in refused.stdout + refused.stderr
     assert not [p for p in (tmp_path / "typed").rglob("*") if p.is_file() and typed.encode() in p.read_bytes()]
+    sweep = tmp_path / "sweep"  # a multirun: Hydra writes multirun.yaml (the overrides) before any job runs
+    swept = run_module("train", [*cli_base, "-m", f"hydra.sweep.dir={sweep}", f"+logger.wandb.api_key={typed}", "seed=1,2"], cwd=tmp_path)
+    assert swept.returncode == 1 and "logger.wandb.api_key=*** is a credential typed into the config" in swept.stderr
+    assert not sweep.exists() and typed not in swept.stdout + swept.stderr
 
     secret = f"sk-env-{uuid.uuid4().hex}"
     env_dir = tmp_path / "env"

@@ -25,7 +25,7 @@ from rich.console import Console
 
 from ..config.keys import renamed_key_problem
 from ..errors import ConfigError, DataError
-from .secrets import mask
+from .secrets import credential_problem, mask
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ def command_line_problems(args: list[str]) -> list[str]:
             problems.append(renamed)
             continue
         value = override.value()
+        credential = credential_problem(key, arg.split("=", 1)[1])  # (as typed: before Hydra writes it anywhere)
+        if credential:
+            problems.append(credential)
+            continue
         if key in FOLDER_KEYS and isinstance(value, str) and Path(value).exists() and not Path(value).is_dir():
             problems.append(f"{key}={value!r} is a file, not a folder; fix: {key}=<a folder path> (it is created if missing)")
     return problems

@@ -32,24 +32,28 @@ _SECRET_VALUES: set[str] = set()
 
 def credential_problems(cfg: DictConfig) -> list[str]:
     """One line per credential typed into ``cfg`` (read unresolved: an ``oc.env`` interpolation is the fix, not a problem)."""
-    problems = []
-    for path, value in _leaves(OmegaConf.to_container(cfg, resolve=False), ""):
-        if not isinstance(value, str) or not value or ENV_REFERENCE.search(value):
-            continue
-        leaf = path.rsplit(".", 1)[-1]
-        if CREDENTIAL_LEAF.search(leaf):
-            problems.append(
-                f"{path}=*** is a credential typed into the config, and would be written to .hydra/, the logs and the W&B run; "
-                f"fix: drop it and set the tool's environment variable (WANDB_API_KEY for W&B) or log in (wandb login), "
-                f"or write {path}='${{oc.env:YOUR_VARIABLE}}' (read from the environment, masked in every file)"
-            )
-        elif any(match.group("password") and not match.group("password").startswith("$") for match in URL_PASSWORD.finditer(value)):
-            problems.append(
-                f"{path}={mask_url_passwords(value)!r} carries a password in its URL, which would be written to .hydra/ and the logs; "
-                f"fix: put the URL in an environment variable and write {path}='${{oc.env:YOUR_URL_VARIABLE}}', or use the "
-                "tool's own credential file"
-            )
-    return problems
+    found = (credential_problem(path, value) for path, value in _leaves(OmegaConf.to_container(cfg, resolve=False), ""))
+    return [problem for problem in found if problem]
+
+
+def credential_problem(path: str, value: object) -> str | None:
+    """Why the value of config key ``path`` is a typed credential (a secret-named leaf, or a URL with a password), else
+    ``None``; also for a command-line override (a multirun's lands in Hydra's ``multirun.yaml`` before any job runs)."""
+    if not isinstance(value, str) or not value or ENV_REFERENCE.search(value):
+        return None
+    if CREDENTIAL_LEAF.search(path.rsplit(".", 1)[-1]):
+        return (
+            f"{path}=*** is a credential typed into the config, and would be written to .hydra/ (a multirun's multirun.yaml), "
+            f"the logs and the W&B run; fix: drop it and set the tool's environment variable (WANDB_API_KEY for W&B) or log "
+            f"in (wandb login), or write {path}='${{oc.env:YOUR_VARIABLE}}' (read from the environment, masked in every file)"
+        )
+    if any(match.group("password") and not match.group("password").startswith("$") for match in URL_PASSWORD.finditer(value)):
+        return (
+            f"{path}={mask_url_passwords(value)!r} carries a password in its URL, which would be written to .hydra/ and the logs; "
+            f"fix: put the URL in an environment variable and write {path}='${{oc.env:YOUR_URL_VARIABLE}}', or use the "
+            "tool's own credential file"
+        )
+    return None
 
 
 def register(*configs: DictConfig | None) -> set[str]:
