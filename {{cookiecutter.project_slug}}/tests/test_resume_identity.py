@@ -145,6 +145,26 @@ def test_a_longer_run_resumes_and_says_it_is_an_extended_run_in_the_log_and_metr
     assert "extended" not in again
 
 
+def test_a_checkpoint_copied_to_another_folder_names_no_best_of_the_old_folder(run, tmp_path):
+    """Lightning restores the best checkpoint's path of the folder the checkpoint was written in: a resume elsewhere with no
+    validation left to run reported (and would have tested) that other run's file."""
+    kept = [o for o in run.base if not o.startswith("paths.output_dir=")]
+    original = tmp_path / "original"
+    first = train(compose_config("train", [*kept, f"paths.output_dir={original}", "trainer.val_check_interval=4"]))
+    assert Path(first["best_checkpoint"]).parent == original / "checkpoints"
+    for name, copied in (("folder", None), ("alone", "copied.ckpt")):
+        target = tmp_path / name
+        if copied is None:  # the whole folder copied: its own copy of the best stands for it
+            shutil.copytree(original, target)
+            ckpt = target / "checkpoints" / "last.ckpt"
+        else:
+            (target / "checkpoints").mkdir(parents=True)
+            ckpt = Path(shutil.copy(original / "checkpoints" / "last.ckpt", target / "checkpoints" / copied))
+        cfg = compose_config("train", [*kept, f"paths.output_dir={target}", "trainer.val_check_interval=4", f"ckpt_path={ckpt}"])
+        best = train(cfg)["best_checkpoint"]
+        assert best == (str(target / "checkpoints" / Path(first["best_checkpoint"]).name) if copied is None else None), best
+
+
 def test_another_lr_needs_allow_changed_and_then_resumes(run, tmp_path):
     with pytest.raises(ConfigError) as error:
         resume(run, tmp_path, "optimizer.lr=0.01", "seed=7")

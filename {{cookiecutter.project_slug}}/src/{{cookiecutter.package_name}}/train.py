@@ -33,7 +33,7 @@ from .core.callbacks.pruning import Pruning
 from .core.callbacks.run_identity import RunIdentity
 from .core.callbacks.step_time import StepTimeCheck
 from .core.callbacks.terminal import RunHeader, print_results
-from .core.checkpoints.io import flush_checkpoints, last_checkpoint, save_final_checkpoint, trained_checkpoint
+from .core.checkpoints.io import best_checkpoint, flush_checkpoints, last_checkpoint, save_final_checkpoint, trained_checkpoint
 from .core.config.instantiate import instantiate_loggers, instantiate_trainer, scalar_metrics
 from .core.config.resolvers import to_plain, world_size
 from .core.config.validate import config_warnings
@@ -138,7 +138,7 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                 step = "writing the checkpoints"
                 flush_checkpoints(trainer)  # the fit's background writes are on disk before they are read
                 final = save_final_checkpoint(trainer)  # last.ckpt = the weights the fit ended with
-                best = getattr(trainer.checkpoint_callback, "best_model_path", "")  # (the first checkpoint callback's)
+                best = best_checkpoint(trainer)
                 pruning = next((c for c in trainer.callbacks if isinstance(c, Pruning)), None)
                 if pruning is not None and best and final is not None:  # the pruned model, not an early best
                     best = pruning.checkpoint_to_test(best, str(final), trainer.global_step)

@@ -232,6 +232,18 @@ def save_final_checkpoint(trainer: L.Trainer) -> Path | None:
     return None
 
 
+def best_checkpoint(trainer: L.Trainer) -> str:
+    """The best checkpoint the first checkpoint callback tracks, in that callback's folder (``""``: none).  A checkpoint copied
+    from another run folder and resumed restores Lightning's ``best_model_path`` of that folder, another run's file: the file
+    of that name in this folder stands for it if there is one, else there is no best."""
+    callback = trainer.checkpoint_callback
+    best, folder = getattr(callback, "best_model_path", "") or "", getattr(callback, "dirpath", None)
+    if best and folder and Path(best).resolve().parent != Path(folder).resolve():
+        here = Path(folder) / Path(best).name
+        best = str(here) if here.is_file() else ""
+    return best
+
+
 def read_checkpoint(path: Path, key: str) -> Any:
     """One top-level entry of a checkpoint, read with ``mmap=True`` (not read whole) and ``weights_only=True`` (no pickled code).
 
