@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from {{ cookiecutter.package_name }}.core.config.validate import config_warnings
 from {{ cookiecutter.package_name }}.core.data.sampling import ResumableSampler
 from {{ cookiecutter.package_name }}.core.errors import ConfigError, MetricNotLogged, TrialFailed
-from {{ cookiecutter.package_name }}.core.run.distributed import JOB_ENV, ddp_child_argv
+from {{ cookiecutter.package_name }}.core.run.distributed import JOB_ENV, ddp_child_argv, rank_exit_code
 from {{ cookiecutter.package_name }}.tasks import check_config
 
 from .conftest import METRIC, TASK, compose_config
@@ -218,6 +218,13 @@ def test_ddp_child_of_a_multirun_job_runs_that_job_alone():
     ]
     assert ddp_child_argv(argv, {**environ, "LOCAL_RANK": "0"}) is None  # rank 0 is the job itself
     assert ddp_child_argv(argv, {"LOCAL_RANK": "1"}) is None  # a DDP child of a single run: Lightning's command as is
+
+
+def test_a_child_rank_stopped_by_an_agreed_signal_exits_0_so_lightnings_observer_leaves_rank_0_alone():
+    """The flaky DDP stop test: rank 1 exiting 143 first made Lightning's process observer SIGKILL rank 0 (-9, not 143)."""
+    assert rank_exit_code(143, rank=1) == 0 and rank_exit_code(130, rank=3) == 0
+    assert rank_exit_code(143, rank=0) == 143  # rank 0's code is the run's
+    assert rank_exit_code(3, rank=1) == 3 and rank_exit_code(5, rank=1) == 5  # a stop of its own still brings the others down
 
 
 def test_the_sampler_shards_an_epoch_over_ranks_and_resumes_each_where_it_stopped():

@@ -45,7 +45,7 @@ from .core.memory.planner import check_memory_plan
 from .core.memory.steptime import has_peaks
 from .core.models.inputs import ConnectData
 from .core.models.precision import precision_is_auto
-from .core.run.distributed import ddp_child_argv, ddp_job_env, finish_ranks
+from .core.run.distributed import ddp_child_argv, ddp_job_env, finish_ranks, rank_exit_code
 from .core.run.entry import close_loggers, exit_on_bad_input, hydra_main, print_config_tree, save_run_config, write_metrics
 from .core.run.folder import owned_run_folder
 from .core.run.hub import hub_problems
@@ -275,7 +275,7 @@ def run(cfg: DictConfig) -> float | None:
             return objective(train(cfg), cfg)
     except RunStopped as stop:
         print(f"\n{stop}", file=sys.stderr, flush=True)
-        sys.exit(stop.exit_code)
+        sys.exit(rank_exit_code(stop.exit_code, rank_zero_only.rank))
 
 
 def main() -> None:

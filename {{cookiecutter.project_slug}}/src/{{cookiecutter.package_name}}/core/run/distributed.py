@@ -66,6 +66,14 @@ def finish_ranks(trainer: object, timeout_s: float = 60.0) -> None:
     children.clear()
 
 
+def rank_exit_code(exit_code: int, rank: int) -> int:
+    """The exit code of a rank that stops on purpose: rank 0's is the run's; another rank stopping on a signal (128 + N:
+    every rank agreed to stop at that step boundary, :class:`..callbacks.guards.StopOnSignal`) exits 0, since Lightning's
+    process observer in rank 0 SIGKILLs it when a child exits non-zero, possibly before rank 0 has written its checkpoint.
+    Other stops keep their code (a rank stopping alone must still bring the others down)."""
+    return 0 if rank != 0 and exit_code >= 128 else exit_code
+
+
 def ddp_child_argv(argv: list[str], environ: dict[str, str] | None = None) -> list[str] | None:
     """The command line a multirun job's DDP child must run (``None``: not such a child): ``argv``'s config flags (not the
     sweep), the job's overrides and folder, ``hydra.mode=RUN``.  ``environ`` defaults to ``os.environ``."""
