@@ -7,6 +7,7 @@ tests/test_adapter_base.py (causal LM); the sweep row: tests/test_sweeps.py ("fi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -141,3 +142,53 @@ def test_a_folder_of_many_files_is_hashed_with_one_write_of_the_cache(tmp_path, 
     digests = file_hashes.folder_sha256(folder)
     assert len(writes) == 1 and digests == {path.name: sha256(path) for path in sorted(folder.iterdir())}
     assert file_hashes.folder_sha256(folder) == digests and len(writes) == 1  # (all cached: no write)
+
+
+def fake_hub_cache(cache: Path, repo: str, snapshots: dict[str, Path | None], main: str) -> Path:
+    """A Hugging Face cache as huggingface_hub lays it out (no blobs needed): ``models--org--name/refs/main`` naming one of
+    ``snapshots`` (commit -> a folder to copy in, or ``None`` for a config.json of its own)."""
+    import shutil
+
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    for commit, source in snapshots.items():
+        folder = repo_dir / "snapshots" / commit
+        if source is None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "config.json").write_text(json.dumps({"commit": commit}))
+        else:
+            shutil.copytree(source, folder, dirs_exist_ok=True)
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(main)
+    return repo_dir
+
+
+def test_a_hub_id_is_its_cached_revision_in_identity_and_cache_keys(tmp_path, monkeypatch, caplog):
+    """A Hub name stood for whatever its cache held: a moved refs/main resumed (and read cached reference tables) silently."""
+    import logging
+
+    import huggingface_hub
+
+    from {{ cookiecutter.package_name }}.core.identity.fingerprint import base_problem, file_changes, hub_or_files, path_entry, resume_problems
+
+    first, second = "a" * 40, "b" * 40
+    repo = fake_hub_cache(tmp_path, "org/tiny", {first: None, second: None}, main=first)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = {"model.name_or_path": path_entry("org/tiny")}
+    key_before = hub_or_files("org/tiny")
+    assert before["model.name_or_path"] == {"given": "org/tiny", "hub": True, "revision": first}
+    (repo / "refs" / "main").write_text(second)
+    after = {"model.name_or_path": path_entry("org/tiny")}
+    assert hub_or_files("org/tiny") != key_before  # the reference log-prob table of the old revision is not read
+    changes = file_changes(before, after)
+    assert [change.key for change in changes] == ["model.name_or_path@revision"]
+    problems, _ = resume_problems(changes, (), [], "ckpt_path='last.ckpt'")
+    assert f"revision {first}" in problems[0] and f"revision {second}" in problems[0]
+    assert "fix: resume.allow_changed=[model.name_or_path@revision]" in problems[0]
+    assert resume_problems(changes, (), ["model.name_or_path@revision"], "x")[0] == []
+    problem = base_problem(before["model.name_or_path"], "org/tiny", "ckpt_path='a.ckpt'")
+    assert f"now resolves it to revision {second}" in problem and f"--revision {first}" in problem
+    with caplog.at_level(logging.WARNING):  # a checkpoint of before revisions were recorded: warned, not refused
+        assert file_changes({"model.name_or_path": {"given": "org/tiny", "hub": True}}, after) == []
+    assert "(no revision recorded): whether its weights changed since cannot be checked" in caplog.text
+    assert path_entry("org/not-cached") == {"given": "org/not-cached", "hub": True}

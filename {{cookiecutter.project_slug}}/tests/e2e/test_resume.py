@@ -306,3 +306,48 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(lm_base, lm_reference, tm
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_losses(lm_reference, step_losses(run_dir), f"SIGTERM during step {step}")
 {%- endif %}
+
+
+def test_a_hub_models_revision_moved_in_the_cache_is_refused_on_resume_unless_allowed(
+    lm_tokenizer_dir, lm_text, pretrained_lm_dir, tmp_path
+):
+    """Offline, a hand-made Hugging Face cache with two snapshots of one Hub id: a run trained on the first, resumed after
+    refs/main moved to the second, is refused (naming both revisions and the resume.allow_changed fix), then allowed."""
+    import shutil
+    import sys
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ..conftest import lm_overrides
+    from ..processes import subprocess_env
+    from ..test_run_identity import fake_hub_cache
+
+    first, second = "1" * 40, "2" * 40
+    changed = tmp_path / "changed"
+    shutil.copytree(pretrained_lm_dir, changed)
+    weights = load_file(changed / "model.safetensors")
+    weights = {name: tensor + 0.01 if tensor.is_floating_point() else tensor for name, tensor in weights.items()}
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    hub = tmp_path / "hub"
+    repo = fake_hub_cache(hub, "org/tiny-llama", {first: pretrained_lm_dir, second: changed}, main=first)
+    env = {**subprocess_env(), "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    run_dir = tmp_path / "run"
+    base = [*without_output_dir(lm_overrides(lm_tokenizer_dir, lm_text, run_dir)), "model.name_or_path=org/tiny-llama", "model.config=null"]
+    base += ["trainer.val_check_interval=2", "callbacks.sample_generation=null", "test_after_fit=false", f"hydra.run.dir={run_dir}"]
+
+    def train(*more: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "{{ cookiecutter.package_name }}.train", *base, *more]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+    done = train("trainer.max_steps=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    identity = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["identity"]
+    assert identity["files"]["model.name_or_path"]["revision"] == first
+    (repo / "refs" / "main").write_text(second)
+    refused = train("trainer.max_steps=4", "ckpt_path=last")
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert f"revision {first}" in refused.stderr and f"revision {second}" in refused.stderr
+    assert "fix: resume.allow_changed=[model.name_or_path@revision]" in refused.stderr
+    allowed = train("trainer.max_steps=4", "ckpt_path=last", "resume.allow_changed=[model.name_or_path@revision]")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]

@@ -48,7 +48,8 @@ class RunIdentity(L.Callback):
             labels = _labels(inputs.id2label if inputs is not None else None)
             if _labels(self.old_labels) != labels:
                 changes.append(Change("labels", str(_labels(self.old_labels)), str(labels)))
-            problems, notes = resume_problems(changes, (), [], self.where)  # (files and labels: the same for every task)
+            allow = [str(key) for key in ((self.config.get("resume") or {}).get("allow_changed") or [])]  # (a Hub revision)
+            problems, notes = resume_problems(changes, (), allow, self.where)  # (files and labels: the same for every task)
             if problems:
                 raise ConfigError("\n".join(problems))
             for note in notes:  # (a test split added or changed)

@@ -91,6 +91,8 @@ ALLOWED_ON_RESUME = (
     "test_after_fit",
     "data.splits.test (content)",  # (the test after the fit is an evaluation: new data is its job)
 )
+# The suffix of a Hub id's revision change (``model.name_or_path@revision``), allowed by name in resume.allow_changed.
+REVISION = "@revision"
 # What a schedule's length is read from: logged when a resume changes it.
 SCHEDULE_LENGTH = ("trainer.max_steps", "trainer.max_epochs")
 # The tokenizer's files in a model folder (the rest are the model's).
@@ -151,14 +153,14 @@ def named_files(config: dict) -> dict[str, dict]:
 
 def path_entry(given: str, pick=None) -> dict:
     """What is at ``given``: ``{"given", "resolved", "sha256"}`` (file), ``{..., "files": {name: sha256}}`` (folder, names
-    filtered by ``pick``), ``{"given", "hub": true}`` (a Hub id), or ``{..., "missing": true}``."""
+    filtered by ``pick``), ``{"given", "hub": true, "revision"}`` (a Hub id; the revision when the local cache has it), or
+    ``{..., "missing": true}``."""
     path = Path(given).expanduser()
     if not path.exists():
-        return (
-            {"given": given, "hub": True}
-            if not is_local_path(given)
-            else {"given": given, "resolved": str(path.resolve()), "missing": True}
-        )
+        if is_local_path(given):
+            return {"given": given, "resolved": str(path.resolve()), "missing": True}
+        revision = hub_revision(given)
+        return {"given": given, "hub": True, **({"revision": revision} if revision else {})}
     entry = {"given": given, "resolved": str(path.resolve())}
     if path.is_file():
         entry["sha256"] = file_sha256(path)
@@ -166,6 +168,25 @@ def path_entry(given: str, pick=None) -> dict:
         digests = folder_sha256(path)
         entry["files"] = {name: digest for name, digest in digests.items() if pick is None or pick(name)}
     return entry
+
+
+def hub_revision(name: str) -> str | None:
+    """The commit hash the local Hugging Face cache resolves Hub id ``name`` to (its ``refs/main``), ``None`` when the cache
+    lacks it (or ``name`` is no Hub id).  No network: huggingface_hub's ``snapshot_download(local_files_only=True)``."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=name, local_files_only=True)).name
+    except Exception:  # (not cached: LocalEntryNotFoundError; not a repo id: HFValidationError)
+        return None
+
+
+def hub_or_files(name_or_path: str) -> object:
+    """What a cache key holds for model weights: the folder's file hashes, or a Hub id with its cached revision (a new
+    revision in the cache is another key, never the old table)."""
+    if is_local_path(name_or_path) and Path(name_or_path).is_dir():
+        return folder_sha256(Path(name_or_path))
+    return {"hub": name_or_path, "revision": hub_revision(name_or_path)} if name_or_path else name_or_path
 
 
 def tokenizer_files(name: str) -> bool:
@@ -207,7 +228,8 @@ def describe(entry: dict | None) -> str:
     if not entry:
         return "(none)"
     if entry.get("hub"):
-        return f"the Hub name {entry['given']!r}"
+        at = f" at revision {entry['revision']}" if entry.get("revision") else " (no revision recorded)"
+        return f"the Hub name {entry['given']!r}{at}"
     if entry.get("missing"):
         return f"nothing at {entry['resolved']}"
     return f"sha256 {content_digest(entry)[:12]} of {entry['resolved']}"
@@ -234,6 +256,8 @@ def flatten(node: object, prefix: str = "") -> dict[str, object]:
 def resume_class(key: str, task_keys: tuple[str, ...] = ()) -> str:
     """``ignored`` | ``refused`` | ``allowed`` | ``allow_changed`` for a changed key (module docstring); file content and
     ``labels`` are refused, except the test split's."""
+    if key.endswith(REVISION):  # a Hub id's cached revision moved: the user may know it is the same model
+        return "allow_changed"
     if key.endswith(" (content)") or key == "labels":
         return "allowed" if key in ALLOWED_ON_RESUME else "refused"
     if any(fnmatch(key, pattern) for pattern in NOT_IDENTITY):
@@ -260,16 +284,18 @@ def config_changes(old: dict, new: dict) -> list[Change]:
 
 
 def file_changes(old: dict, new: dict) -> list[Change]:
-    """The named files whose content differs (``<key> (content)``), a Hub name compared by name."""
+    """The named files whose content differs (``<key> (content)``); a Hub id's cached revision (``<key>@revision``: a
+    resume may take it with ``resume.allow_changed``); an old entry with the name only is warned about."""
     changes = []
     for key in sorted(set(old) | set(new)):
         before, after = old.get(key), new.get(key)
-        same = (
-            before.get("given") == after.get("given")
-            if before and after and before.get("hub") and after.get("hub")
-            else content_digest(before) == content_digest(after)
-        )
-        if not same:
+        if before and after and before.get("hub") and after.get("hub") and before.get("given") == after.get("given"):
+            if before.get("revision") and after.get("revision") and before["revision"] != after["revision"]:
+                changes.append(Change(f"{key}{REVISION}", describe(before), describe(after)))
+            elif not before.get("revision"):
+                log.warning("%s: the run recorded %s: whether its weights changed since cannot be checked", key, describe(before))
+            continue
+        if content_digest(before) != content_digest(after):
             differ = differing_files(before, after)
             detail = f" (differing files: {', '.join(differ[:5])})" if differ else ""
             changes.append(Change(f"{key} (content)", describe(before), describe(after) + detail))
@@ -345,7 +371,7 @@ def check_resume_config(cfg: DictConfig, checkpoint: dict, where: str, task_keys
     config = plain_config(cfg)
     keys = set(flatten(identity.get("config") or {})) | set(flatten(config))
     for pattern in allow:  # (a key that names nothing is a typo; a pattern may match nothing this time)
-        if not set("*?[") & set(pattern) and pattern not in keys:
+        if not set("*?[") & set(pattern) and pattern not in keys and not pattern.endswith(REVISION):
             close = difflib.get_close_matches(pattern, sorted(keys), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(
@@ -366,7 +392,14 @@ def base_problem(entry: dict, name_or_path: str, where: str) -> str | None:
     (message names paths, hashes, differing files); ``None`` when the same (a Hub base: the same name)."""
     now = path_entry(name_or_path, model_files)
     if entry.get("hub") and entry.get("given") == now.get("given"):
-        return None  # (a Hub name: its revision is the Hub's to keep)
+        if not (entry.get("revision") and now.get("revision") and entry["revision"] != now["revision"]):
+            return None  # (the same revision, or one side unknown: an old checkpoint's name only)
+        return (
+            f"{where} holds adapters trained on {describe(entry)}, and the local Hugging Face cache now resolves it to "
+            f"revision {now['revision']}: the adapters would be applied to another model; fix: put that revision in a folder "
+            f"(huggingface-cli download {entry['given']} --revision {entry['revision']} --local-dir DIR) and pass "
+            "model.name_or_path=DIR on the command line"
+        )
     if not entry.get("hub") and content_digest(now) == content_digest(entry):
         return None
     differ = differing_files(entry, now)

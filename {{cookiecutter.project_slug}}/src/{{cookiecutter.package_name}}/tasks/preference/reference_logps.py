@@ -20,8 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ...core.errors import ConfigError
-from ...core.identity.fingerprint import is_local_path
-from ...core.identity.hashes import folder_sha256
+from ...core.identity.fingerprint import hub_or_files
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class ReferenceLogProbs(L.Callback):
             return None
         base = str(module.hparams.model.get("name_or_path") or "")
         key = {
-            "base_files": folder_sha256(base) if base and is_local_path(base) and os.path.isdir(base) else base,
+            "base_files": hub_or_files(base),
             "model": {k: v for k, v in module.hparams.model.items() if k != "fetch"},
             "hf_config": module.hparams.hf_config,
             "peft": module.hparams.peft,
