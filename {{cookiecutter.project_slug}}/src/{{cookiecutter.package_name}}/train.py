@@ -153,6 +153,8 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
                         metrics.update(
                             task.after_test(module, datamodule, trainer, run_dir / "predictions.jsonl", "test", "test/exact_match")
                         )
+            except RunStopped:
+                raise  # (a signal or a guard stopped the run on purpose: no metrics.json, as for a stop during the fit)
             except Exception as error:
                 if trainer.is_global_zero:
                     keep_after_failure(run_dir, metrics, step, error)

@@ -72,7 +72,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "task": frozenset(
         {"name", "module", "module_args", "datamodules", "monitor", "monitor_mode", "objectives", "validate_before_fit", "requires"}
     ),
-    "model": frozenset({"name_or_path", "tokenizer", "config", "fetch", "architecture"}),
+    "model": frozenset({"name_or_path", "tokenizer", "config", "fetch", "architecture", "finetune_lr"}),
     "peft": frozenset(
         {
             "method",

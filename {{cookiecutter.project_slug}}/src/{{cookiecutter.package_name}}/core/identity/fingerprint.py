@@ -44,6 +44,7 @@ NOT_IDENTITY = (
     "model.fetch.*",
     "data.fetch.*",
     "model.architecture.*",
+    "model.finetune_lr",  # (what optimizer.lr defaults to: optimizer.lr is compared)
     "model.name_or_path",
     "model.tokenizer",
     "data.tokenizer",
