@@ -468,6 +468,16 @@ def test_a_checkpoint_is_scored_by_its_stored_tag_scheme(ner_ckpt, make_ner_cfg,
         evaluate(cfg)
 
 
+def test_the_default_learning_rate_is_the_models_finetune_lr_unless_a_recipe_or_the_command_line_gives_one(tmp_path):
+    """At BERT-base's 5e-5, the default model (MiniLM-L6) underfit a 200-step token classifier (docs/tasks/classification.md)."""
+    run = [f"paths.output_dir={tmp_path}"]
+    assert compose_config("train", [*run, "task=token_classification", "model=minilm_l6"]).optimizer.lr == 2.0e-4
+    assert compose_config("train", [*run, "model=bert_base_uncased"]).optimizer.lr == 5.0e-5
+    assert compose_config("train", [*run, "model=minilm_l6", "optimizer.lr=3e-5"]).optimizer.lr == 3.0e-5
+    assert compose_config("train", [*run, "model=minilm_l6", "optimizer=adamw_8bit"]).optimizer.lr == 2.0e-4
+    assert compose_config("train", [*run, "experiment=demo_classification"]).optimizer.lr == 1.0e-4  # the recipe's own
+
+
 def test_the_planner_traces_the_tasks_batch(make_ner_cfg):
     from {{ cookiecutter.package_name }}.core.memory.planner import plan_memory
 
