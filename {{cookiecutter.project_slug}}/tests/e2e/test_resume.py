@@ -124,8 +124,6 @@ def test_classifier_pruned_during_training_killed_mid_ramp_resumes_bit_identical
         return {int(row["step"]): float(row["train/sparsity"]) for row in read_metrics(run / "csv") if row.get("train/sparsity")}
 
     assert sparsity(run_dir) == sparsity(reference_dir) and sparsity(run_dir)[CLS_STEPS - 1] == 0.5
-{%- endif %}
-{%- if cookiecutter.tasks != "classification" %}
 
 
 def callback_states(run: Path) -> tuple[int, dict, dict]:
@@ -192,7 +190,8 @@ def test_a_kill_after_a_validation_resumes_to_the_uninterrupted_runs_stop_step_w
     fault = ["+callbacks.fault._target_=faults.KillAt", f"+callbacks.fault.step={kill}", "+callbacks.fault.micro_batch=1"]
     run_dir, _ = kill_and_resume(base, tmp_path, fault, expect_code=-signal.SIGKILL)
     assert_same_state(reference, callback_states(run_dir), context)
-
+{%- endif %}
+{%- if cookiecutter.tasks != "classification" %}
 
 # ----------------------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
@@ -305,7 +304,6 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(lm_base, lm_reference, tm
     resumed = run_train(run_dir, lm_base + ["ckpt_path=last", WITHOUT_FAULT])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_losses(lm_reference, step_losses(run_dir), f"SIGTERM during step {step}")
-{%- endif %}
 
 
 def test_a_hub_models_revision_moved_in_the_cache_is_refused_on_resume_unless_allowed(
@@ -351,3 +349,4 @@ def test_a_hub_models_revision_moved_in_the_cache_is_refused_on_resume_unless_al
     assert "fix: resume.allow_changed=[model.name_or_path@revision]" in refused.stderr
     allowed = train("trainer.max_steps=4", "ckpt_path=last", "resume.allow_changed=[model.name_or_path@revision]")
     assert allowed.returncode == 0, allowed.stderr[-3000:]
+{%- endif %}
