@@ -321,6 +321,38 @@ def test_truncation_right_leaves_no_trained_token_and_left_keeps_the_answer(toke
     assert left["length"] == 16 and trained_text(tokenizer, left["input_ids"], left["labels"]) == [f"fool{END}"]
 
 
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+@pytest.mark.parametrize("truncation", ["right", "left"])
+def test_a_long_chat_row_is_tokenised_only_as_far_as_truncation_keeps_with_the_ids_and_labels_of_the_whole(
+    tokenizer, monkeypatch, train_on, truncation
+):
+    """A chat row was rendered and tokenised whole (a 50 MB cell: gigabytes of offsets); now as plain text is: no tokenizer
+    call gets more than about twice piece_chars(max_length) characters, and the kept ids and labels are the whole row's."""
+    long = " ".join(["the king speaks to a fool"] * 4000)  # ~100k characters: over piece_chars(16) = 8,192
+    row = {
+        "messages": [
+            {"role": "user", "content": "the king speaks"},
+            {"role": "assistant", "content": long},
+            {"role": "user", "content": long},
+            {"role": "assistant", "content": "love night"},
+        ]
+    }
+    whole = label_row(tokenizer, row, train_on=train_on, max_length=200_000, truncation=truncation)  # (not cut: reference)
+    assert whole["truncated"] == 0 and whole["length"] > 30_000
+    longest = []
+    call = type(tokenizer).__call__
+
+    def spy(self, text, *args, **kwargs):
+        longest.append(max(map(len, text)) if isinstance(text, list) else len(text))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", spy)
+    cut = label_row(tokenizer, row, train_on=train_on, max_length=16, truncation=truncation)
+    keep = slice(0, 16) if truncation == "right" else slice(-16, None)
+    assert cut["input_ids"] == whole["input_ids"][keep] and cut["labels"] == whole["labels"][keep]
+    assert cut["truncated"] == -1 and max(longest) <= 2 * 8192  # (counted: never tokenised)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path

@@ -84,7 +84,8 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
         row = rows[index]
         where = f"row {row['row']} of data.splits.{cfg.split}[{row['part']}]" if "part" in row else f"row {row['row']}"
         console.print(
-            f"--- {where}: {row['length']} tokens, {row['n_trained']} trained, {row['truncated']} truncated",
+            f"--- {where}: {row['length']} tokens, {row['n_trained']} trained, "
+            + (f"{row['truncated']} truncated" if row["truncated"] >= 0 else "more truncated (a long row: not tokenised past the cut)"),
             style="bold" if color else "",
         )
         for prefix in datamodule.SIDE_PREFIXES:  # a preference pair: each side, as trained

@@ -6,7 +6,8 @@ gets more than :func:`piece_chars` characters: a longer text is cut into :func:`
 a whitespace run that follows a non-whitespace character (a boundary). No pre-token spans a boundary (BERT's splits
 at whitespace; byte-level BPE's, GPT-2's regex, starts each match holding whitespace with it), so pieces give the
 ids of the whole; only a whitespace-free run longer than a piece (a base64 blob) may differ next to its cut.
-Truncation (``data.mode=pad``) keeps the first pieces holding ``max_length + 2`` tokens (:func:`cut_for_tokens`);
+Truncation (``data.mode=pad``) keeps the first pieces holding ``max_length + 2`` tokens (:func:`cut_for_tokens`; chat rows
+cut from the left: the last, :func:`tail_for_tokens`);
 packing (``data.mode=pack``) tokenises piece by piece (:func:`tokenize_in_pieces`) if the tokenizer
 :func:`splits_at_whitespace` (a SentencePiece one prepending ``▁`` to every call gets the whole document)."""
 
@@ -103,6 +104,20 @@ def cut_for_tokens(text: str, tokenizer: PreTrainedTokenizerBase, max_tokens: in
         if count >= max_tokens + 2:
             break
     return text[:end]
+
+
+def tail_for_tokens(text: str, tokenizer: PreTrainedTokenizerBase, max_tokens: int, size: int) -> str:
+    """As :func:`cut_for_tokens` from the end: ``text``, or the shortest suffix of whole :func:`text_pieces` holding
+    ``max_tokens + 2`` tokens or more: its last ``max_tokens`` tokens are ``text``'s (a piece starts at a boundary)."""
+    if len(text) <= size:
+        return text
+    count, start = 0, len(text)
+    for piece in reversed(list(text_pieces(text, size))):
+        count += len(tokenizer(piece, add_special_tokens=False)["input_ids"]) - 1
+        start -= len(piece)
+        if count >= max_tokens + 2:
+            break
+    return text[start:]
 
 
 def tokenize_in_pieces(text: str, tokenizer: PreTrainedTokenizerBase, size: int) -> list[int]:

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ...core.data.batching import TokenizedDataModule
 from ...core.data.loading import load_split
-from ...core.data.tokenization import load_tokenizer
+from ...core.data.tokenization import cut_for_tokens, load_tokenizer, piece_chars, tail_for_tokens
 from ...core.errors import ConfigError, DataError, TemplateError
 from .text import IGNORE_INDEX, pad_token_id
 
@@ -45,7 +45,7 @@ ROW_FIELDS = ("messages", "conversations", "instruction", "input", "output", "sy
 TEMPLATES_DIR = Path(__file__).resolve().parent / "chat_templates"
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 # In the tokenised cache's key (datasets hashes the map function, not what it calls): a new labelling rule, a new cache.
-LABEL_RULE = "pieces-at-answer-boundaries-2"
+LABEL_RULE = "pieces-at-answer-boundaries-3"
 
 
 def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
@@ -183,9 +183,16 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dic
 
 
 def assistant_token_mask(
-    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], turns: list[int], generation_prompt: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: list[dict],
+    turns: list[int],
+    generation_prompt: bool = False,
+    keep: tuple[int, str] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Token ids of the conversation and, per token, its assistant turn (index in ``messages``, if in ``turns``) or -1.
+    ``keep=(max_length, side)``: only the pieces holding the first (``right``) or last (``left``) ``max_length + 2`` tokens of
+    a rendering over :func:`...core.data.tokenization.piece_chars` are tokenised (:func:`bounded`), as plain text is.
 
     Turn ``i`` starts where ``messages[:i]`` with the generation prompt ends, the text ``generate`` tokenises before the answer;
     the text is tokenised in pieces cut there, so training and inference agree on the answer's first token (tokenised whole,
@@ -209,12 +216,27 @@ def assistant_token_mask(
         position = len(with_answer)
     pieces.append((whole[position:], -1))
     ids, owner = [], []
-    for text, turn in pieces:
+    for text, turn in bounded(pieces, tokenizer, keep) if keep is not None and len(whole) > piece_chars(keep[0]) else pieces:
         if text:
             piece_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids += piece_ids
             owner += [turn] * len(piece_ids)
     return ids, owner
+
+
+def bounded(pieces: list[tuple[str, int]], tokenizer: PreTrainedTokenizerBase, keep: tuple[int, str]) -> list[tuple[str, int]]:
+    """The parts of a long rendering's ``(text, owner)`` pieces that hold its first (``keep[1] == "right"``) or last
+    ``keep[0] + 2`` tokens, each piece cut by :func:`...cut_for_tokens` / :func:`...tail_for_tokens`: the ids the
+    truncation keeps are those of the whole, and no tokenizer call gets more than about ``2 x piece_chars`` characters."""
+    max_length, side = keep
+    size, budget, kept = piece_chars(max_length), max_length + 2, []
+    for text, turn in pieces if side != "left" else reversed(pieces):
+        if budget <= 0:
+            break
+        part = (cut_for_tokens if side != "left" else tail_for_tokens)(text, tokenizer, budget, size)
+        budget -= len(tokenizer(part, add_special_tokens=False)["input_ids"]) if len(part) <= size else budget
+        kept.append((part, turn))
+    return kept if side != "left" else kept[::-1]
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict]) -> list[int]:
@@ -246,8 +268,10 @@ def generation_token_mask(
     return list(encoded["input_ids"]), owner
 
 
-def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str) -> list[int]:
+def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str, open_end: bool = False) -> list[int]:
     """Labels: each marked run (and an end-of-turn token right after it), cut after its last end-of-turn token; -100 elsewhere.
+    ``open_end``: ``ids`` stop inside the conversation (a long row tokenised only as far as truncation keeps): a run reaching
+    the end is labelled to it, as the whole row's labels are there.
 
     Raises:
         TemplateError: a run has no end-of-turn token (``eot``, its text): the model would never learn to stop.
@@ -264,6 +288,8 @@ def answer_labels(ids: list[int], owner: list[int], eot_id: int, eot: str) -> li
         if end < len(ids) and ids[end] == eot_id and eot_id not in ids[index:end]:
             end += 1  # the template closes the turn right after the marked content
         closing = [position for position in range(index, end) if ids[position] == eot_id]
+        if open_end and end == len(ids):
+            closing = [end - 1]
         if not closing:
             raise TemplateError(
                 f"an assistant turn is not closed by the end-of-turn token {eot!r} (id {eot_id}), so the model would not learn "
@@ -311,7 +337,8 @@ def tokenize_conversations(
     """Render, tokenise and label a batch of rows (a ``datasets`` map; ``rule``: :data:`LABEL_RULE`, for the cache key).
 
     Returns per row ``input_ids``, ``labels`` (-100 where not trained), ``length``, ``n_trained`` (0: dropped), ``n_content``
-    (trained labels other than end-of-turn; 0: no answer text), ``truncated`` (tokens cut) and ``row`` (index in the split).
+    (trained labels other than end-of-turn; 0: no answer text), ``truncated`` (tokens cut; -1: cut, uncounted, a rendering over
+    ``piece_chars(max_length)`` characters tokenised only as far as kept) and ``row`` (index in the split).
 
     Raises:
         DataError: a malformed row, ``train_on=completion`` on a multi-turn row, no assistant turn, a turn spelling a special token.
@@ -333,7 +360,9 @@ def tokenize_conversations(
         if problem:
             raise DataError(problem)
         try:
-            ids, labels = label_conversation(tokenizer, template, messages, train_on, eot_id, use_markers, where)
+            ids, labels, long = label_conversation(
+                tokenizer, template, messages, train_on, eot_id, use_markers, where, (max_length, truncation)
+            )
         except jinja2.TemplateError as error:  # the template itself raised (e.g. roles out of the order it accepts)
             raise TemplateError(
                 f"{where}: the chat template failed on this row: {type(error).__name__}: {error}; fix: the row (e.g. the "
@@ -349,30 +378,46 @@ def tokenize_conversations(
         out["length"].append(len(ids))
         out["n_trained"].append(sum(label != IGNORE_INDEX for label in labels[1:]))  # position 0 is never a target
         out["n_content"].append(sum(label not in (IGNORE_INDEX, eot_id) for label in labels[1:]))
-        out["truncated"].append(cut)
+        out["truncated"].append(-1 if long and cut else cut)  # (-1: a long row's cut tokens, never tokenised, uncounted)
         out["row"].append(index)
     return out
 
 
 def label_conversation(
-    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], train_on: str, eot_id: int, use_markers: bool, where: str
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels of one conversation (:func:`tokenize_conversations`).
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    messages: list[dict],
+    train_on: str,
+    eot_id: int,
+    use_markers: bool,
+    where: str,
+    keep: tuple[int, str] | None = None,
+) -> tuple[list[int], list[int], bool]:
+    """Token ids and labels of one conversation (:func:`tokenize_conversations`), and whether they are only the part a
+    truncation to ``keep=(max_length, side)`` keeps (a rendering over ``piece_chars(max_length)`` characters, cut as plain text
+    is: :func:`bounded`; not with ``{% generation %}`` markers, whose template tokenises the whole).
 
     Raises:
         DataError: no assistant turn.  TemplateError: see :func:`answer_labels`; jinja2.TemplateError: the template raised.
     """
+    long = keep is not None and not use_markers and len(render(tokenizer, template, messages)) > piece_chars(keep[0])
     if train_on == "all":
-        ids = tokenizer(render(tokenizer, template, messages), add_special_tokens=False)["input_ids"]
-        return ids, list(ids)
+        text = render(tokenizer, template, messages)
+        if long:
+            text = (cut_for_tokens if keep[1] != "left" else tail_for_tokens)(text, tokenizer, keep[0], piece_chars(keep[0]))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, list(ids), long
     turns = [i for i, turn in enumerate(messages) if turn["role"] == "assistant"]
     if not turns:
         raise DataError(f"{where} has no assistant turn, so nothing to train on or to score; fix: add the answer, or data.train_on=all")
     if train_on == "last_assistant":
         turns = turns[-1:]
-    find = generation_token_mask if use_markers else assistant_token_mask
-    ids, owner = find(tokenizer, template, messages, turns)
-    return ids, answer_labels(ids, owner, eot_id, tokenizer.convert_ids_to_tokens(eot_id))
+    if use_markers:
+        ids, owner = generation_token_mask(tokenizer, template, messages, turns)
+    else:
+        ids, owner = assistant_token_mask(tokenizer, template, messages, turns, keep=keep if long else None)
+    labels = answer_labels(ids, owner, eot_id, tokenizer.convert_ids_to_tokens(eot_id), open_end=long and keep[1] != "left")
+    return ids, labels, long
 
 
 def pack_rows(lengths: list[int], block_size: int) -> list[list[int]]:

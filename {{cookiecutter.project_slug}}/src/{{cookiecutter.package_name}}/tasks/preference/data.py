@@ -135,12 +135,14 @@ def tokenize_pairs(
             if problem:
                 raise DataError(problem)
             try:
-                ids, labels = label_conversation(tokenizer, template, messages, "last_assistant", eot_id, use_markers, where)
+                ids, labels, long = label_conversation(
+                    tokenizer, template, messages, "last_assistant", eot_id, use_markers, where, (max_length, "right")
+                )
             except jinja2.TemplateError as error:
                 raise TemplateError(f"{where} ({side}): the chat template failed on this row: {type(error).__name__}: {error}") from error
             except TemplateError as error:
                 raise TemplateError(f"{where} ({side}): {error}") from error
-            cut.append(max(0, len(ids) - max_length))
+            cut.append(-1 if long and len(ids) > max_length else max(0, len(ids) - max_length))  # (-1: cut, uncounted)
             ids, labels = ids[:max_length], labels[:max_length]
             n_trained = sum(label != IGNORE_INDEX for label in labels[1:])  # position 0 is never a target
             out[f"{side}_input_ids"].append(ids)
@@ -152,7 +154,7 @@ def tokenize_pairs(
         out["length"].append(max(lengths))
         out["n_trained"].append(min(trained))
         out["n_content"].append(min(content))
-        out["truncated"].append(max(cut))
+        out["truncated"].append(-1 if -1 in cut else max(cut))
         out["row"].append(index)
         out["tied"].append(all(out[f"chosen_{key}"][-1] == out[f"rejected_{key}"][-1] for key in ("input_ids", "labels")))
     return out
