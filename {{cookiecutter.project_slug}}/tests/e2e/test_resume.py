@@ -193,6 +193,7 @@ def test_a_kill_after_a_validation_resumes_to_the_uninterrupted_runs_stop_step_w
 {%- endif %}
 {%- if cookiecutter.tasks != "classification" %}
 
+
 # ----------------------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
 def lm_base(lm_tokenizer_dir, lm_text, tmp_path_factory) -> list[str]:
