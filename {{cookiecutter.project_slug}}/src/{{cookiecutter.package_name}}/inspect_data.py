@@ -5,7 +5,8 @@
 
 Prints ``rows`` rows of ``split`` (from ``first_row``) as ``train`` tokenises them, trained tokens green
 (or between ``[[`` and ``]]``; ``color=always|never``), with token counts; a preference pair shows each side.
-Then names the rows ``train`` would drop (no trained token left after truncation). (``inspect`` is stdlib's.)
+Then names the rows ``train`` would drop, by reason (the data module's ``drops``: no trained token left after truncation;
+a preference pair tied by it). (``inspect`` is stdlib's.)
 
 Exit codes: 0 every row is kept; 2 some rows would be dropped (no trained token; a preference pair tied by truncation);
 1 bad config or data."""

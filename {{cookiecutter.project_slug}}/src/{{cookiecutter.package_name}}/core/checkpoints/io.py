@@ -379,14 +379,13 @@ def data_kwargs(cfg: DictConfig, module: L.LightningModule, shaping_keys: tuple[
     values count as given.  Keys the config's data group lacks (another data module) are left alone."""
     from hydra.core.hydra_config import HydraConfig
 
-    kwargs = module.datamodule_kwargs()
+    kwargs, data = module.datamodule_kwargs(), OmegaConf.to_container(cfg.data, resolve=True)
     trained = (getattr(module, "trained_config", None) or {}).get("data") or {}
     for key in shaping_keys:
         name = key.removeprefix("data.")
-        if name not in cfg.data or name not in trained:
+        if name not in data or name not in trained:
             continue
-        stored = trained[name]
-        configured = OmegaConf.to_container(cfg.data[name], resolve=True) if OmegaConf.is_config(cfg.data[name]) else cfg.data[name]
+        stored, configured = trained[name], data[name]
         if configured == stored:
             continue
         if not HydraConfig.initialized() or command_line_value(key) is not None:

@@ -189,10 +189,11 @@ def assistant_token_mask(
     turns: list[int],
     generation_prompt: bool = False,
     keep: tuple[int, str] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Token ids of the conversation and, per token, its assistant turn (index in ``messages``, if in ``turns``) or -1.
-    ``keep=(max_length, side)``: only the pieces holding the first (``right``) or last (``left``) ``max_length + 2`` tokens of
-    a rendering over :func:`...core.data.tokenization.piece_chars` are tokenised (:func:`bounded`), as plain text is.
+) -> tuple[list[int], list[int], bool]:
+    """Token ids of the conversation and, per token, its assistant turn (index in ``messages``, if in ``turns``) or -1; and
+    whether only part of it was tokenised: ``keep=(max_length, side)`` tokenises, of a rendering over
+    :func:`...core.data.tokenization.piece_chars`, only the pieces holding its first (``right``) or last (``left``)
+    ``max_length + 2`` tokens (:func:`bounded`), as plain text is.
 
     Turn ``i`` starts where ``messages[:i]`` with the generation prompt ends, the text ``generate`` tokenises before the answer;
     the text is tokenised in pieces cut there, so training and inference agree on the answer's first token (tokenised whole,
@@ -215,17 +216,18 @@ def assistant_token_mask(
         pieces += [(whole[position : len(prompt)], -1), (whole[len(prompt) : len(with_answer)], turn if turn in turns else -1)]
         position = len(with_answer)
     pieces.append((whole[position:], -1))
-    ids, owner = [], []
-    for text, turn in bounded(pieces, tokenizer, keep) if keep is not None and len(whole) > piece_chars(keep[0]) else pieces:
-        if text:
-            piece_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids += piece_ids
-            owner += [turn] * len(piece_ids)
-    return ids, owner
+    long = keep is not None and len(whole) > piece_chars(keep[0])
+    if long:
+        tokenised = bounded(pieces, tokenizer, keep)
+    else:
+        tokenised = [(tokenizer(text, add_special_tokens=False)["input_ids"], turn) for text, turn in pieces if text]
+    ids = [token for piece_ids, _ in tokenised for token in piece_ids]
+    owner = [turn for piece_ids, turn in tokenised for _ in piece_ids]
+    return ids, owner, long
 
 
-def bounded(pieces: list[tuple[str, int]], tokenizer: PreTrainedTokenizerBase, keep: tuple[int, str]) -> list[tuple[str, int]]:
-    """The parts of a long rendering's ``(text, owner)`` pieces that hold its first (``keep[1] == "right"``) or last
+def bounded(pieces: list[tuple[str, int]], tokenizer: PreTrainedTokenizerBase, keep: tuple[int, str]) -> list[tuple[list[int], int]]:
+    """The ids of a long rendering's ``(text, owner)`` pieces, as far as they hold its first (``keep[1] == "right"``) or last
     ``keep[0] + 2`` tokens, each piece cut by :func:`...cut_for_tokens` / :func:`...tail_for_tokens`: the ids the
     truncation keeps are those of the whole, and no tokenizer call gets more than about ``2 x piece_chars`` characters."""
     max_length, side = keep
@@ -234,8 +236,9 @@ def bounded(pieces: list[tuple[str, int]], tokenizer: PreTrainedTokenizerBase, k
         if budget <= 0:
             break
         part = (cut_for_tokens if side != "left" else tail_for_tokens)(text, tokenizer, budget, size)
-        budget -= len(tokenizer(part, add_special_tokens=False)["input_ids"]) if len(part) <= size else budget
-        kept.append((part, turn))
+        piece_ids = tokenizer(part, add_special_tokens=False)["input_ids"]
+        budget -= len(piece_ids)
+        kept.append((piece_ids, turn))
     return kept if side != "left" else kept[::-1]
 
 
@@ -400,9 +403,9 @@ def label_conversation(
     Raises:
         DataError: no assistant turn.  TemplateError: see :func:`answer_labels`; jinja2.TemplateError: the template raised.
     """
-    long = keep is not None and not use_markers and len(render(tokenizer, template, messages)) > piece_chars(keep[0])
     if train_on == "all":
         text = render(tokenizer, template, messages)
+        long = keep is not None and not use_markers and len(text) > piece_chars(keep[0])
         if long:
             text = (cut_for_tokens if keep[1] != "left" else tail_for_tokens)(text, tokenizer, keep[0], piece_chars(keep[0]))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -413,9 +416,9 @@ def label_conversation(
     if train_on == "last_assistant":
         turns = turns[-1:]
     if use_markers:
-        ids, owner = generation_token_mask(tokenizer, template, messages, turns)
+        (ids, owner), long = generation_token_mask(tokenizer, template, messages, turns), False
     else:
-        ids, owner = assistant_token_mask(tokenizer, template, messages, turns, keep=keep if long else None)
+        ids, owner, long = assistant_token_mask(tokenizer, template, messages, turns, keep=keep)
     labels = answer_labels(ids, owner, eot_id, tokenizer.convert_ids_to_tokens(eot_id), open_end=long and keep[1] != "left")
     return ids, labels, long
 
