@@ -27,9 +27,9 @@ import {{ cookiecutter.package_name }}  # noqa: F401  (registers the config reso
 # Test tiers (see docs/development.md): a test's folder is its tier, and the marker is added
 # here, so that a test moved between folders changes tier with it.  Plain ``pytest`` runs the
 # unmarked ones (tests/*.py); pyproject's addopts deselects the rest; ``pytest -m e2e`` (or
-# ``slow``, ``ddp``, ``real_data``, ``gpu``) runs one tier, ``pytest -m "not gpu"`` all that
-# needs no GPU (what CI runs).
-TIERS = ("slow", "e2e", "ddp", "real_data", "gpu")
+# ``slow``, ``ddp``, ``real_data``, ``gpu``, ``llama_cpp``) runs one tier, ``pytest -m "not (gpu or llama_cpp)"``
+# all that needs neither a GPU nor a llama.cpp build (what CI runs).
+TIERS = ("slow", "e2e", "ddp", "real_data", "gpu", "llama_cpp")
 
 # Under pytest-xdist (``pytest -n 2 --dist loadfile``, what CI runs: a file's tests on one worker,
 # its module fixtures made once) each worker, and every process it starts, computes on one thread:

@@ -125,6 +125,32 @@ def test_lora_export_reloads_with_the_same_logits(lora_run, tmp_path):
         export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
 
 
+def test_export_format_gguf_writes_one_file_named_by_its_type_with_its_perplexity_in_the_report(
+    lora_run, lm_tokenizer_dir, lm_text, tmp_path
+):
+    run_dir, _ = lora_run
+    from .conftest import compose_config, lm_overrides
+
+    ckpt, out = run_dir / "checkpoints" / "last.ckpt", tmp_path / "gguf"
+    data = [*lm_overrides(lm_tokenizer_dir, lm_text, tmp_path / "export"), f"data.splits.test={lm_text['validation']}"]
+    common = [*data, f"ckpt_path={ckpt}", f"output_dir={out}", "format=gguf"]
+    with pytest.raises(ConfigError, match="not dtype"):
+        export(compose_config("export", [*common, "dtype=float16"]))
+    with pytest.raises(ConfigError, match="gguf_type='q3_k'"):
+        export(compose_config("export", [*common, "gguf_type=q3_k"]))
+    assert not out.exists()
+    path = export(compose_config("export", [*common, "gguf_type=q8_0"]))
+    assert path == out / "model.Q8_0.gguf" and sorted(p.name for p in out.iterdir()) == [
+        "export_report.json",
+        "export_report.md",
+        path.name,
+    ]
+    rows = {row["name"]: row for row in json.loads((out / "export_report.json").read_text())["variants"]}
+    checkpoint_ppl, gguf_ppl = rows["checkpoint"]["metrics"]["perplexity"], rows["gguf-q8_0"]["metrics"]["perplexity"]
+    assert abs(gguf_ppl - checkpoint_ppl) <= 0.01 * checkpoint_ppl, (gguf_ppl, checkpoint_ppl)
+    assert rows["gguf-q8_0"]["size_bytes"] == path.stat().st_size
+
+
 def test_generate_from_checkpoint_and_exported_folder(lora_run, tmp_path):
     run_dir, _ = lora_run
     from .conftest import compose_config

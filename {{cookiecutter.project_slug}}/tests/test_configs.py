@@ -32,7 +32,7 @@ TASK_DATA = {
 }
 ENTRY_CONFIGS = ("train", "eval", "plan", "quantize"
 {%- if cookiecutter.tasks != "causal_lm" %}, "predict"{% endif %}
-{%- if cookiecutter.tasks != "classification" %}, "generate", "export"{% endif %})
+{%- if cookiecutter.tasks != "classification" %}, "generate", "chat", "serve", "export"{% endif %})
 # Groups merged into Hydra's own node, not ours: composed, not resolved.
 HYDRA_GROUPS = ("hydra",)
 # Options that need a CUDA GPU (and flash-attn): on a machine without one, validate_config must
@@ -147,6 +147,8 @@ def test_entry_configs_compose(config_name, tmp_path):
         "eval": [f"ckpt_path={ckpt}"],
         "predict": [f"ckpt_path={ckpt}", f"input={ckpt}"],
         "generate": [f"ckpt_path={ckpt}"],
+        "chat": [f"ckpt_path={ckpt}"],
+        "serve": [f"ckpt_path={ckpt}"],
         "export": [f"ckpt_path={ckpt}"],
         "plan": [],
         "quantize": [f"ckpt_path={ckpt}"],

@@ -32,6 +32,8 @@ CONFIGS = {
     "eval": "eval",
     "predict": "predict",
     "generate": "generate",
+    "chat": "chat",
+    "serve": "serve",
     "export": "export",
     "quantize": "quantize",
     "plan": "plan",

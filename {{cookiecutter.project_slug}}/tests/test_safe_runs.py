@@ -535,19 +535,35 @@ def lora_lm(lm_tokenizer_dir, lm_text, pretrained_lm_dir, tmp_path_factory) -> t
 
 
 def test_crafted_lm_checkpoints_are_refused_by_every_entry_point(lora_lm, tmp_path):
+    from {{ cookiecutter.package_name }}.chat import chat
     from {{ cookiecutter.package_name }}.export import export
     from {{ cookiecutter.package_name }}.generate import generate
+    from {{ cookiecutter.package_name }}.serve import served_app
 
     source, base = lora_lm
+
+    def no_input(prompt: str) -> str:
+        raise AssertionError("a refused checkpoint must stop chat before its first prompt")
+
     counter = iter(range(1000))
 
     def folder() -> str:
         return f"paths.output_dir={tmp_path / 'runs' / str(next(counter))}"
 
+    def free_port() -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return f"port={probe.getsockname()[1]}"
+
     entries = {
         "train": lambda ckpt: train(compose_config("train", base + [f"ckpt_path={ckpt}", "trainer.max_steps=5", folder()])),
         "generate": lambda ckpt: generate(compose_config("generate", [f"ckpt_path={ckpt}", "prompts=[the king]", folder()])),
         "export": lambda ckpt: export(compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'hf'}", folder()])),
+        "serve": lambda ckpt: served_app(compose_config("serve", [f"ckpt_path={ckpt}", free_port(), folder()])),
+        "chat": lambda ckpt: chat(compose_config("chat", [f"ckpt_path={ckpt}", folder()]), read_line=no_input),
+        "export gguf": lambda ckpt: export(
+            compose_config("export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'hf'}", "format=gguf", folder()])
+        ),
     }
     assert_each_kind_refused(source, tmp_path, entries)
     assert not (tmp_path / "hf").exists()
@@ -632,4 +648,18 @@ def test_a_long_document_is_packed_from_pieces_with_the_ids_of_the_whole(make_lm
     whole = datamodule.tokenizer(document, add_special_tokens=True)["input_ids"]
     stream = [token for block in datamodule.datasets["train"]["input_ids"] for token in block]
     assert stream[: len(whole)] == whole
+{%- endif %}
+{%- if cookiecutter.tasks == "both" %}
+
+
+def test_a_classifier_asked_for_a_gguf_file_is_refused_with_the_fix_before_anything_is_written(classifier_ckpt, tmp_path):
+    from {{ cookiecutter.package_name }}.export import export
+
+    ckpt, _ = classifier_ckpt
+    out = tmp_path / "gguf"
+    with pytest.raises(
+        ConfigError, match="holds a classification model, which export does not write as format=gguf.*fix: use it through eval/predict"
+    ):
+        export(compose_config("export", [f"ckpt_path={ckpt}", "format=gguf", f"output_dir={out}", f"paths.output_dir={tmp_path}"]))
+    assert not out.exists()
 {%- endif %}

@@ -1,13 +1,16 @@
-"""Export a causal-LM checkpoint as a plain Hugging Face model folder.
+"""Export a causal-LM checkpoint as a plain Hugging Face model folder, or as one GGUF file for llama.cpp.
 
     python -m <package>.export ckpt_path=RUN/checkpoints/last.ckpt output_dir=models/my_lm
+    python -m <package>.export ckpt_path=RUN/checkpoints/last.ckpt output_dir=models/my_lm_gguf format=gguf gguf_type=q8_0
 
 LoRA/QLoRA adapters are merged (QLoRA into the *unquantized* fp32 base, the usual way to ship it); ``output_dir/adapter/``
 holds the adapter alone, for ``PeftModel.from_pretrained``.  Weights are saved in ``dtype`` (default: the run's compute
 dtype); the folder loads with ``AutoModelForCausalLM.from_pretrained`` without this project.  A chat model keeps its
-template, its end-of-turn token as EOS, and ``chat.json`` (for ``generate model_dir=``).  Each folder is reloaded as a
-user would and scored on ``data.splits.test`` against the checkpoint: ``export_report.{json,md}`` (``measure=false``
-skips it; no test split is not a failure).
+template, its end-of-turn token as EOS, and ``chat.json`` (for ``generate model_dir=``).  ``format=gguf`` writes
+``output_dir/model.<TYPE>.gguf`` instead (Llama family: :mod:`.tasks.causal_lm.gguf_file`; anything it cannot write
+faithfully is refused before writing).  Each output is reloaded as a user would (a GGUF file by transformers' GGUF
+reader) and scored on ``data.splits.test`` against the checkpoint: ``export_report.{json,md}`` (``measure=false`` skips
+it; no test split is not a failure).
 
 Exit codes: 0 done; 1 bad config or data, or a full disk (the message alone); 143 SIGTERM (the partial output is removed).
 """
@@ -32,10 +35,12 @@ from .core.models.precision import compute_dtype
 from .core.run.entry import exit_cleanly_on_sigterm, exit_on_bad_input, hydra_main
 from .core.run.outputs import claim_outputs, replace_folder, staging_folder
 from .eval import full_precision_overrides
-from .tasks import check_config, task_of
+from .tasks import check_config, task_of, tasks
 from .tasks.causal_lm import causal_module_class
+from .tasks.causal_lm.gguf_file import GGUF_TYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
+FORMATS = ("hf", "gguf")
 ADAPTER_FOLDER = "adapter"  # output_dir/adapter: the LoRA/QLoRA adapter alone (peft's save_pretrained)
 REPORT_FILES = ("export_report.json", "export_report.md")
 
@@ -44,7 +49,8 @@ def export(cfg: DictConfig) -> Path:
     """Write the checkpoint's model (adapters merged) and tokenizer to ``cfg.output_dir``, whole or not at all.
 
     Raises:
-        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), ``measure`` not a bool, a missing, refused or
+        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), a ``format`` not in :data:`FORMATS`, a ``gguf_type`` not
+            in :data:`.tasks.causal_lm.gguf_file.GGUF_TYPES` (or a ``dtype`` with ``format=gguf``), ``measure`` not a bool, a missing, refused or
             non-causal-LM checkpoint, an existing output folder (without ``overwrite=true``) or one inside another run's.
     """
     check_config(cfg, required=("ckpt_path",), resumes=False)
@@ -53,6 +59,16 @@ def export(cfg: DictConfig) -> Path:
             f"dtype={cfg.dtype!r} is not one of {DTYPES} (the saved weights' floating-point type; null = the run's compute "
             f"dtype; int8/int4 weights are quantize's job); fix: dtype=bfloat16, or python -m {__package__}.quantize for integer weights"
         )
+    gguf = cfg.format == "gguf"
+    if cfg.format not in FORMATS:
+        raise ConfigError(
+            f"format={cfg.format!r} is not one of {FORMATS}; fix: format=hf (a Hugging Face folder) or format=gguf (llama.cpp)"
+        )
+    if gguf and (cfg.gguf_type not in GGUF_TYPES or cfg.dtype is not None):
+        raise ConfigError(
+            f"format=gguf takes its weight type from gguf_type (one of {sorted(GGUF_TYPES)}), not dtype; got gguf_type="
+            f"{cfg.gguf_type!r}, dtype={cfg.dtype!r}; fix: gguf_type=f16 (or q8_0) and no dtype="
+        )
     if not isinstance(cfg.measure, bool):
         raise ConfigError(
             f"measure={cfg.measure!r} must be true or false (score the written folders on data.splits.test); fix: measure=true"
@@ -60,10 +76,19 @@ def export(cfg: DictConfig) -> Path:
     output = Path(cfg.output_dir)
     # Memory-mapped: only the hyperparameters are read here, not the weights (loaded once, below).
     checkpoint = trained_checkpoint(cfg.ckpt_path)
-    claim_outputs(cfg, {"output_dir": output}, {"ckpt_path": cfg.ckpt_path}, run_files=(), folder_markers={"output_dir": "config.json"})
-    hparams = checkpoint.get("hyper_parameters", {})
+    hparams, stored_task = checkpoint.get("hyper_parameters", {}), checkpoint.get("task")
+    if stored_task in tasks() and cfg.format not in task_of(stored_task).export_formats:
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path!r} holds a {stored_task} model, which export does not write as format={cfg.format} (it "
+            f"writes causal LMs); fix: use it through eval/predict as it is, or make it smaller with python -m {__package__}.quantize"
+        )
+    marker = REPORT_FILES[0] if gguf else "config.json"  # the file that marks a folder this command wrote
+    claim_outputs(cfg, {"output_dir": output}, {"ckpt_path": cfg.ckpt_path}, run_files=(), folder_markers={"output_dir": marker})
     if "peft" not in hparams:
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only")
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path!r} is not a causal-LM checkpoint; export writes causal LMs only (a Hugging Face folder or "
+            f"GGUF); fix: a classifier is used through eval/predict as it is, or made smaller with python -m {__package__}.quantize"
+        )
     dtype = cfg.dtype or str(compute_dtype((checkpoint.get("model_inputs") or {}).get("precision", "32-true"))).removeprefix("torch.")
     module = load_trained_module(causal_module_class(cfg), cfg, cfg.ckpt_path, **full_precision_overrides(hparams))
     scorer = Scorer(cfg, module)  # the test split, read (and refused when bad) before anything is written
@@ -78,6 +103,8 @@ def export(cfg: DictConfig) -> Path:
             load,
         )
     ]
+    if gguf:
+        return export_gguf(cfg, module, checkpoint, scorer, measurements, output)
     with staging_folder(output, "export") as tmp:
         staging = Path(tmp) / "model"
         if module.chat:  # the end-of-turn token ends generation (and is the folder's EOS)
@@ -108,6 +135,57 @@ def export(cfg: DictConfig) -> Path:
     adapter = f"; the adapter alone: {output / ADAPTER_FOLDER} (PeftModel.from_pretrained)" if uses_peft(hparams.get("peft")) else ""
     print(f"Exported: {output}, {dtype} (load with AutoModelForCausalLM.from_pretrained){adapter}")
     return output
+
+
+def export_gguf(cfg: DictConfig, module, checkpoint: dict, scorer: Scorer, measurements: list, output: Path) -> Path:
+    """``output/model.<TYPE>.gguf`` (adapters merged, fp32 weights cast to ``gguf_type``) and its export report, whole or not at all.
+
+    Raises:
+        ConfigError: the model or tokenizer has no faithful GGUF form (:func:`.tasks.causal_lm.gguf_file.gguf_problems`),
+            checked before anything is written.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .tasks.causal_lm.gguf_file import gguf_problems, rope_factors, write_gguf
+
+    end_of_turn = module.inputs.end_of_turn if module.chat else None
+    model = module.merged_model()
+    if pruned_with(checkpoint) == "structured":
+        shrink_ffn(model)
+    problems = gguf_problems(model, module.tokenizer, cfg.gguf_type)
+    if problems:
+        raise ConfigError("format=gguf cannot write this model faithfully:\n  - " + "\n  - ".join(problems))
+    name = f"model.{GGUF_TYPES[cfg.gguf_type]}.gguf"
+    llama3 = rope_factors(model.config) is not None
+    config = model.config
+    with staging_folder(output, "export") as tmp:
+        staging = Path(tmp) / "model"
+        staging.mkdir()
+        write_gguf(model, module.tokenizer, staging / name, cfg.gguf_type, Path(str(cfg.ckpt_path)).parent.parent.name, end_of_turn)
+        del model, module
+        # transformers' GGUF reader reads no Llama 3 RoPE scaling (rope_freqs): the checkpoint's config keeps it in the score.
+        reread = AutoModelForCausalLM.from_pretrained(
+            staging, gguf_file=name, dtype=torch.float32, **({"config": config} if llama3 else {})
+        )
+        measurements.append(
+            scorer.measure(
+                f"gguf-{cfg.gguf_type}",
+                reread,
+                (staging / name).stat().st_size,
+                str(output / name),
+                f"one GGUF file, {GGUF_TYPES[cfg.gguf_type]} weights (1-D tensors F32), scored through transformers' GGUF reader"
+                + (" with the checkpoint's config (the reader ignores Llama 3 RoPE scaling)" if llama3 else ""),
+                f"llama-cli -m {shlex.quote(str(output / name))}",
+            )
+        )
+        del reread
+        context = {**scorer.context(cfg), "size_meaning": "the checkpoint file's bytes; the GGUF file's bytes"}
+        report = build_report(measurements, [], context, baseline="checkpoint")
+        write_report(staging, report, REPORT_FILES)
+        replace_folder(staging, output, marker=REPORT_FILES[0])
+    print(markdown_table(report))
+    print(f"Exported: {output / name} (llama.cpp: llama-cli -m {shlex.quote(str(output / name))})")
+    return output / name
 
 
 CHECKPOINT_NOTE = "the training checkpoint (trained weights, optimizer and run state), loaded as export loads it"

@@ -57,6 +57,16 @@ def generation_problems(generation: DictConfig) -> list[str]:
     return problems
 
 
+def source_problems(cfg: DictConfig) -> list[str]:
+    """What is wrong with the model to load: not exactly one of ``ckpt_path``/``model_dir``, or a ``model_dir`` without
+    ``config.json`` (generate, chat and serve read either)."""
+    if (cfg.ckpt_path is None) == (cfg.model_dir is None):
+        return ["give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<exported folder>"]
+    if cfg.model_dir is not None and not Path(cfg.model_dir, "config.json").is_file():
+        return [f"model_dir={cfg.model_dir!r} has no config.json; fix: a folder written by the export entry point"]
+    return []
+
+
 def load_generator(cfg: DictConfig):
     """The causal-LM task module from ``ckpt_path``, or a ``CausalLMModule`` wrapping the HF folder ``model_dir``."""
     from .core.models.builder import config_to_dict
@@ -90,11 +100,7 @@ def generate(cfg: DictConfig) -> list[dict[str, str]]:
             settings, a refused checkpoint, or an ``output`` that is an input or exists without ``overwrite=true``.
     """
     check_config(cfg, resumes=False)
-    if (cfg.ckpt_path is None) == (cfg.model_dir is None):
-        raise ConfigError("give exactly one of ckpt_path=RUN/checkpoints/last.ckpt or model_dir=<exported folder>")
-    if cfg.model_dir is not None and not Path(cfg.model_dir, "config.json").is_file():
-        raise ConfigError(f"model_dir={cfg.model_dir!r} has no config.json; fix: a folder written by the export entry point")
-    problems = generation_problems(cfg.generation)
+    problems = source_problems(cfg) or generation_problems(cfg.generation)
     if problems:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
     prompts = read_prompts(cfg)

@@ -34,6 +34,7 @@ class Task:
         latency_batch_size: rows of ``quantize``'s timed forward when ``latency.batch_size`` is null.
         quality: what ``quantize`` reports as the variants' quality, ``{metric: "max"|"min"}``.
         reads_exported_folders: ``eval``/``quantize`` accept ``model_dir=`` (an ``export`` folder).
+        export_formats: what ``export`` writes of this task's checkpoints (``hf``, ``gguf``); ``()``: it refuses them.
         scores_test_split_only: ``quantize`` scores on ``data.splits.test`` (refused without); else on test or validation.
         prediction_suffix: the file type ``predict`` writes (``.csv``, ``.jsonl``); ``""``: no ``predict``.
         config_groups: the config groups only this task reads, each with the dataclass whose fields are its
@@ -50,6 +51,7 @@ class Task:
     latency_batch_size: ClassVar[int] = 32
     quality: ClassVar[dict[str, str]] = {}
     reads_exported_folders: ClassVar[bool] = False
+    export_formats: ClassVar[tuple[str, ...]] = ()
     scores_test_split_only: ClassVar[bool] = True
     prediction_suffix: ClassVar[str] = ""
     config_groups: ClassVar[dict[str, type]] = {}

@@ -28,6 +28,7 @@ class CausalLM(Task):
     latency_batch_size = 8
     quality = {"perplexity": "min"}
     reads_exported_folders = True
+    export_formats = ("hf", "gguf")
     scores_test_split_only = False
     shaping_keys = (
         "data.max_length",

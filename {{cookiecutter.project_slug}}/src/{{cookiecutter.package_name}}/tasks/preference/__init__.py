@@ -21,6 +21,7 @@ class Preference(CausalLM):
     config_groups = {"objective": Objective}
     # An exported folder lacks DPO's reference (adapters off, or the checkpoint's tables): eval and quantize read the checkpoint.
     reads_exported_folders = False
+    export_formats = ("hf", "gguf")  # (the policy, adapters merged, as a causal LM's)
     identity_keys = {
         "model": ("data.chat_template", "data.end_of_turn", "data.system_prompt", "objective.*"),
         "data": ("data.val_fraction", "data.val_split_seed"),
