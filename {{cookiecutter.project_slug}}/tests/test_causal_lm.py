@@ -136,10 +136,10 @@ def test_export_format_gguf_writes_one_file_named_by_its_type_with_its_perplexit
     common = [*data, f"ckpt_path={ckpt}", f"output_dir={out}", "format=gguf"]
     with pytest.raises(ConfigError, match="not dtype"):
         export(compose_config("export", [*common, "dtype=float16"]))
-    with pytest.raises(ConfigError, match="gguf_type='q3_k'"):
-        export(compose_config("export", [*common, "gguf_type=q3_k"]))
+    with pytest.raises(ConfigError, match="outtype='q3_k'"):
+        export(compose_config("export", [*common, "outtype=q3_k"]))
     assert not out.exists()
-    path = export(compose_config("export", [*common, "gguf_type=q8_0"]))
+    path = export(compose_config("export", [*common, "outtype=q8_0"]))
     assert path == out / "model.Q8_0.gguf" and sorted(p.name for p in out.iterdir()) == [
         "export_report.json",
         "export_report.md",

@@ -27,7 +27,8 @@ from .conftest import EOS, byte_level_bpe, compose_config, lm_documents, tiny_ll
 from .processes import subprocess_env
 from .test_chat_data import CHATML, END, MULTI_TURN, START, chat_overrides, chat_rows, write_jsonl
 
-LONG = 800  # new tokens of each answer on the terminal (the model never ends one early: see chat_base)
+LONG = 400  # new tokens of each answer on the terminal (the model never ends one early: see chat_base)
+# (Each wait allows minutes: under CI's second test process the terminal's process, one thread, starts and answers slowly.)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ class Terminal:
         os.close(follower)
         self.output = ""
 
-    def read(self, until, timeout: float = 60.0) -> None:
+    def read(self, until, timeout: float = 300.0) -> None:
         """Read until ``until(output)`` holds."""
         deadline = time.monotonic() + timeout
         while not until(self.output):
@@ -115,7 +116,7 @@ class Terminal:
                 text = self.output + data.decode("utf-8", errors="replace")
                 self.output = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r\n", "\n")
 
-    def expect(self, marker: str, after: int = 0, timeout: float = 60.0) -> int:
+    def expect(self, marker: str, after: int = 0, timeout: float = 300.0) -> int:
         """Read until ``marker`` appears at or after ``after`` in :attr:`output`; where it ends."""
         self.read(lambda output: marker in output[after:], timeout)
         return self.output.index(marker, after) + len(marker)

@@ -137,7 +137,7 @@ def test_what_it_cannot_write_faithfully_is_refused_before_writing(tmp_path):
     assert gguf_problems(model, tokenizer, "f16") == []
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
     assert any("'gpt2'" in p and "fix: format=hf" in p for p in gguf_problems(gpt2, tokenizer, "f16"))
-    assert any("gguf_type='q2_k'" in p for p in gguf_problems(model, tokenizer, "q2_k"))
+    assert any("outtype='q2_k'" in p for p in gguf_problems(model, tokenizer, "q2_k"))
     described = json.loads(tokenizer.backend_tokenizer.to_str())
     described["pre_tokenizer"] = {"type": "Whitespace"}
     from tokenizers import Tokenizer

@@ -1,7 +1,7 @@
 """Export a causal-LM checkpoint as a plain Hugging Face model folder, or as one GGUF file for llama.cpp.
 
     python -m <package>.export ckpt_path=RUN/checkpoints/last.ckpt output_dir=models/my_lm
-    python -m <package>.export ckpt_path=RUN/checkpoints/last.ckpt output_dir=models/my_lm_gguf format=gguf gguf_type=q8_0
+    python -m <package>.export ckpt_path=RUN/checkpoints/last.ckpt output_dir=models/my_lm_gguf format=gguf outtype=q8_0
 
 LoRA/QLoRA adapters are merged (QLoRA into the *unquantized* fp32 base, the usual way to ship it); ``output_dir/adapter/``
 holds the adapter alone, for ``PeftModel.from_pretrained``.  Weights are saved in ``dtype`` (default: the run's compute
@@ -49,7 +49,7 @@ def export(cfg: DictConfig) -> Path:
     """Write the checkpoint's model (adapters merged) and tokenizer to ``cfg.output_dir``, whole or not at all.
 
     Raises:
-        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), a ``format`` not in :data:`FORMATS`, a ``gguf_type`` not
+        ConfigError: a ``dtype`` not in :data:`DTYPES` (nor null), a ``format`` not in :data:`FORMATS`, an ``outtype`` not
             in :data:`.tasks.causal_lm.gguf_file.GGUF_TYPES` (or a ``dtype`` with ``format=gguf``), ``measure`` not a bool, a missing, refused or
             non-causal-LM checkpoint, an existing output folder (without ``overwrite=true``) or one inside another run's.
     """
@@ -64,10 +64,10 @@ def export(cfg: DictConfig) -> Path:
         raise ConfigError(
             f"format={cfg.format!r} is not one of {FORMATS}; fix: format=hf (a Hugging Face folder) or format=gguf (llama.cpp)"
         )
-    if gguf and (cfg.gguf_type not in GGUF_TYPES or cfg.dtype is not None):
+    if gguf and (cfg.outtype not in GGUF_TYPES or cfg.dtype is not None):
         raise ConfigError(
-            f"format=gguf takes its weight type from gguf_type (one of {sorted(GGUF_TYPES)}), not dtype; got gguf_type="
-            f"{cfg.gguf_type!r}, dtype={cfg.dtype!r}; fix: gguf_type=f16 (or q8_0) and no dtype="
+            f"format=gguf takes its weight type from outtype (one of {sorted(GGUF_TYPES)}), not dtype; got outtype="
+            f"{cfg.outtype!r}, dtype={cfg.dtype!r}; fix: outtype=f16 (or q8_0) and no dtype="
         )
     if not isinstance(cfg.measure, bool):
         raise ConfigError(
@@ -138,7 +138,7 @@ def export(cfg: DictConfig) -> Path:
 
 
 def export_gguf(cfg: DictConfig, module, checkpoint: dict, scorer: Scorer, measurements: list, output: Path) -> Path:
-    """``output/model.<TYPE>.gguf`` (adapters merged, fp32 weights cast to ``gguf_type``) and its export report, whole or not at all.
+    """``output/model.<TYPE>.gguf`` (adapters merged, fp32 weights cast to ``outtype``) and its export report, whole or not at all.
 
     Raises:
         ConfigError: the model or tokenizer has no faithful GGUF form (:func:`.tasks.causal_lm.gguf_file.gguf_problems`),
@@ -152,16 +152,16 @@ def export_gguf(cfg: DictConfig, module, checkpoint: dict, scorer: Scorer, measu
     model = module.merged_model()
     if pruned_with(checkpoint) == "structured":
         shrink_ffn(model)
-    problems = gguf_problems(model, module.tokenizer, cfg.gguf_type)
+    problems = gguf_problems(model, module.tokenizer, cfg.outtype)
     if problems:
         raise ConfigError("format=gguf cannot write this model faithfully:\n  - " + "\n  - ".join(problems))
-    name = f"model.{GGUF_TYPES[cfg.gguf_type]}.gguf"
+    name = f"model.{GGUF_TYPES[cfg.outtype]}.gguf"
     llama3 = rope_factors(model.config) is not None
     config = model.config
     with staging_folder(output, "export") as tmp:
         staging = Path(tmp) / "model"
         staging.mkdir()
-        write_gguf(model, module.tokenizer, staging / name, cfg.gguf_type, Path(str(cfg.ckpt_path)).parent.parent.name, end_of_turn)
+        write_gguf(model, module.tokenizer, staging / name, cfg.outtype, Path(str(cfg.ckpt_path)).parent.parent.name, end_of_turn)
         del model, module
         # transformers' GGUF reader reads no Llama 3 RoPE scaling (rope_freqs): the checkpoint's config keeps it in the score.
         reread = AutoModelForCausalLM.from_pretrained(
@@ -169,11 +169,11 @@ def export_gguf(cfg: DictConfig, module, checkpoint: dict, scorer: Scorer, measu
         )
         measurements.append(
             scorer.measure(
-                f"gguf-{cfg.gguf_type}",
+                f"gguf-{cfg.outtype}",
                 reread,
                 (staging / name).stat().st_size,
                 str(output / name),
-                f"one GGUF file, {GGUF_TYPES[cfg.gguf_type]} weights (1-D tensors F32), scored through transformers' GGUF reader"
+                f"one GGUF file, {GGUF_TYPES[cfg.outtype]} weights (1-D tensors F32), scored through transformers' GGUF reader"
                 + (" with the checkpoint's config (the reader ignores Llama 3 RoPE scaling)" if llama3 else ""),
                 f"llama-cli -m {shlex.quote(str(output / name))}",
             )

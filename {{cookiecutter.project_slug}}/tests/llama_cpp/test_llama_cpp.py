@@ -95,7 +95,7 @@ def demo_exports(tmp_path_factory) -> dict[str, dict]:
                 f"ckpt_path={exports[demo]['ckpt']}",
                 f"output_dir={out}",
                 "format=gguf",
-                f"gguf_type={type_name}",
+                f"outtype={type_name}",
                 "measure=false",
                 f"hydra.run.dir={run_dir.parent / f'export_{type_name}'}",
                 f"paths.cache_dir={cache}",

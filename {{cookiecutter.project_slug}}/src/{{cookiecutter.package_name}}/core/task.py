@@ -34,7 +34,7 @@ class Task:
         latency_batch_size: rows of ``quantize``'s timed forward when ``latency.batch_size`` is null.
         quality: what ``quantize`` reports as the variants' quality, ``{metric: "max"|"min"}``.
         reads_exported_folders: ``eval``/``quantize`` accept ``model_dir=`` (an ``export`` folder).
-        export_formats: what ``export`` writes of this task's checkpoints (``hf``, ``gguf``); ``()``: it refuses them.
+        export_formats: the ``export`` formats this task's checkpoints are written in (``format=``); ``()``: refused.
         scores_test_split_only: ``quantize`` scores on ``data.splits.test`` (refused without); else on test or validation.
         prediction_suffix: the file type ``predict`` writes (``.csv``, ``.jsonl``); ``""``: no ``predict``.
         config_groups: the config groups only this task reads, each with the dataclass whose fields are its

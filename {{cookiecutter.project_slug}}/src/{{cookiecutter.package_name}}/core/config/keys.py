@@ -126,7 +126,7 @@ ENTRY_KEYS: dict[str, frozenset[str]] = {
     "generate": frozenset({"model_dir", "prompts", "prompts_file", "output", "generation", "overwrite"}),
     "chat": frozenset({"model_dir", "max_length", "generation"}),
     "serve": frozenset({"model_dir", "host", "port", "allow_remote", "model_name", "generation"}),
-    "export": frozenset({"output_dir", "format", "gguf_type", "dtype", "overwrite", "measure"}),
+    "export": frozenset({"output_dir", "format", "outtype", "dtype", "overwrite", "measure"}),
     "quantize": frozenset({"model_dir", "output_dir", "variants", "unavailable", "group_size", "latency", "overwrite"}),
 }
 # Arguments of a _target_ that this project passes itself: never from the config.

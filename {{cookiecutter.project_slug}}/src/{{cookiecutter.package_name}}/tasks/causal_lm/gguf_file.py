@@ -64,7 +64,7 @@ def gguf_problems(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ty
     """What keeps ``model``/``tokenizer`` from being written as a faithful GGUF file of ``type_name`` (empty: nothing)."""
     config, problems = model.config, []
     if type_name not in GGUF_TYPES:
-        problems.append(f"gguf_type={type_name!r} is not one of {sorted(GGUF_TYPES)}; fix: gguf_type=f16 (or q8_0 for half the size)")
+        problems.append(f"outtype={type_name!r} is not one of {sorted(GGUF_TYPES)}; fix: outtype=f16 (or q8_0 for half the size)")
     if config.model_type not in ARCHITECTURES:
         problems.append(
             f"the model is a {config.model_type!r} ({type(model).__name__}); the GGUF writer knows the Llama family "
