@@ -3,6 +3,7 @@ history kept within its token budget, and a model without a chat template refuse
 
 from __future__ import annotations
 
+import codecs
 import fcntl
 import io
 import os
@@ -34,7 +35,9 @@ LONG = 400  # new tokens of each answer on the terminal (the model never ends on
 @pytest.fixture(scope="module")
 def chat_base(tmp_path_factory) -> Path:
     """A tiny Llama (1024 positions) with the ChatML tokenizer and template, whose end-of-turn logit is always 0: greedy
-    answers (random logits, some above 0) never end before ``max_new_tokens``."""
+    answers (random logits, some above 0) never end before ``max_new_tokens``.  So are the logits of every token that is
+    not printable ASCII text (control bytes, pieces of UTF-8 characters): a terminal shows its answers as they are, on
+    any CPU (random weights pick other tokens on other CPUs)."""
     folder = tmp_path_factory.mktemp("chat_base")
     texts = lm_documents(200, seed=0) + ["user assistant system"] * 20
     tokenizer = byte_level_bpe(texts, [EOS, START, END], eos_token=END, bos_token=START)
@@ -42,8 +45,11 @@ def chat_base(tmp_path_factory) -> Path:
     config = tiny_llama_config(len(tokenizer), hidden_size=32, intermediate_size=64, max_position_embeddings=1024)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight[tokenizer.convert_tokens_to_ids(END)] = 0.0  # (LoRA leaves lm_head as it is)
+    with torch.no_grad():  # (LoRA leaves lm_head as it is)
+        for token in range(len(tokenizer)):
+            text = tokenizer.decode([token])
+            if token in tokenizer.all_special_ids or not all(c == "\n" or (c.isascii() and c.isprintable()) for c in text):
+                model.lm_head.weight[token] = 0.0
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -100,6 +106,7 @@ class Terminal:
         )
         os.close(follower)
         self.output = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (a read may end inside a character)
 
     def read(self, until, timeout: float = 300.0) -> None:
         """Read until ``until(output)`` holds."""
@@ -113,7 +120,7 @@ class Terminal:
                 except OSError:  # the process closed the terminal
                     data = b""
                 assert data, f"the process ended; the terminal shows:\n{self.output}"
-                text = self.output + data.decode("utf-8", errors="replace")
+                text = self.output + self.decoder.decode(data)
                 self.output = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r\n", "\n")
 
     def expect(self, marker: str, after: int = 0, timeout: float = 300.0) -> int:
