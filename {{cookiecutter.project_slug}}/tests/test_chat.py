@@ -89,21 +89,20 @@ def scripted(lines: list[str]):
 
 class Terminal:
     """A process on a pseudo-terminal (its stdin, stdout and stderr) in its own process group, and what it wrote so far
-    (``\r\n`` as ``\n``, escape sequences dropped).  :meth:`interrupt` is what Ctrl-C on a terminal does: SIGINT to the
+    (CR LF as LF, escape sequences dropped).  :meth:`interrupt` is what Ctrl-C on a terminal does: SIGINT to the
     foreground process group (no ``preexec_fn`` makes the pty the controlling terminal: Python code in a child forked from
-    a process with threads may deadlock before ``exec``)."""
+    a process with threads may deadlock before ``exec``).  The process starts with SIGINT ignored, as a shell's background
+    job does (CI's test processes did, and chat's Ctrl-C did nothing there): chat must stop an answer all the same."""
 
     def __init__(self, command: list[str], env: dict[str, str], cwd: Path) -> None:
         self.leader, follower = os.openpty()
-        self.process = subprocess.Popen(
-            command,
-            stdin=follower,
-            stdout=follower,
-            stderr=follower,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-        )
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # (inherited through exec, unlike a Python handler)
+        try:
+            self.process = subprocess.Popen(
+                command, stdin=follower, stdout=follower, stderr=follower, env=env, cwd=cwd, start_new_session=True
+            )
+        finally:
+            signal.signal(signal.SIGINT, handler)
         os.close(follower)
         self.output = ""
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (a read may end inside a character)

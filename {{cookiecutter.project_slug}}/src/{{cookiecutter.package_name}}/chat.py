@@ -11,6 +11,7 @@ whose tokenizer has no chat template is refused before the first prompt: complet
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 from typing import TextIO
@@ -198,11 +199,13 @@ def chat(cfg: DictConfig, read_line: Callable[[str], str] = input, out: TextIO |
 
 @hydra_main("chat")
 def main(cfg: DictConfig) -> None:
-    """Console script / ``python -m`` entry: bad config exits 1 with its message alone; the session's end exits 0."""
+    """Console script / ``python -m`` entry: bad config exits 1 with its message alone; the session's end exits 0. Ctrl-C
+    raises KeyboardInterrupt here even when the process started with SIGINT ignored (a background job of a shell)."""
     try:
         import readline  # noqa: F401  (line editing and recall for input())
     except ImportError:
         pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops an answer even if the launcher ignored SIGINT
     with exit_on_bad_input():
         chat(cfg)
 
