@@ -87,9 +87,9 @@ def task_contexts(group: str, option: str) -> list[list[str]]:
     if group == "task":
         return [[f"data={TASK_DATA[option]}"]]
     if group == "data":
-        return [[f"task={task}"] for task in TASK_DATA]
+        return [[f"task={task}"] for task in TASK_DATA] + ([["task=preference", "objective=kto"]] if "preference" in TASK_DATA else [])
     if group == "objective":  # selected by configs/task/preference.yaml: no other task has the group
-        return [["task=preference", "data=preference"]]
+        return [["task=preference", "data=preference"], ["task=preference", "data=unpaired"]]  # (pairs; KTO's unpaired answers)
     return [[]] + [[f"task={task}", f"data={data}"] for task, data in TASK_DATA.items()]
 
 

@@ -1,5 +1,5 @@
-"""Preference tuning: the DPO, ORPO and SimPO losses by hand, the reference log-probs (tables and
-adapters off) against a separate reference model, the pair data and its refusals, and short runs."""
+"""Preference tuning: the DPO, ORPO, SimPO and KTO losses by hand, the reference log-probs (tables and
+adapters off) against a separate reference model, the pair and unpaired data and their refusals, and short runs."""
 
 from __future__ import annotations
 
@@ -16,9 +16,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
 from {{ cookiecutter.package_name }}.core.errors import ConfigError, DataError
 from {{ cookiecutter.package_name }}.tasks.causal_lm.text import IGNORE_INDEX
-from {{ cookiecutter.package_name }}.tasks.preference.data import PairCollator, PreferenceDataModule, pair_fingerprint, tokenize_pairs
+from {{ cookiecutter.package_name }}.tasks.preference.data import (
+    PairCollator,
+    PreferenceDataModule,
+    UnpairedDataModule,
+    mismatched_answers,
+    pair_fingerprint,
+    tokenize_pairs,
+)
 from {{ cookiecutter.package_name }}.tasks.preference.module import PreferenceModule, disable_dropout
-from {{ cookiecutter.package_name }}.tasks.preference.objectives import completion_logps, dpo, orpo, simpo
+from {{ cookiecutter.package_name }}.tasks.preference.objectives import completion_logps, dpo, kto, orpo, simpo
 from {{ cookiecutter.package_name }}.tasks.preference.reference_logps import reference_table
 
 from .conftest import common_overrides, compose_config, tiny_llama_config
@@ -65,6 +72,24 @@ def test_orpo_loss_matches_a_hand_computation():
         expected.append(-mean_w + 0.1 * sigmoid_nll(log_odds))
     torch.testing.assert_close(terms.loss, torch.tensor(expected), rtol=0, atol=1e-6)
     torch.testing.assert_close(terms.reward_rejected, torch.tensor([0.1 * -1.5, 0.1 * -0.5]))
+
+
+@pytest.mark.parametrize(("kl_shift", "z0"), [(0.5, 0.5), (-1.0, 0.0)])  # (a negative KL estimate is clamped to 0)
+def test_kto_loss_rewards_and_reference_point_match_a_hand_computation(kl_shift, z0):
+    logp = torch.tensor([-5.0, -3.0, -4.0], requires_grad=True)
+    ref = torch.tensor([-6.0, -3.0, -5.0])
+    ref_kl = torch.tensor([-7.0, -8.0, -9.0])
+    logp_kl = (ref_kl + torch.tensor([kl_shift - 0.5, kl_shift, kl_shift + 0.5])).requires_grad_()  # mean log-ratio: kl_shift
+    desirable = torch.tensor([True, False, False])
+    terms = kto(logp, ref, logp_kl, ref_kl, desirable, beta=0.5, desirable_weight=1.0, undesirable_weight=2.0)
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    # r = (1, 0, 1); desirable: 1 * (1 - s(0.5 (1 - z0))); undesirable: 2 * (1 - s(0.5 (z0 - r)))
+    expected = [1 - sigmoid(0.5 * (1 - z0)), 2 * (1 - sigmoid(0.5 * (z0 - 0))), 2 * (1 - sigmoid(0.5 * (z0 - 1)))]
+    torch.testing.assert_close(terms.loss, torch.tensor(expected), rtol=0, atol=1e-6)
+    torch.testing.assert_close(terms.reward, torch.tensor([0.5, 0.0, 0.5]), rtol=0, atol=1e-6)
+    assert float(terms.kl) == pytest.approx(z0, abs=1e-6)
+    terms.loss.sum().backward()
+    assert logp.grad.abs().sum() > 0 and logp_kl.grad is None  # the reference point is not differentiated (sec. 4.1)
 
 
 def test_completion_logps_sum_the_shifted_scored_tokens_only():
@@ -159,7 +184,7 @@ def test_a_bad_pair_is_refused_naming_the_row_and_the_fix(tokenizer, row, messag
         tokenize(tokenizer, [row])
 
 
-def make_datamodule(tokenizer, splits: dict[str, Path], **changes) -> PreferenceDataModule:
+def datamodule_options(tokenizer, splits: dict[str, Path], **changes) -> dict:
     options = dict(
         splits={split: str(path) for split, path in splits.items()},
         hub_name=None,
@@ -179,7 +204,11 @@ def make_datamodule(tokenizer, splits: dict[str, Path], **changes) -> Preference
         fetch=None,
         seed=0,
     )
-    return PreferenceDataModule(**{**options, **changes})
+    return {**options, **changes}
+
+
+def make_datamodule(tokenizer, splits: dict[str, Path], **changes) -> PreferenceDataModule:
+    return PreferenceDataModule(**datamodule_options(tokenizer, splits, **changes))
 
 
 def test_a_pair_whose_prompt_fills_max_length_is_dropped_and_counted(tokenizer, tmp_path, caplog):
@@ -322,6 +351,7 @@ def test_disable_dropout_zeroes_every_dropout_of_a_gpt2():
 
 # ------------------------------------------------------------------ runs
 def preference_overrides(folder: Path, data: dict[str, Path], run_dir: Path, *more: str) -> list[str]:
+    """A short run's overrides (``data=preference`` unless ``more`` names another data config)."""
     return [
         "task=preference",
         "model=tiny_llama",
@@ -329,7 +359,7 @@ def preference_overrides(folder: Path, data: dict[str, Path], run_dir: Path, *mo
         "model.config=null",
         f"model.tokenizer={folder}",
         "model.fetch=null",
-        "data=preference",
+        *([] if any(o.startswith("data=") for o in more) else ["data=preference"]),
         *(f"data.splits.{split}={path}" for split, path in data.items()),
         "data.max_length=64",
         "batch.global_batch_size=4",
@@ -472,6 +502,13 @@ def test_inspect_data_shows_both_sides_of_a_pair_with_their_answers_marked(pretr
     text = out.getvalue()
     assert "chosen: " in text and f"[[{row['chosen']}{END}]]" in text and f"[[{row['rejected']}{END}]]" in text
     assert text.index(row["chosen"]) < text.index("rejected: ") < text.index(row["rejected"] + END)
+    # KTO reads the same pairs as answers, each with its kind
+    overrides = [o for o in overrides if o not in ("data=preference", "rows=1")] + ["objective=kto", "data=unpaired", "rows=2"]
+    out = io.StringIO()
+    assert inspect_data(compose_config("inspect_data", overrides), Console(file=out, width=200)) == []
+    text = out.getvalue()
+    assert text.index("row 0: a desirable answer") < text.index(f"[[{row['chosen']}{END}]]") < text.index("row 0: an undesirable answer")
+    assert text.index("row 0: an undesirable answer") < text.index(f"[[{row['rejected']}{END}]]")
 
 
 def test_logps_from_hidden_states_equal_those_of_the_full_logits():
@@ -506,10 +543,13 @@ def test_the_planners_static_slice_gives_the_gathered_logps():
         (["objective=simpo", "objective.gamma=-1"], "objective.gamma=-1 must be a number >= 0"),
         (["objective=dpo", "objective.label_smoothing=0.5"], r"objective.label_smoothing=0.5 must be in \[0, 0.5\)"),
         (["objective.name=ipo"], "objective.name='ipo' is not one of"),
+        (["objective=kto"], "objective=kto trains on unpaired answers, and data._target_ is the pair data module; fix: data=unpaired"),
+        (["data=unpaired"], "objective=dpo trains on pairs, and data._target_ is the unpaired data module; fix: objective=kto"),
+        (["objective=kto", "data=unpaired", "objective.undesirable_weight=0"], "objective.undesirable_weight=0 must be a number > 0"),
         # the task declares the group (Preference.config_groups): its keys are the Objective dataclass's fields
         (
             ["+objective.betta=0.2"],
-            r"objective.betta is not a key of objective.*did you mean objective.beta\?.*beta, gamma, label_smoothing, name",
+            r"objective.betta is not a key of objective.*did you mean objective.beta\?.*beta, desirable_weight, gamma, label_smoothing, name",
         ),
     ],
 )
@@ -559,3 +599,104 @@ def test_one_prompt_file_reader_takes_plain_text_and_jsonl_and_refuses_before_an
         overrides = preference_overrides(pretrained_folder, pair_files, tmp_path / "run", f"data.sample_prompts={bad}", judge)
         with pytest.raises(ConfigError, match=message):
             check_config(compose_config("train", overrides))
+
+
+# ------------------------------------------------------------------ KTO: unpaired answers
+def answer_text(tokenizer, ids: list[int], labels: list[int]) -> str:
+    return tokenizer.decode([t for t, label in zip(ids, labels) if label != IGNORE_INDEX])
+
+
+def test_unpaired_rows_and_pairs_read_as_labelled_answers_each_with_another_prompts_answer(tokenizer, tmp_path):
+    pairs = pair_rows(4, seed=3)
+    answers = [
+        {"prompt": "the plot was", "completion": "dull awful", "label": False},
+        {"prompt": "the film", "completion": "great", "label": True},
+    ]
+    files = {"train": write_jsonl(tmp_path / "t.jsonl", pairs + answers), "validation": write_jsonl(tmp_path / "v.jsonl", answers)}
+    datamodule = UnpairedDataModule(**datamodule_options(tokenizer, files))
+    datamodule.setup("fit")
+    train = datamodule.datasets["train"]
+    assert train["desirable"] == [True, False] * 4 + [False, True]  # a pair unpaired: its chosen answer, then its rejected one
+    texts = [answer_text(tokenizer, row["input_ids"], row["labels"]) for row in train]
+    assert texts == [side + END for pair in pairs for side in (pair["chosen"], pair["rejected"])] + ["dull awful" + END, "great" + END]
+    for i, row in enumerate(train):  # the mismatched answer: this prompt, then the next answer to another prompt
+        prompt = row["input_ids"][: next(t for t, label in enumerate(row["labels"]) if label != IGNORE_INDEX)]
+        assert row["kl_input_ids"][: len(prompt)] == prompt
+        partner = answer_text(tokenizer, row["kl_input_ids"], row["kl_labels"])
+        j = i + 2 if i < 8 and i % 2 == 0 else (i + 1) % 10  # (a chosen answer's next row is its pair's: the same prompt)
+        assert partner == texts[j], i
+    batch = next(iter(datamodule.val_dataloader()))
+    assert batch["input_ids"].shape[0] == 2 * batch["desirable"].shape[0] == 4 and batch["desirable"].tolist() == [False, True]
+    assert [answer_text(tokenizer, ids, labels) for ids, labels in zip(batch["input_ids"].tolist(), batch["labels"].tolist())] == [
+        "dull awful" + END,
+        "great" + END,
+        "great" + END,
+        "dull awful" + END,
+    ]
+
+
+def test_mismatched_answers_fall_back_to_the_next_row_when_every_prompt_is_the_same():
+    ids = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 6, 7]]
+    labels = [[IGNORE_INDEX, IGNORE_INDEX, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 5], [IGNORE_INDEX, IGNORE_INDEX, 6, 7]]
+    kl_ids, kl_labels = mismatched_answers(ids, labels, max_length=3)
+    assert kl_ids == [[1, 2, 5], [1, 2, 6], [1, 2, 3]] and kl_labels == [
+        [IGNORE_INDEX, IGNORE_INDEX, 5],
+        [IGNORE_INDEX, IGNORE_INDEX, 6],
+        [IGNORE_INDEX, IGNORE_INDEX, 3],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "the film", "completion": "good", "label": "yes"}, r"row 0: label='yes' must be true .* or false"),
+        ({"prompt": "the film", "completion": "good"}, r"row 0: label=None must be true"),
+        ({"prompt": "the film", "answer": "good", "label": True}, r"row 0 has no completion \(columns: \['answer', 'label', 'prompt'\]\)"),
+        ({"prompt": "the film", "completion": "", "label": True}, "row 0: completion is empty"),
+    ],
+)
+def test_a_bad_unpaired_row_is_refused_naming_the_row_and_the_fix(tokenizer, tmp_path, row, message):
+    files = {"train": write_jsonl(tmp_path / "t.jsonl", [row]), "validation": write_jsonl(tmp_path / "v.jsonl", [row])}
+    with pytest.raises(DataError, match=message):
+        UnpairedDataModule(**datamodule_options(tokenizer, files)).setup("fit")
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_a_short_kto_run_reports_its_answer_metrics_and_eval_repeats_them(pretrained_folder, pair_files, tmp_path, peft):
+    from {{ cookiecutter.package_name }}.eval import evaluate
+    from {{ cookiecutter.package_name }}.train import train
+
+    run_dir = tmp_path / "run"
+    overrides = preference_overrides(pretrained_folder, pair_files, run_dir, f"peft={peft}", "objective=kto", "data=unpaired")
+    metrics = train(compose_config("train", overrides))
+    names = ("loss", "reward_desirable", "reward_undesirable", "reward_margin", "kl", "logp_desirable", "logp_undesirable")
+    for split in ("val", "test"):
+        for name in names:
+            assert math.isfinite(metrics[f"{split}/{name}"]), (split, name)
+    # The starting policy is the reference: every reward and the KL estimate 0, each answer's loss 1 - sigmoid(0).
+    assert metrics["val/loss_start"] == pytest.approx(0.5, abs=1e-5) and metrics["val/kl_start"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["val/loss"] < metrics["val/loss_start"] and metrics["val/reward_margin"] > 0
+    assert "test/reward_accuracy" not in metrics
+    tables = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["reference_logps"]
+    if peft == "none":  # each answer's and its mismatched answer's reference log-probs, from the starting weights
+        assert tables["test"]["logps"].shape == (12, 2)
+    else:
+        assert tables == {}
+    header = next(run_dir.rglob("metrics.csv")).read_text().splitlines()[0]
+    assert "train/reward_desirable" in header and "train/kl" in header
+    again = evaluate(
+        compose_config("eval", overrides + [f"ckpt_path={metrics['best_checkpoint']}", f"paths.output_dir={tmp_path / 'eval'}"])
+    )
+    for name in names:
+        assert again[f"test/{name}"] == pytest.approx(metrics[f"test/{name}"], abs=1e-6), name
+
+
+def test_kto_is_planned_as_dpo_is_two_sequences_an_item_and_the_reference_pass(pretrained_folder, pair_files, tmp_path):
+    from {{ cookiecutter.package_name }}.core.memory.planner import plan_memory
+    from {{ cookiecutter.package_name }}.tasks import task_of
+
+    plans = {}
+    for objective in (("objective=dpo",), ("objective=kto", "data=unpaired"), ("objective=simpo",)):
+        cfg = compose_config("plan", preference_overrides(pretrained_folder, pair_files, tmp_path / "run", "peft=lora", *objective))
+        plans[objective[0]] = plan_memory(cfg, task_of(cfg), search=False).total
+    assert plans["objective=kto"] == plans["objective=dpo"] != plans["objective=simpo"]  # (SimPO: no reference pass)

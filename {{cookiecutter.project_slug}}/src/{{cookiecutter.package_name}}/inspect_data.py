@@ -84,6 +84,8 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
     for index in range(cfg.first_row, min(cfg.first_row + cfg.rows, len(rows))):
         row = rows[index]
         where = f"row {row['row']} of data.splits.{cfg.split}[{row['part']}]" if "part" in row else f"row {row['row']}"
+        if "desirable" in row:  # (KTO's unpaired answers)
+            where += ": a desirable answer" if row["desirable"] else ": an undesirable answer"
         console.print(
             f"--- {where}: {row['length']} tokens, {row['n_trained']} trained, "
             + (f"{row['truncated']} truncated" if row["truncated"] >= 0 else "more truncated (a long row: not tokenised past the cut)"),

@@ -1,5 +1,6 @@
-"""Preference tuning of a causal LM on chosen/rejected pairs: DPO, and the reference-free ORPO and SimPO.  Module
-:class:`.module.PreferenceModule`, data :class:`.data.PreferenceDataModule` (configs/task/preference.yaml, configs/objective/)."""
+"""Preference tuning of a causal LM on chosen/rejected pairs (DPO, and the reference-free ORPO and SimPO) or on unpaired
+answers (KTO).  Module :class:`.module.PreferenceModule`, data :class:`.data.PreferenceDataModule` and
+:class:`.data.UnpairedDataModule` (configs/task/preference.yaml, configs/objective/)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from omegaconf import DictConfig
 from ...core.errors import DataError
 from ...core.models.adapters import rewrites_base
 from ..causal_lm import CausalLM
-from .objectives import NEEDS_REFERENCE, OBJECTIVES, Objective
+from .objectives import NEEDS_REFERENCE, OBJECTIVES, UNPAIRED, Objective
 
 
 class Preference(CausalLM):
@@ -36,7 +37,7 @@ class Preference(CausalLM):
         problems = super().config_problems(cfg, runs_here)
         name = objective.get("name")
         if name not in OBJECTIVES:
-            return [*problems, f"objective.name={name!r} is not one of {OBJECTIVES}; fix: objective=dpo (or orpo, simpo)"]
+            return [*problems, f"objective.name={name!r} is not one of {OBJECTIVES}; fix: objective=dpo (or orpo, simpo, kto)"]
         beta = objective.get("beta")
         if isinstance(beta, bool) or not isinstance(beta, int | float) or beta <= 0:
             problems.append(
@@ -48,6 +49,17 @@ class Preference(CausalLM):
         gamma = objective.get("gamma")
         if name == "simpo" and (isinstance(gamma, bool) or not isinstance(gamma, int | float) or gamma < 0):
             problems.append(f"objective.gamma={gamma!r} must be a number >= 0 (the target reward margin); fix: objective.gamma=1.0")
+        for field in ("desirable_weight", "undesirable_weight"):
+            weight = objective.get(field, 1.0)
+            if name == "kto" and (isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0):
+                problems.append(f"objective.{field}={weight!r} must be a number > 0; fix: objective.{field}=1.0")
+        unpaired = str((cfg.get("data") or {}).get("_target_", "")).endswith(".UnpairedDataModule")
+        if unpaired != (name in UNPAIRED):
+            problems.append(
+                f"objective={name} trains on {'unpaired answers' if name in UNPAIRED else 'pairs'}, and data._target_ is the "
+                f"{'unpaired' if unpaired else 'pair'} data module; fix: "
+                + ("data=unpaired (it reads pairs too, unpaired on load)" if name in UNPAIRED else "objective=kto, or data=preference")
+            )
         if name in NEEDS_REFERENCE and rewrites_base(cfg.get("peft")):
             problems.append(
                 f"objective={name} with peft.init_lora_weights={cfg.peft.init_lora_weights}: the reference is the model with its "
@@ -71,8 +83,9 @@ class Preference(CausalLM):
         return problems
 
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
-        """``micro_batch`` pairs: ``2 * micro_batch`` sequences of ``data.max_length`` tokens, scored on their second half; DPO
-        without adapters reads reference log-probs from the batch (no reference pass), with adapters the adapters-off pass runs."""
+        """``micro_batch`` pairs (KTO: answers, and their mismatched answers): ``2 * micro_batch`` sequences of ``data.max_length``
+        tokens, scored on their second half; DPO and KTO without adapters read reference log-probs from the batch (no reference
+        pass), with adapters the adapters-off pass runs."""
         length = cfg.data.max_length
         input_ids = torch.randint(0, vocab_size, (2 * micro_batch, length))  # (2P, T)
         labels = input_ids.clone()
@@ -84,6 +97,8 @@ class Preference(CausalLM):
             "token_mask": torch.ones_like(input_ids),
         }
         batch["pair"] = torch.arange(micro_batch)
+        if cfg.objective.name in UNPAIRED:  # KTO: micro_batch answers, then their mismatched answers
+            batch["desirable"] = torch.arange(micro_batch) % 2 == 0
         batch["scored_from"] = length // 2 - 1  # the shifted targets: positions T/2-1 .. T-2 (static shapes for the trace)
         if cfg.objective.name in NEEDS_REFERENCE and cfg.peft.method not in ("lora", "qlora"):
             batch["reference_logps"] = torch.zeros(2 * micro_batch)

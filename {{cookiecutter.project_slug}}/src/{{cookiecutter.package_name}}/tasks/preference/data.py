@@ -8,6 +8,9 @@ Dropped and counted, by row: a pair with a side left with no scored token, and o
 (the answers differ only past ``max_length``: it always ties and trains nothing); sides keep their first ``max_length`` tokens.
 Batches hold whole pairs: ``input_ids``, ``labels``, ``attention_mask``, ``token_mask`` ``(2P, T)``, chosen sides first, and
 ``pair`` ``(P,)`` (index in the split) and ``pair_fingerprint`` ``(P,)`` (:func:`pair_fingerprint`), for :mod:`.reference_logps`.
+
+KTO's unpaired answers (:class:`UnpairedDataModule`): rows ``prompt``, ``completion``, ``label`` (or pairs, unpaired on load),
+each answer labelled as a side is; a batch is its answers and then their mismatched answers (:func:`mismatched_answers`).
 """
 
 from __future__ import annotations
@@ -124,33 +127,21 @@ def tokenize_pairs(
     columns = list(batch)
     out = {f"{side}_{key}": [] for side in SIDES for key in ("input_ids", "labels", "n_trained")}
     out.update({"length": [], "n_trained": [], "n_content": [], "truncated": [], "row": [], "tied": []})
-    use_markers = bool(GENERATION_MARKER.search(template))
-    specials = special_token_texts(tokenizer)
     for offset, index in enumerate(indices):
         where = f"data.splits.{split} row {index}"
         pair = pair_conversations({c: batch[c][offset] for c in columns}, system_prompt, where)
         lengths, trained, content, cut = [], [], [], []
         for side, messages in zip(SIDES, pair, strict=True):
-            problem = special_token_problem(messages, specials, f"{where} ({side})")
-            if problem:
-                raise DataError(problem)
-            try:
-                ids, labels, long = label_conversation(
-                    tokenizer, template, messages, "last_assistant", eot_id, use_markers, where, (max_length, "right")
-                )
-            except jinja2.TemplateError as error:
-                raise TemplateError(f"{where} ({side}): the chat template failed on this row: {type(error).__name__}: {error}") from error
-            except TemplateError as error:
-                raise TemplateError(f"{where} ({side}): {error}") from error
-            cut.append(-1 if long and len(ids) > max_length else max(0, len(ids) - max_length))  # (-1: cut, uncounted)
-            ids, labels = ids[:max_length], labels[:max_length]
-            n_trained = sum(label != IGNORE_INDEX for label in labels[1:])  # position 0 is never a target
+            ids, labels, n_trained, n_content, side_cut = label_answer(
+                tokenizer, template, messages, eot_id, max_length, f"{where} ({side})"
+            )
             out[f"{side}_input_ids"].append(ids)
             out[f"{side}_labels"].append(labels)
             out[f"{side}_n_trained"].append(n_trained)
             lengths.append(len(ids))
             trained.append(n_trained)
-            content.append(sum(label not in (IGNORE_INDEX, eot_id) for label in labels[1:]))
+            content.append(n_content)
+            cut.append(side_cut)
         out["length"].append(max(lengths))
         out["n_trained"].append(min(trained))
         out["n_content"].append(min(content))
@@ -160,28 +151,59 @@ def tokenize_pairs(
     return out
 
 
-def pair_fingerprint(pair: dict) -> int:
-    """CRC-32 of a tokenised pair's ids and labels: a reference table computed for other pairs is refused
-    (:meth:`.module.PreferenceModule.reference_logps`)."""
+def label_answer(
+    tokenizer: PreTrainedTokenizerBase, template: str, messages: list[dict], eot_id: int, max_length: int, where: str
+) -> tuple[list[int], list[int], int, int, int]:
+    """One conversation labelled as chat SFT's ``train_on=last_assistant``, its first ``max_length`` tokens: ``(input_ids,
+    labels, n_trained, n_content, truncated)`` (``n_content``: trained tokens other than the end of turn; ``truncated``: tokens
+    cut, -1 for a long row cut before tokenising it whole).
+
+    Raises:
+        DataError: a turn spelling a special token.
+        TemplateError: the template failed on the row, or its answer spans cannot be found.
+    """
+    problem = special_token_problem(messages, special_token_texts(tokenizer), where)
+    if problem:
+        raise DataError(problem)
+    use_markers = bool(GENERATION_MARKER.search(template))
+    try:
+        ids, labels, long = label_conversation(
+            tokenizer, template, messages, "last_assistant", eot_id, use_markers, where, (max_length, "right")
+        )
+    except jinja2.TemplateError as error:
+        raise TemplateError(f"{where}: the chat template failed on this row: {type(error).__name__}: {error}") from error
+    except TemplateError as error:
+        raise TemplateError(f"{where}: {error}") from error
+    cut = -1 if long and len(ids) > max_length else max(0, len(ids) - max_length)
+    ids, labels = ids[:max_length], labels[:max_length]
+    n_trained = sum(label != IGNORE_INDEX for label in labels[1:])  # position 0 is never a target
+    return ids, labels, n_trained, sum(label not in (IGNORE_INDEX, eot_id) for label in labels[1:]), cut
+
+
+def pair_fingerprint(pair: dict, prefixes: tuple[str, ...] = ("chosen_", "rejected_")) -> int:
+    """CRC-32 of a tokenised pair's ids and labels (each side's, ``prefixes`` of its columns): a reference table computed for
+    other pairs is refused (:meth:`.module.PreferenceModule.reference_logps`)."""
     checksum = 0
-    for side in SIDES:
+    for prefix in prefixes:
         for key in ("input_ids", "labels"):
-            checksum = zlib.crc32(np.asarray(pair[f"{side}_{key}"], dtype=np.int64).tobytes() + b"|", checksum)
+            checksum = zlib.crc32(np.asarray(pair[f"{prefix}{key}"], dtype=np.int64).tobytes() + b"|", checksum)
     return checksum
 
 
 class PairCollator:
-    """Pad pairs into ``2P`` sequences with :class:`..causal_lm.chat.ChatCollator` (chosen sides first), plus ``pair`` and
-    ``pair_fingerprint`` ``(P,)``."""
+    """Pad pairs into ``2P`` sequences with :class:`..causal_lm.chat.ChatCollator` (the ``prefixes[0]`` sides first: chosen,
+    or KTO's answers before their mismatched ones), plus ``pair`` and ``pair_fingerprint`` ``(P,)``, and KTO's ``desirable``."""
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None) -> None:
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None, prefixes: tuple[str, ...] = ("chosen_", "rejected_")) -> None:
         self.pad = ChatCollator(pad_token_id, pad_to_multiple_of, packed=False)
+        self.prefixes = prefixes
 
     def __call__(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
-        sides = [{"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]} for side in SIDES for pair in pairs]
-        batch = self.pad(sides)  # (2P, T) each, chosen first
-        batch["pair"] = torch.as_tensor([pair["pair"] for pair in pairs], dtype=torch.long)  # (P,)
-        batch["pair_fingerprint"] = torch.as_tensor([pair["pair_fingerprint"] for pair in pairs], dtype=torch.long)  # (P,)
+        sides = [{"input_ids": pair[f"{p}input_ids"], "labels": pair[f"{p}labels"]} for p in self.prefixes for pair in pairs]
+        batch = self.pad(sides)  # (2P, T) each, first side first
+        for key in ("pair", "pair_fingerprint", "desirable"):
+            if key in pairs[0]:
+                batch[key] = torch.as_tensor([pair[key] for pair in pairs], dtype=torch.bool if key == "desirable" else torch.long)
         return batch
 
 
@@ -276,3 +298,130 @@ class PreferenceDataModule(ChatDataModule):
             DataError: a missing, empty or malformed file (by line).
         """
         return read_prompt_file("data.sample_prompts", self.sample_prompts)
+
+
+def labelled_answers(row: dict, system_prompt: str | None, where: str) -> list[tuple[list[dict], bool]]:
+    """A row of unpaired answers as ``[(conversation, desirable)]``: ``prompt``, ``completion`` and a boolean ``label`` (one
+    answer), or a pair's ``prompt``, ``chosen``, ``rejected`` (two: the chosen desirable, the rejected not).
+
+    Raises:
+        DataError: neither form, a ``label`` that is not true or false, an answer not ending with an assistant turn; see
+            :func:`pair_conversations`.
+    """
+    if row.get("completion") is None:
+        if row.get("chosen") is None and row.get("rejected") is None:
+            raise DataError(
+                f"{where} has no completion (columns: {sorted(row)}); fix: rows like "
+                '{"prompt": ..., "completion": ..., "label": true} (or a pair\'s prompt, chosen, rejected: unpaired on load)'
+            )
+        chosen, rejected = pair_conversations(row, system_prompt, where)
+        return [(chosen, True), (rejected, False)]
+    label = row.get("label")
+    if not isinstance(label, bool):
+        raise DataError(
+            f"{where}: label={label!r} must be true (a desirable answer) or false (an undesirable one); fix: the row's label "
+            "as a JSON boolean (csv: True/False)"
+        )
+    messages = (side_messages(row["prompt"], where, "prompt") if row.get("prompt") is not None else []) + side_messages(
+        row["completion"], where, "completion"
+    )
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: completion does not end with an assistant answer; fix: end it with the assistant turn")
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
+    return [(messages, label)]
+
+
+def tokenize_answers(
+    batch: dict[str, list],
+    indices: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    system_prompt: str | None,
+    eot_id: int,
+    max_length: int,
+    split: str,
+    rule: str = "",
+) -> dict[str, list]:
+    """Render, tokenise and label a batch of unpaired rows (a ``datasets`` map; a pair's row gives two answers): per answer
+    ``input_ids``, ``labels``, ``desirable``, and as chat rows report them ``length``, ``n_trained``, ``n_content``,
+    ``truncated``, ``row`` (the file's row). Raises as :func:`labelled_answers` and :func:`label_answer`."""
+    columns = list(batch)
+    keys = ("input_ids", "labels", "n_trained", "n_content", "truncated")
+    out = {key: [] for key in (*keys, "length", "desirable", "row")}
+    for offset, index in enumerate(indices):
+        where = f"data.splits.{split} row {index}"
+        for messages, desirable in labelled_answers({c: batch[c][offset] for c in columns}, system_prompt, where):
+            for key, value in zip(keys, label_answer(tokenizer, template, messages, eot_id, max_length, where), strict=True):
+                out[key].append(value)
+            out["length"].append(len(out["input_ids"][-1]))
+            out["desirable"].append(desirable)
+            out["row"].append(index)
+    return out
+
+
+def mismatched_answers(input_ids: list[list[int]], labels: list[list[int]], max_length: int) -> tuple[list[list[int]], list[list[int]]]:
+    """KTO's mismatched answers, one per answer ``i``: its own prompt (the tokens before its first scored one) followed by the
+    answer of the next row whose prompt differs (wrapping round; the next row if every prompt is the same), labelled as that
+    answer, its first ``max_length`` tokens. Fixed per split, so a full fine-tune's reference log-probs of them are a table."""
+    starts = [next((t for t, label in enumerate(row) if label != IGNORE_INDEX), len(row)) for row in labels]
+    prompts = [ids[:start] for ids, start in zip(input_ids, starts, strict=True)]
+    kl_ids, kl_labels = [], []
+    n = len(input_ids)
+    for i in range(n):
+        j = next((k % n for k in range(i + 1, i + n) if prompts[k % n] != prompts[i]), (i + 1) % n)
+        kl_ids.append((prompts[i] + input_ids[j][starts[j] :])[:max_length])
+        kl_labels.append(([IGNORE_INDEX] * starts[i] + labels[j][starts[j] :])[:max_length])
+    return kl_ids, kl_labels
+
+
+class UnpairedDataModule(PreferenceDataModule):
+    """Batches of unpaired answers for KTO (``objective=kto``, configs/data/unpaired.yaml): rows ``prompt``, ``completion``,
+    ``label`` (true: desirable), or pairs (``prompt``, ``chosen``, ``rejected``) unpaired on load into a desirable and an
+    undesirable answer. A batch of ``P`` answers is ``2P`` sequences: the answers, then each one's mismatched answer
+    (:func:`mismatched_answers`, for the KL estimate), with ``desirable`` ``(P,)``, ``pair`` and ``pair_fingerprint``.
+    Dropped and counted: an answer left with no scored token. Arguments as :class:`PreferenceDataModule`."""
+
+    SIDE_PREFIXES = ("",)
+    BATCH_ITEM = "answers"
+    PREFIXES = ("", "kl_")
+
+    def tokenized(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
+        kwargs = {
+            "tokenizer": self.tokenizer,
+            "template": self.template,
+            "system_prompt": self.system_prompt,
+            "eot_id": self.eot_id,
+            "max_length": self.max_length,
+            "split": split,
+            "rule": "answers-last-assistant-1",
+        }
+        return dataset.map(
+            tokenize_answers,
+            batched=True,
+            with_indices=True,
+            fn_kwargs=kwargs,
+            remove_columns=dataset.column_names,
+            desc=f"Rendering {split} answers",
+        )
+
+    def drops(self, rows: datasets.Dataset) -> dict[str, list[int]]:
+        return ChatDataModule.drops(self, rows)
+
+    def kept_columns(self) -> list[str]:
+        return ["input_ids", "labels", "length", "desirable"]
+
+    def finish(self, split: str, kept: datasets.Dataset) -> datasets.Dataset:
+        """Each answer's mismatched answer (``kl_input_ids``, ``kl_labels``), number (``pair``) and checksum."""
+        kl_ids, kl_labels = mismatched_answers(kept["input_ids"], kept["labels"], self.max_length)
+        kept = kept.add_column("kl_input_ids", kl_ids).add_column("kl_labels", kl_labels)
+        kept = kept.add_column("pair", list(range(len(kept))))
+        return kept.add_column("pair_fingerprint", [pair_fingerprint(row, self.PREFIXES) for row in kept])
+
+    def count_tokens(self, kept: datasets.Dataset) -> int:
+        return sum(kept["length"])
+
+    def collator(self) -> PairCollator:
+        from ..causal_lm.text import pad_token_id
+
+        return PairCollator(pad_token_id(self.tokenizer), self.pad_to_multiple_of, self.PREFIXES)

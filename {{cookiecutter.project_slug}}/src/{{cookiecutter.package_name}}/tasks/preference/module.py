@@ -1,14 +1,15 @@
-"""LightningModule for preference tuning (DPO, ORPO, SimPO): the causal-LM module with a pair loss."""
+"""LightningModule for preference tuning (DPO, ORPO, SimPO on pairs, KTO on unpaired answers): the causal-LM module with a
+preference loss."""
 
 from __future__ import annotations
 
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import SumMetric
 
 from ...core.errors import ConfigError
 from ..causal_lm.loss import LOGIT_TRANSFORM_FIELDS, causal_body, causal_lm_of, model_arguments
 from ..causal_lm.module import CausalLMModule
-from .objectives import NEEDS_REFERENCE, PairTerms, completion_logps, completion_logps_from_hidden, dpo, orpo, simpo
+from .objectives import NEEDS_REFERENCE, completion_logps, completion_logps_from_hidden, dpo, kto, orpo, simpo
 
 DROPOUT = (
     torch.nn.Dropout,
@@ -18,21 +19,27 @@ DROPOUT = (
     torch.nn.AlphaDropout,
     torch.nn.FeatureAlphaDropout,
 )
-# Per pair, averaged over a step's (or a split's) pairs: logged as train/<name>, val/<name>, test/<name>.
-PAIR_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
+# Per pair (KTO: per answer of its kind), averaged over a step's (or a split's): logged as train/<name>, val/<name>,
+# test/<name>, and reward_margin, the first reward's mean minus the second's.
+PAIR_METRICS = ("reward_chosen", "reward_rejected", "reward_accuracy", "logp_chosen", "logp_rejected")
+KTO_METRICS = ("reward_desirable", "reward_undesirable", "kl", "logp_desirable", "logp_undesirable")
 SPLIT_OF_STAGE = {"train": "train", "val": "validation", "test": "test"}
 
 
 class PreferenceModule(CausalLMModule):
     """Tune a causal LM on preference pairs: ``P`` pairs a batch as ``2P`` sequences (chosen first), the ``objective`` group's
-    loss (:mod:`.objectives`; ``name``: dpo | orpo | simpo, ``beta``, DPO's ``label_smoothing``, SimPO's ``gamma``).
+    loss (:mod:`.objectives`; ``name``: dpo | orpo | simpo | kto, ``beta``, DPO's ``label_smoothing``, SimPO's ``gamma``, KTO's
+    ``desirable_weight`` and ``undesirable_weight``). KTO's batch: ``P`` answers, then their ``P`` mismatched answers, and
+    ``desirable`` ``(P,)`` (:class:`.data.UnpairedDataModule`).
 
     DPO's reference (ORPO and SimPO need none) is never a second model in memory: with LoRA/QLoRA, the same forward with the
     adapters off (they start at zero); for a full fine-tune, tables of the starting weights' log-probs computed before the first
     step (:class:`.reference_logps.ReferenceLogProbs`) and kept in checkpoints.  Dropout is off (as in TRL), so log-probs are
     deterministic.  The summed pair loss is divided by the accumulated batch's pairs (:class:`...core.models.base.HFModule`).
     Logged per step and per val/test pass (means over pairs): ``loss``, ``reward_chosen``, ``reward_rejected``, ``reward_margin``,
-    ``reward_accuracy`` (share with chosen > rejected), ``logp_chosen``, ``logp_rejected`` (summed completion log-probs, nats).
+    ``reward_accuracy`` (share with chosen > rejected), ``logp_chosen``, ``logp_rejected`` (summed completion log-probs, nats);
+    KTO: ``loss``, ``reward_desirable``, ``reward_undesirable`` (means over the answers of each kind), ``reward_margin``, ``kl``
+    (the reference point ``z0``), ``logp_desirable``, ``logp_undesirable``. A kind with no answer in a step or split is not logged.
     """
 
     def __init__(
@@ -53,7 +60,7 @@ class PreferenceModule(CausalLMModule):
         self.reference_tables: dict[str, torch.Tensor] = {}
         self.reference_fingerprints: dict[str, torch.Tensor] = {}  # split -> (pairs,) the checksums of the pairs they are for
         self.at_starting_weights = True  # False once trained or loaded from a checkpoint
-        self._window_pairs = torch.zeros(len(PAIR_METRICS))
+        self._window_pairs = torch.zeros(2, len(self.metric_names))  # (value sums, weights)
 
     def build_model(self, precision: str, config=None) -> torch.nn.Module:
         model = super().build_model(precision, config=config)
@@ -62,12 +69,17 @@ class PreferenceModule(CausalLMModule):
 
     def configure_metrics(self) -> None:
         super().configure_metrics()
-        for split in ("val", "test"):
-            setattr(self, f"{split}_pairs", torch.nn.ModuleDict({name: MeanMetric() for name in PAIR_METRICS}))
+        for split in ("val", "test"):  # each metric's weighted sum, then its weight
+            sums = {name: SumMetric() for name in self.metric_names} | {f"{name}_weight": SumMetric() for name in self.metric_names}
+            setattr(self, f"{split}_pairs", torch.nn.ModuleDict(sums))
 
     @property
     def objective(self) -> str:
         return self.hparams.objective["name"]
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return KTO_METRICS if self.objective == "kto" else PAIR_METRICS
 
     @property
     def reference_from_adapters_off(self) -> bool:
@@ -117,12 +129,21 @@ class PreferenceModule(CausalLMModule):
         chosen, rejected = table.to(index.device)[index].unbind(1)  # (P,) each
         return torch.cat([chosen, rejected])
 
-    def pair_terms(self, batch: dict[str, torch.Tensor], split: str | None) -> tuple[PairTerms, torch.Tensor]:
-        """The objective's per-pair terms and ``(P, len(PAIR_METRICS))`` per-pair metrics."""
+    def pair_terms(self, batch: dict[str, torch.Tensor], split: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The objective's per-pair (KTO: per-answer) loss ``(P,)`` and ``(2, P, len(metric_names))`` metric values and weights
+        (a KTO answer weighs 1 in the metrics of its kind, 0 in the other's)."""
         logps, n_tokens = self.sequence_logps(batch)
         pairs = logps.shape[0] // 2
         logp_w, logp_l, n_w, n_l = logps[:pairs], logps[pairs:], n_tokens[:pairs], n_tokens[pairs:]
         settings = self.hparams.objective
+        if self.objective == "kto":
+            reference = self.reference_logps(batch, split).to(logps.dtype)
+            weights = (settings["desirable_weight"], settings["undesirable_weight"])
+            answers = kto(logp_w, reference[:pairs], logp_l, reference[pairs:], batch["desirable"], settings["beta"], *weights)
+            good = batch["desirable"].float()
+            values = [answers.reward, answers.reward, answers.kl.expand(pairs), logp_w.detach(), logp_w.detach()]
+            kinds = [good, 1 - good, torch.ones_like(good), good, 1 - good]
+            return answers.loss, torch.stack([torch.stack(values, dim=1), torch.stack(kinds, dim=1)])
         if self.objective == "dpo":
             reference = self.reference_logps(batch, split).to(logps.dtype)
             terms = dpo(logp_w, logp_l, reference[:pairs], reference[pairs:], settings["beta"], settings["label_smoothing"])
@@ -130,44 +151,54 @@ class PreferenceModule(CausalLMModule):
             terms = simpo(logp_w, logp_l, n_w, n_l, settings["beta"], settings["gamma"])
         else:
             terms = orpo(logp_w, logp_l, n_w, n_l, settings["beta"])
-        margin = terms.reward_chosen - terms.reward_rejected
-        values = [terms.reward_chosen, terms.reward_rejected, margin, (margin > 0).float(), logp_w.detach(), logp_l.detach()]
-        return terms, torch.stack(values, dim=1)
+        accurate = (terms.reward_chosen > terms.reward_rejected).float()
+        values = torch.stack([terms.reward_chosen, terms.reward_rejected, accurate, logp_w.detach(), logp_l.detach()], dim=1)
+        return terms.loss, torch.stack([values, torch.ones_like(values)])
+
+    def metric_means(self, sums: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{name: mean}`` from per-metric weighted sums and weights ``(len(metric_names),)``, and ``reward_margin``; a metric of
+        no weight (no answer of that kind) is left out."""
+        means = {name: total / weight for name, total, weight in zip(self.metric_names, sums, weights, strict=True) if weight > 0}
+        first, second = self.metric_names[:2]
+        if first in means and second in means:
+            means["reward_margin"] = means[first] - means[second]
+        return means
 
     def model_step(self, batch: dict[str, torch.Tensor], split: str | None = None) -> tuple[torch.Tensor, int]:
-        """The summed pair loss of the micro-batch and its number of pairs."""
-        terms, _ = self.pair_terms(batch, split)
-        return terms.loss.sum(), terms.loss.shape[0]
+        """The summed pair (KTO: answer) loss of the micro-batch and its number of pairs."""
+        loss, _ = self.pair_terms(batch, split)
+        return loss.sum(), loss.shape[0]
 
     def loss_divisor(self) -> float:
         return self.inputs.micro_batch_size if self.inputs is not None else 1
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._window_pairs = torch.zeros(len(PAIR_METRICS), device=self.device)
+        self._window_pairs = torch.zeros(2, len(self.metric_names), device=self.device)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        terms, values = self.pair_terms(batch, "train")
-        self._window_pairs += values.sum(dim=0)
+        loss, values = self.pair_terms(batch, "train")
+        self._window_pairs += torch.stack([(values[0] * values[1]).sum(dim=0), values[1].sum(dim=0)])
         mask = batch["token_mask"]  # (2P, T) 1 = a real token
         self._window_tokens += mask.sum()
         self.log_step_metric("train/padding_fraction", 1.0 - mask.float().mean())
-        return self.add_to_window(terms.loss.sum(), terms.loss.shape[0])
+        return self.add_to_window(loss.sum(), loss.shape[0])
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         super().on_before_optimizer_step(optimizer)  # train/loss (the step's pairs: self._step_items), train/tokens
-        sums = self.trainer.strategy.reduce(self._window_pairs, reduce_op="sum")  # (all devices)
-        for name, value in zip(PAIR_METRICS, sums / self._step_items, strict=True):
+        sums, weights = self.trainer.strategy.reduce(self._window_pairs, reduce_op="sum")  # (all devices)
+        for name, value in self.metric_means(sums, weights).items():
             self.log_step_metric(f"train/{name}", value)
         self._window_pairs.zero_()
         self.at_starting_weights = False
 
     def eval_step(self, batch: dict[str, torch.Tensor], split: str) -> None:
-        terms, values = self.pair_terms(batch, SPLIT_OF_STAGE[split])
-        pairs = terms.loss.shape[0]
-        getattr(self, f"{split}_loss").update(terms.loss.mean(), weight=pairs)
-        for name, column in zip(PAIR_METRICS, values.unbind(1), strict=True):
-            getattr(self, f"{split}_pairs")[name].update(column.mean(), weight=pairs)
+        loss, (values, weights) = self.pair_terms(batch, SPLIT_OF_STAGE[split])
+        getattr(self, f"{split}_loss").update(loss.mean(), weight=loss.shape[0])
+        metrics = getattr(self, f"{split}_pairs")
+        for name, column, weight in zip(self.metric_names, values.unbind(1), weights.unbind(1), strict=True):
+            metrics[name].update((column * weight).sum())
+            metrics[f"{name}_weight"].update(weight.sum())
 
     def reset_metrics(self, split: str) -> None:
         super().reset_metrics(split)
@@ -175,13 +206,13 @@ class PreferenceModule(CausalLMModule):
             metric.reset()
 
     def log_metrics(self, split: str) -> None:
-        shown = {f"{split}/loss": getattr(self, f"{split}_loss").compute()}  # (on the progress bar for val)
-        shown[f"{split}/reward_accuracy"] = getattr(self, f"{split}_pairs")["reward_accuracy"].compute()
-        rest = {
-            f"{split}/{name}": metric.compute() for name, metric in getattr(self, f"{split}_pairs").items() if name != "reward_accuracy"
-        }
+        metrics = getattr(self, f"{split}_pairs")
+        sums = torch.stack([metrics[name].compute() for name in self.metric_names])
+        means = self.metric_means(sums, torch.stack([metrics[f"{name}_weight"].compute() for name in self.metric_names]))
+        headline = "reward_margin" if self.objective == "kto" else "reward_accuracy"  # (on the progress bar for val, with the loss)
+        shown = {f"{split}/loss": getattr(self, f"{split}_loss").compute()} | {f"{split}/{headline}": means.pop(headline)}
         self.log_dict(shown, prog_bar=split == "val")
-        self.log_dict(rest)
+        self.log_dict({f"{split}/{name}": value for name, value in means.items()})
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -1,7 +1,8 @@
-"""Preference objectives on per-sequence log-probabilities: DPO, ORPO and SimPO.
+"""Preference objectives on per-sequence log-probabilities: DPO, ORPO, SimPO on pairs, KTO on unpaired answers.
 
-Each takes the summed completion log-probs of each side of ``P`` pairs (:func:`completion_logps`) and returns a
-:class:`PairTerms`; ``w`` is the chosen completion, ``l`` the rejected one, ``x`` the prompt, as in the papers."""
+Each takes summed completion log-probs (:func:`completion_logps`) and returns a :class:`PairTerms`: for pairs, ``w`` is the
+chosen completion, ``l`` the rejected one, ``x`` the prompt, as in the papers; for KTO, ``P`` answers each marked desirable or
+not, and ``P`` mismatched answers (another row's answer to this row's prompt) for the KL estimate."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 from ...core.data.tokenization import IGNORE_INDEX
 
 # The objectives that compare the policy with a reference model (the others need none).
-NEEDS_REFERENCE = ("dpo",)
-OBJECTIVES = ("dpo", "orpo", "simpo")
+NEEDS_REFERENCE = ("dpo", "kto")
+OBJECTIVES = ("dpo", "orpo", "simpo", "kto")
+UNPAIRED = ("kto",)  # the objectives trained on unpaired answers (data=unpaired)
 
 
 @dataclass(frozen=True)
@@ -22,10 +24,12 @@ class Objective:
     """The ``objective`` group (configs/objective/), declared by this task: its keys are these
     fields (the config check binds the group to this signature)."""
 
-    name: str  # dpo | orpo | simpo
+    name: str  # dpo | orpo | simpo | kto
     beta: float
     label_smoothing: float = 0.0  # DPO only
     gamma: float = 0.0  # SimPO only
+    desirable_weight: float = 1.0  # KTO only (lambda_D)
+    undesirable_weight: float = 1.0  # KTO only (lambda_U)
 
 
 @dataclass
@@ -35,6 +39,15 @@ class PairTerms:
     loss: torch.Tensor
     reward_chosen: torch.Tensor
     reward_rejected: torch.Tensor
+
+
+@dataclass
+class AnswerTerms:
+    """Per-answer ``(P,)`` float32 values of KTO: the loss, the reward, and the micro-batch's KL estimate ``z0`` (a 0-dim tensor)."""
+
+    loss: torch.Tensor
+    reward: torch.Tensor
+    kl: torch.Tensor
 
 
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,3 +122,31 @@ def orpo(logp_w: torch.Tensor, logp_l: torch.Tensor, n_w: torch.Tensor, n_l: tor
     )
     loss = -mean_w - beta * F.logsigmoid(log_odds)
     return PairTerms(loss, (beta * mean_w).detach(), (beta * mean_l).detach())
+
+
+def kto(
+    logp: torch.Tensor,
+    ref: torch.Tensor,
+    logp_kl: torch.Tensor,
+    ref_kl: torch.Tensor,
+    desirable: torch.Tensor,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+) -> AnswerTerms:
+    """KTO (Ethayarajh et al., 2024, "KTO: Model Alignment as Prospect Theoretic Optimization", eq. 8): each answer alone,
+    desirable or not, against a reference point ``z0``, the policy's KL from the reference estimated on mismatched answers
+    (``y'``: another row's answer to this prompt) as in sec. 4.1, clamped at 0 and not differentiated:
+
+        r(x, y) = log pi(y|x) - log pi_ref(y|x)                 (reward: beta * r)
+        z0      = max(0, mean over the micro-batch of log pi(y'|x) - log pi_ref(y'|x))
+        v(x, y) = lambda_D * sigmoid(beta * (r - z0))  if desirable,  lambda_U * sigmoid(beta * (z0 - r))  if not
+        L       = lambda_y - v(x, y)
+
+    ``logp``, ``ref``: ``(P,)`` summed log-probs of the answers, policy and reference; ``logp_kl``, ``ref_kl`` ``(P,)`` of the
+    mismatched answers; ``desirable`` ``(P,)`` bool. The estimate is over one micro-batch (TRL's over the whole batch)."""
+    ratio = logp - ref
+    z0 = (logp_kl - ref_kl).mean().clamp(min=0).detach()
+    weight = torch.where(desirable, desirable_weight, undesirable_weight)
+    value = torch.where(desirable, torch.sigmoid(beta * (ratio - z0)), torch.sigmoid(beta * (z0 - ratio)))
+    return AnswerTerms(weight * (1 - value), (beta * ratio).detach(), z0)

@@ -1,8 +1,8 @@
-"""The reference log-probs of a full fine-tune's DPO (task=preference), computed once from the starting weights.
+"""The reference log-probs of a full fine-tune's DPO or KTO (task=preference), computed once from the starting weights.
 
 With no adapters to switch off, the reference is the policy as it starts: rather than a second copy of the weights,
 :class:`ReferenceLogProbs` runs one no-grad pass over every split's pairs before the first step and hands the module
-a ``(pairs, 2)`` table per split (:attr:`.module.PreferenceModule.reference_tables`, kept in checkpoints). The tables
+a ``(pairs, 2)`` table per split (KTO: an answer and its mismatched answer for a pair) (:attr:`.module.PreferenceModule.reference_tables`, kept in checkpoints). The tables
 are cached in ``<data.cache_dir>/reference_logps/`` keyed by what determines them (the base model files' sha256, model,
 peft, precision, attention, seed, tokenised pairs), so a change never reads an old one; plain tensors, ``weights_only=True``."""
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class ReferenceLogProbs(L.Callback):
-    """Give a DPO full fine-tune its reference tables before any pair is scored; nothing for other runs.
+    """Give a DPO or KTO full fine-tune its reference tables before any pair is scored; nothing for other runs.
     ``seed`` (``${seed}``) is part of the cache key (it draws a model from scratch).
 
     Raises (from the hooks):
@@ -99,9 +99,10 @@ class ReferenceLogProbs(L.Callback):
 
 
 def pairs_digest(dataset) -> str:
-    """sha256 of the tokenised pairs: every side's token ids and labels, in order."""
+    """sha256 of the tokenised pairs: every side's token ids and labels (its ``*input_ids`` and ``*labels`` columns, by name),
+    in order."""
     digest = hashlib.sha256()
-    for column in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+    for column in sorted(c for c in dataset.column_names if c.endswith(("input_ids", "labels"))):
         for values in dataset[column]:
             digest.update(np.asarray(values, dtype=np.int64).tobytes())
             digest.update(b"|")
@@ -110,7 +111,7 @@ def pairs_digest(dataset) -> str:
 
 @torch.no_grad()
 def reference_table(module: L.LightningModule, dataset, collator, batch_size: int, precision_plugin) -> torch.Tensor:
-    """``(pairs, 2)`` float32 summed completion log-probs (chosen, rejected) of ``module``'s current weights over
+    """``(pairs, 2)`` float32 summed completion log-probs (chosen, rejected; KTO: answer, mismatched answer) of ``module``'s current weights over
     ``dataset`` in order, in eval mode, under the run's precision (``precision_plugin.forward_context()``)."""
     was_training = module.training
     module.eval()
