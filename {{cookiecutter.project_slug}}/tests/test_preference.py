@@ -653,12 +653,37 @@ def test_mismatched_answers_fall_back_to_the_next_row_when_every_prompt_is_the_s
         ({"prompt": "the film", "completion": "good"}, r"row 0: label=None must be true"),
         ({"prompt": "the film", "answer": "good", "label": True}, r"row 0 has no completion \(columns: \['answer', 'label', 'prompt'\]\)"),
         ({"prompt": "the film", "completion": "", "label": True}, "row 0: completion is empty"),
+        (
+            {"prompt": "the film", "completion": "good", "label": True, "chosen": "good"},
+            "row 0 has a completion and chosen, so it is neither one answer nor a pair",
+        ),
     ],
 )
 def test_a_bad_unpaired_row_is_refused_naming_the_row_and_the_fix(tokenizer, tmp_path, row, message):
     files = {"train": write_jsonl(tmp_path / "t.jsonl", [row]), "validation": write_jsonl(tmp_path / "v.jsonl", [row])}
     with pytest.raises(DataError, match=message):
         UnpairedDataModule(**datamodule_options(tokenizer, files)).setup("fit")
+
+
+@pytest.mark.parametrize("bad", [0, 7, 19])
+@pytest.mark.parametrize("unpaired", [False, True])
+def test_a_bad_row_held_out_for_validation_is_named_by_its_row_in_the_train_file(tokenizer, tmp_path, bad, unpaired):
+    rows = pair_rows(20, seed=5)
+    rows[bad] = {"prompt": "the film", "completion": "good", "label": "yes"} if unpaired else {**rows[bad], "rejected": rows[bad]["chosen"]}
+    module = UnpairedDataModule if unpaired else PreferenceDataModule
+    with pytest.raises(DataError, match=rf"^data.splits.train row {bad}: "):
+        module(**datamodule_options(tokenizer, {"train": write_jsonl(tmp_path / "t.jsonl", rows)}, val_fraction=0.5)).setup("fit")
+
+
+def test_held_out_validation_keeps_a_pairs_two_answers_together(tokenizer, tmp_path):
+    datamodule = UnpairedDataModule(
+        **datamodule_options(tokenizer, {"train": write_jsonl(tmp_path / "t.jsonl", pair_rows(20, 5))}, val_fraction=0.25)
+    )
+    datamodule.setup("fit")
+    train, validation = datamodule.datasets["train"], datamodule.datasets["validation"]
+    assert len(train) == 30 and len(validation) == 10 and validation["desirable"] == [True, False] * 5
+    answers = {split: {(tuple(ids)) for ids in data["input_ids"]} for split, data in (("train", train), ("validation", validation))}
+    assert not answers["train"] & answers["validation"]
 
 
 @pytest.mark.parametrize("peft", ["none", "lora"])
@@ -689,6 +714,19 @@ def test_a_short_kto_run_reports_its_answer_metrics_and_eval_repeats_them(pretra
     )
     for name in names:
         assert again[f"test/{name}"] == pytest.approx(metrics[f"test/{name}"], abs=1e-6), name
+    if peft == "none":  # (a full fine-tune's reference for other test answers is gone: refused, as for DPO)
+        return
+    # A split of one kind of answer: that kind's metrics, no margin (nothing to subtract), no number made up.
+    good = write_jsonl(
+        tmp_path / "good.jsonl", [{"prompt": row["prompt"], "completion": row["chosen"], "label": True} for row in pair_rows(4, 9)]
+    )
+    only = evaluate(
+        compose_config(
+            "eval",
+            overrides + [f"ckpt_path={metrics['best_checkpoint']}", f"data.splits.test={good}", f"paths.output_dir={tmp_path / 'eval2'}"],
+        )
+    )
+    assert math.isfinite(only["test/reward_desirable"]) and "test/reward_undesirable" not in only and "test/reward_margin" not in only
 
 
 def test_kto_is_planned_as_dpo_is_two_sequences_an_item_and_the_reference_pass(pretrained_folder, pair_files, tmp_path):

@@ -624,11 +624,8 @@ class ChatDataModule(TokenizedDataModule):
         if stage in ("fit", "validate") and "train" not in self.datasets:
             if "validation" in self.splits:  # (always, for a mix of train files: mix_problems)
                 train, validation = self.split_rows("train"), self.split_rows("validation")
-            else:
-                train, validation = self.hold_out_validation(
-                    self.load("train"), "row", "data.splits.validation=path/to/val.jsonl, or more rows"
-                )
-                train, validation = self.tokenized("train", train), self.tokenized("validation", validation)
+            else:  # (the whole file read first: a bad row is named by its row in data.splits.train)
+                train, validation = self.hold_out_rows(self.tokenized("train", self.load("train")))
             self.datasets["train"] = self._prepare("train", train)
             self.datasets["validation"] = self._prepare("validation", validation)
         # The test split is checked too (train scores the untuned model on it): a bad test row stops the run before weights load.
@@ -638,6 +635,16 @@ class ChatDataModule(TokenizedDataModule):
             raise DataError("data.splits.test is null, so there is no test split to evaluate; fix: data.splits.test=path/to/test.jsonl")
         if stage in ("fit", "validate"):
             self.check_validation_interval()
+
+    def hold_out_rows(self, tokenized: datasets.Dataset) -> tuple[datasets.Dataset, datasets.Dataset]:
+        """:meth:`hold_out_validation` of a tokenised train split by its file rows (``row``): the sequences of a row (a pair's
+        two answers for KTO) stay on one side, in the order the held-out rows are drawn."""
+        at: dict[int, list[int]] = {}
+        for index, row in enumerate(tokenized["row"]):
+            at.setdefault(row, []).append(index)
+        rows = datasets.Dataset.from_dict({"row": list(at)})
+        kept, held = self.hold_out_validation(rows, "row", "data.splits.validation=path/to/val.jsonl, or more rows")
+        return tuple(tokenized.select([i for row in part["row"] for i in at[row]]) for part in (kept, held))
 
     def mixes(self, split: str) -> bool:
         """Whether ``split`` is a list of files to mix (``train`` only)."""

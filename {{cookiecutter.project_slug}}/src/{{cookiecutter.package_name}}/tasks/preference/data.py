@@ -79,7 +79,7 @@ def pair_conversations(row: dict, system_prompt: str | None, where: str) -> tupl
         missing = ["prompt"]
     if missing:
         raise DataError(
-            f"{where} has no {' or '.join(missing)} (columns: {sorted(row)}); "
+            f"{where} has no {' or '.join(missing)} (columns: {sorted(c for c, v in row.items() if v is not None)}); "
             'fix: rows like {"prompt": ..., "chosen": ..., "rejected": ...} (text, or lists of {role, content} messages)'
         )
     prompt = side_messages(row["prompt"], where, "prompt") if row.get("prompt") is not None else []
@@ -308,10 +308,16 @@ def labelled_answers(row: dict, system_prompt: str | None, where: str) -> list[t
         DataError: neither form, a ``label`` that is not true or false, an answer not ending with an assistant turn; see
             :func:`pair_conversations`.
     """
+    both = [column for column in SIDES if row.get(column) is not None]
+    if row.get("completion") is not None and both:
+        raise DataError(
+            f"{where} has a completion and {' and '.join(both)}, so it is neither one answer nor a pair; fix: one form per row "
+            '({"prompt", "completion", "label"} or {"prompt", "chosen", "rejected"})'
+        )
     if row.get("completion") is None:
-        if row.get("chosen") is None and row.get("rejected") is None:
+        if not both:
             raise DataError(
-                f"{where} has no completion (columns: {sorted(row)}); fix: rows like "
+                f"{where} has no completion (columns: {sorted(c for c, v in row.items() if v is not None)}); fix: rows like "
                 '{"prompt": ..., "completion": ..., "label": true} (or a pair\'s prompt, chosen, rejected: unpaired on load)'
             )
         chosen, rejected = pair_conversations(row, system_prompt, where)
@@ -413,6 +419,8 @@ class UnpairedDataModule(PreferenceDataModule):
 
     def finish(self, split: str, kept: datasets.Dataset) -> datasets.Dataset:
         """Each answer's mismatched answer (``kl_input_ids``, ``kl_labels``), number (``pair``) and checksum."""
+        desirable = sum(kept["desirable"])
+        log.info("%s: %d desirable and %d undesirable answers", split, desirable, len(kept) - desirable)
         kl_ids, kl_labels = mismatched_answers(kept["input_ids"], kept["labels"], self.max_length)
         kept = kept.add_column("kl_input_ids", kl_ids).add_column("kl_labels", kl_labels)
         kept = kept.add_column("pair", list(range(len(kept))))

@@ -210,7 +210,9 @@ class PreferenceModule(CausalLMModule):
         sums = torch.stack([metrics[name].compute() for name in self.metric_names])
         means = self.metric_means(sums, torch.stack([metrics[f"{name}_weight"].compute() for name in self.metric_names]))
         headline = "reward_margin" if self.objective == "kto" else "reward_accuracy"  # (on the progress bar for val, with the loss)
-        shown = {f"{split}/loss": getattr(self, f"{split}_loss").compute()} | {f"{split}/{headline}": means.pop(headline)}
+        shown = {f"{split}/loss": getattr(self, f"{split}_loss").compute()}
+        if headline in means:  # (not when the split's answers are all of one kind)
+            shown[f"{split}/{headline}"] = means.pop(headline)
         self.log_dict(shown, prog_bar=split == "val")
         self.log_dict({f"{split}/{name}": value for name, value in means.items()})
 
