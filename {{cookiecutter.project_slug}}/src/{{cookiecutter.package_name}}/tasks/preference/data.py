@@ -67,6 +67,21 @@ def side_messages(value: object, where: str, column: str) -> list[dict]:
     )
 
 
+def answer_conversation(row: dict, column: str, system_prompt: str | None, where: str) -> list[dict]:
+    """The row's prompt turns (``prompt``, if any) and then its ``column`` answer, with ``system_prompt`` set when given.
+
+    Raises:
+        DataError: the conversation does not end with an assistant answer; see :func:`side_messages`.
+    """
+    prompt = side_messages(row["prompt"], where, "prompt") if row.get("prompt") is not None else []
+    messages = prompt + side_messages(row[column], where, column)
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: {column} does not end with an assistant answer; fix: end it with the assistant turn")
+    if system_prompt is not None:
+        messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
+    return messages
+
+
 def pair_conversations(row: dict, system_prompt: str | None, where: str) -> tuple[list[dict], list[dict]]:
     """The chosen and the rejected conversations of a row (prompt turns, then the answer).
 
@@ -82,16 +97,7 @@ def pair_conversations(row: dict, system_prompt: str | None, where: str) -> tupl
             f"{where} has no {' or '.join(missing)} (columns: {sorted(c for c, v in row.items() if v is not None)}); "
             'fix: rows like {"prompt": ..., "chosen": ..., "rejected": ...} (text, or lists of {role, content} messages)'
         )
-    prompt = side_messages(row["prompt"], where, "prompt") if row.get("prompt") is not None else []
-    conversations = []
-    for column in SIDES:
-        messages = prompt + side_messages(row[column], where, column)
-        if messages[-1]["role"] != "assistant":
-            raise DataError(f"{where}: {column} does not end with an assistant answer; fix: end it with the assistant turn")
-        if system_prompt is not None:
-            messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
-        conversations.append(messages)
-    chosen, rejected = conversations
+    chosen, rejected = (answer_conversation(row, column, system_prompt, where) for column in SIDES)
     if chosen[:-1] != rejected[:-1]:
         turn = next(i for i, (a, b) in enumerate(zip(chosen[:-1] + [None], rejected[:-1] + [None], strict=False)) if a != b)
         raise DataError(
@@ -221,6 +227,8 @@ class PreferenceDataModule(ChatDataModule):
 
     SIDE_PREFIXES = ("chosen_", "rejected_")  # what inspect_data shows of a row: each side
     BATCH_ITEM = "pairs"
+    TOKENIZE = staticmethod(tokenize_pairs)  # a batch of file rows -> tokenised rows (a datasets map)
+    RULE = PAIR_RULE
 
     def __init__(
         self,
@@ -250,15 +258,15 @@ class PreferenceDataModule(ChatDataModule):
             "eot_id": self.eot_id,
             "max_length": self.max_length,
             "split": split,
-            "rule": PAIR_RULE,
+            "rule": self.RULE,
         }
         return dataset.map(
-            tokenize_pairs,
+            self.TOKENIZE,
             batched=True,
             with_indices=True,
             fn_kwargs=kwargs,
             remove_columns=dataset.column_names,
-            desc=f"Rendering {split} pairs",
+            desc=f"Rendering {split} {self.BATCH_ITEM}",
         )
 
     def drops(self, rows: datasets.Dataset) -> dict[str, list[int]]:
@@ -328,14 +336,7 @@ def labelled_answers(row: dict, system_prompt: str | None, where: str) -> list[t
             f"{where}: label={label!r} must be true (a desirable answer) or false (an undesirable one); fix: the row's label "
             "as a JSON boolean (csv: True/False)"
         )
-    messages = (side_messages(row["prompt"], where, "prompt") if row.get("prompt") is not None else []) + side_messages(
-        row["completion"], where, "completion"
-    )
-    if messages[-1]["role"] != "assistant":
-        raise DataError(f"{where}: completion does not end with an assistant answer; fix: end it with the assistant turn")
-    if system_prompt is not None:
-        messages = [{"role": "system", "content": system_prompt}] + [turn for turn in messages if turn["role"] != "system"]
-    return [(messages, label)]
+    return [(answer_conversation(row, "completion", system_prompt, where), label)]
 
 
 def tokenize_answers(
@@ -372,10 +373,14 @@ def mismatched_answers(input_ids: list[list[int]], labels: list[list[int]], max_
     answer, its first ``max_length`` tokens. Fixed per split, so a full fine-tune's reference log-probs of them are a table."""
     starts = [next((t for t, label in enumerate(row) if label != IGNORE_INDEX), len(row)) for row in labels]
     prompts = [ids[:start] for ids, start in zip(input_ids, starts, strict=True)]
-    kl_ids, kl_labels = [], []
     n = len(input_ids)
+    # differs[k], k < 2n (the rows twice round): the first index after k whose prompt differs from row k % n's (None: none).
+    differs: list[int | None] = [None] * (2 * n)
+    for k in range(2 * n - 2, -1, -1):
+        differs[k] = k + 1 if prompts[(k + 1) % n] != prompts[k % n] else differs[k + 1]
+    kl_ids, kl_labels = [], []
     for i in range(n):
-        j = next((k % n for k in range(i + 1, i + n) if prompts[k % n] != prompts[i]), (i + 1) % n)
+        j = differs[i] % n if differs[i] is not None and differs[i] - i < n else (i + 1) % n
         kl_ids.append((prompts[i] + input_ids[j][starts[j] :])[:max_length])
         kl_labels.append(([IGNORE_INDEX] * starts[i] + labels[j][starts[j] :])[:max_length])
     return kl_ids, kl_labels
@@ -390,26 +395,9 @@ class UnpairedDataModule(PreferenceDataModule):
 
     SIDE_PREFIXES = ("",)
     BATCH_ITEM = "answers"
+    TOKENIZE = staticmethod(tokenize_answers)
+    RULE = "answers-last-assistant-1"
     PREFIXES = ("", "kl_")
-
-    def tokenized(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
-        kwargs = {
-            "tokenizer": self.tokenizer,
-            "template": self.template,
-            "system_prompt": self.system_prompt,
-            "eot_id": self.eot_id,
-            "max_length": self.max_length,
-            "split": split,
-            "rule": "answers-last-assistant-1",
-        }
-        return dataset.map(
-            tokenize_answers,
-            batched=True,
-            with_indices=True,
-            fn_kwargs=kwargs,
-            remove_columns=dataset.column_names,
-            desc=f"Rendering {split} answers",
-        )
 
     def drops(self, rows: datasets.Dataset) -> dict[str, list[int]]:
         return ChatDataModule.drops(self, rows)
