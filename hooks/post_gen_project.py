@@ -24,8 +24,6 @@ ONLY_FOR = {
         "tests/test_token_classification.py",
         "tests/test_resume_identity.py",
         "tests/e2e/test_cli_token_classification.py",
-        f"{SRC}/predict.py",
-        f"{CONFIGS}/predict.yaml",
         f"{CONFIGS}/task/classification.yaml",
         f"{CONFIGS}/data/local_files.yaml",
         f"{CONFIGS}/data/vader_movie_reviews.yaml",
@@ -52,6 +50,12 @@ ONLY_FOR = {
         f"{SRC}/tasks/causal_lm",
         f"{SRC}/tasks/preference",  # (its module extends the causal LM's)
         f"{CONFIGS}/task/preference.yaml",
+        f"{SRC}/tasks/reward",  # (its data module extends the preference pairs')
+        f"{CONFIGS}/task/reward.yaml",
+        f"{CONFIGS}/data/reward.yaml",
+        f"{CONFIGS}/experiment/demo_reward_model.yaml",
+        "tests/test_reward.py",
+        "tests/real_data/test_demo_reward.py",
         f"{CONFIGS}/objective",
         f"{CONFIGS}/data/preference.yaml",
         f"{CONFIGS}/data/vader_dpo.yaml",

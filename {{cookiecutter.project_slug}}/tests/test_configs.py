@@ -28,6 +28,7 @@ TASK_DATA = {
 {%- if cookiecutter.tasks != "classification" %}
     "causal_lm": "shakespeare",
     "preference": "preference",
+    "reward": "reward",
 {%- endif %}
 }
 ENTRY_CONFIGS = ("train", "eval", "plan", "quantize"

@@ -13,7 +13,7 @@ PACKAGE = __package__
 VERBS = {
     "train": ("train", "fit a model, then test the best checkpoint (ckpt_path=last resumes)"),
     "eval": ("eval", "test a checkpoint (or an exported causal LM folder) on the data's test split"),
-    "predict": ("predict", "a file of rows in, the classifier's predictions out"),
+    "predict": ("predict", "a file of rows in, the task's predictions out (one per row)"),
     "generate": ("generate", "complete prompts with a causal LM checkpoint"),
     "chat": ("chat", "talk to a causal LM checkpoint or exported folder in the terminal"),
     "serve": ("serve", "an OpenAI-compatible HTTP endpoint for a causal LM checkpoint or exported folder, on 127.0.0.1"),

@@ -4,7 +4,8 @@
         ckpt_path=RUN/checkpoints/last.ckpt input=reviews.csv output=predictions.csv
 
 The task writes the file (``Task.write_predictions``): sequence classification a CSV of the input's columns plus
-``predicted_label`` and a ``prob_<label>`` per class; token classification a jsonl of words and tags. One row per
+``predicted_label`` and a ``prob_<label>`` per class; token classification a jsonl of words and tags; a reward model a
+jsonl of the rows and each one's ``reward``. One row per
 input row, in order, from one process whatever ``trainer`` says; exits 1 on bad config or data."""
 
 from __future__ import annotations

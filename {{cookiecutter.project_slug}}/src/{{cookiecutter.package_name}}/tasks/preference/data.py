@@ -162,7 +162,8 @@ def label_answer(
 ) -> tuple[list[int], list[int], int, int, int]:
     """One conversation labelled as chat SFT's ``train_on=last_assistant``, its first ``max_length`` tokens: ``(input_ids,
     labels, n_trained, n_content, truncated)`` (``n_content``: trained tokens other than the end of turn; ``truncated``: tokens
-    cut, -1 for a long row cut before tokenising it whole).
+    cut, -1 for a long row cut before tokenising it whole).  ``template=None`` (an encoder reward model's): the turns before
+    the answer and the answer as the tokenizer's own text pair (``[CLS] prompt [SEP] answer [SEP]``), every token labelled.
 
     Raises:
         DataError: a turn spelling a special token.
@@ -171,6 +172,12 @@ def label_answer(
     problem = special_token_problem(messages, special_token_texts(tokenizer), where)
     if problem:
         raise DataError(problem)
+    if template is None:
+        texts = ["\n".join(turn["content"] for turn in messages[:-1]), messages[-1]["content"]]
+        texts = texts if texts[0] else texts[1:]
+        whole = len(tokenizer(*texts)["input_ids"])
+        ids = tokenizer(*texts, truncation=True, max_length=max_length)["input_ids"]
+        return ids, list(ids), len(ids) - 1, len(ids) - 1, whole - len(ids)
     use_markers = bool(GENERATION_MARKER.search(template))
     try:
         ids, labels, long = label_conversation(
