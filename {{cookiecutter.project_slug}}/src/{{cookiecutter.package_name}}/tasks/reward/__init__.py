@@ -11,7 +11,6 @@ import torch
 from omegaconf import DictConfig
 
 from ...core.compress.quantization import TORCHAO_VARIANTS
-from ...core.errors import DataError
 from ...core.task import Task, to_device
 
 
@@ -49,16 +48,8 @@ class RewardModel(Task):
 
     def write_predictions(self, module, datamodule, outputs: list, path: Path) -> int:
         """A jsonl file: each input row's fields as read, then ``reward`` (a float; only differences between rewards mean
-        something).
-
-        Raises:
-            DataError: the input already has a ``reward`` field.
-        """
+        something). An input with a ``reward`` field was refused when read (:meth:`.data.RewardDataModule.setup`)."""
         rows = datamodule.predict_rows
-        if "reward" in rows.column_names:
-            raise DataError(
-                "input has a field 'reward', which predict writes; fix: rename it in the input (its fields are copied as they are)"
-            )
         rewards = torch.cat(outputs).tolist()
         with path.open("w", encoding="utf-8") as file:
             for row, reward in zip(rows, rewards, strict=True):

@@ -69,6 +69,10 @@ class RewardDataModule(PreferenceDataModule):
         if self.predict_file is None:
             raise DataError("no file to score; fix: input=path/to/answers.jsonl (rows: prompt, completion)")
         self.predict_rows = load_split("predict", self.predict_file, None, None, self.cache_dir)
+        if "reward" in self.predict_rows.column_names:  # (before any row is scored)
+            raise DataError(
+                "input has a field 'reward', which predict writes; fix: rename it in the input (its fields are copied as they are)"
+            )
         kwargs = {key: getattr(self, key) for key in ("tokenizer", "template", "system_prompt", "eot_id", "max_length")}
         self.datasets["predict"] = self.predict_rows.map(
             tokenize_texts, batched=True, with_indices=True, fn_kwargs=kwargs, remove_columns=self.predict_rows.column_names
