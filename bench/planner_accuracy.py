@@ -3,7 +3,7 @@
     python bench/planner_accuracy.py [--cases NAME ...] [--overrides KEY=VALUE ...]
 
 For each case (train overrides on small random-weight models, sized so activations are at least
-half of the peak: weight-dominated cases are plain arithmetic and prove little), it
+half of the peak; DPO and GRPO with LoRA among them: weight-dominated cases are plain arithmetic and prove little), it
 
 - predicts the peak allocated bytes with the planner (fake tensors, no real memory), and
 - measures a real step in a fresh subprocess: the same model, optimizer and loss built by
@@ -50,6 +50,13 @@ CASES = {
                           "batch.micro_batch_size=4", "batch.global_batch_size=4"],
     "minilm_classifier_fp32": ["experiment=demo_classification", "precision=32-true", "data.max_length=512",
                                "batch.micro_batch_size=32", "batch.global_batch_size=32"],
+    # DPO with LoRA: 4 pairs = 8 sequences, the adapters-off reference forward, the lm_head on the answer half only.
+    "smollm2_dpo_lora_fp32": ["experiment=demo_dpo_sentiment", "precision=32-true", "data.max_length=512",
+                              "batch.micro_batch_size=4", "batch.global_batch_size=4"],
+    # GRPO with LoRA and the KL term: 2 prompts x G=8 sampled to 384 tokens (the measured step samples them for real,
+    # after a first step, so the optimizer state is there; the plan is the larger of sampling and forward/backward).
+    "smollm2_grpo_lora_fp32": ["experiment=demo_grpo_sentiment", "precision=32-true", "data.max_length=512",
+                               "data.max_completion_length=384", "batch.micro_batch_size=2", "batch.global_batch_size=2"],
 }
 # fmt: on
 
@@ -73,8 +80,23 @@ def measure(overrides: list[str]) -> int:
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     setup = training_step(cfg, task_of(cfg), config, cfg.batch.micro_batch_size)
     setup.step()
+    if "grpo" in cfg:  # the sampling phase, for real: every completion runs to its full length
+        sample(setup.loss.model, cfg, config.vocab_size)
     setup.step()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+
+
+def sample(model, cfg, vocab_size: int) -> None:
+    """GRPO's generation of one micro-batch: ``micro_batch x G`` completions of ``data.max_completion_length`` tokens."""
+    import torch
+
+    rows, completion = cfg.batch.micro_batch_size * cfg.grpo.num_generations, cfg.data.max_completion_length
+    prompts = torch.randint(0, vocab_size, (rows, cfg.data.max_length - completion))
+    model.eval()
+    with torch.no_grad():
+        model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=completion,
+                       min_new_tokens=completion, pad_token_id=0, use_cache=True)  # fmt: skip
+    model.train()
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ TASK_DATA = {
     "causal_lm": "shakespeare",
     "preference": "preference",
     "reward": "reward",
+    "grpo": "prompts",
 {%- endif %}
 }
 ENTRY_CONFIGS = ("train", "eval", "plan", "quantize"
@@ -89,6 +90,8 @@ def task_contexts(group: str, option: str) -> list[list[str]]:
         return [[f"data={TASK_DATA[option]}"]]
     if group == "data":
         return [[f"task={task}"] for task in TASK_DATA] + ([["task=preference", "objective=kto"]] if "preference" in TASK_DATA else [])
+    if group == "grpo":  # selected by configs/task/grpo.yaml
+        return [["task=grpo", "data=prompts"]]
     if group == "objective":  # selected by configs/task/preference.yaml: no other task has the group
         return [["task=preference", "data=preference"], ["task=preference", "data=unpaired"]]  # (pairs; KTO's unpaired answers)
     return [[]] + [[f"task={task}", f"data={data}"] for task, data in TASK_DATA.items()]

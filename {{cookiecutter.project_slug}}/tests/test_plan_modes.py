@@ -88,7 +88,7 @@ def test_peaks_are_required_and_named():
         Peaks.of(plan_cfg("hardware=cpu").hardware)
     with pytest.raises(ConfigError, match=r"hardware\.peak_tflops"):  # before any trace
         modes.check_mode(plan_cfg("hardware=cpu", "plan.mode=time"))
-    with pytest.raises(ConfigError, match=r"plan\.mode='quickest' is not one of fit, longest, fastest, time"):
+    with pytest.raises(ConfigError, match=r"plan\.mode='quickest' is not one of fit, longest, largest, fastest, time"):
         modes.check_mode(plan_cfg("plan.mode=quickest"))
     assert modes.check_mode(plan_cfg("hardware=rtx4090_24gb", "plan.mode=fastest")) == "fastest"
     assert Peaks.of(plan_cfg("hardware=rtx4090_24gb").hardware).memory_gbps == 1008.0

@@ -103,7 +103,7 @@ def inspect_data(cfg: DictConfig, console: Console | None = None) -> list[int]:
             console.print(f"\n{len(numbers)} of {len(rows)} rows would be dropped by train, eval and test: rows {shown}, {reason}")
         dropped += numbers
     if not dropped:
-        console.print(f"\nevery one of the {len(rows)} rows is kept: it has a trained token")
+        console.print(f"\nevery one of the {len(rows)} rows is kept")
     return dropped
 
 

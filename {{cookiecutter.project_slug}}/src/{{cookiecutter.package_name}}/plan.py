@@ -2,7 +2,8 @@
 
     python -m <package>.plan experiment=lm_llama31_8b_qlora
     python -m <package>.plan experiment=lm_llama32_1b_full batch.micro_batch_size=2 hydra.run.dir=RUN
-    python -m <package>.plan experiment=lm_llama31_8b_qlora_chat plan.mode=longest   # or fastest, time
+    python -m <package>.plan experiment=lm_llama31_8b_qlora_chat plan.mode=longest   # or largest, fastest, time
+    python -m <package>.plan experiment=lm_llama31_8b_qlora_grpo plan.mode=largest plan.key=grpo.num_generations
 
 ``plan.mode=fit`` (default) prints the memory table (GiB) against ``hardware.budget_gib``, the verdict and the
 largest micro-batch that fits; for the other modes see :mod:`.core.memory.modes`. Writes ``plan.json`` and
@@ -45,6 +46,11 @@ def main(cfg: DictConfig) -> None:
             found = modes.longest_context(cfg, task, config)
             plan, text = found.plan, found.text(hardware)
             extra = {"longest_max_length": found.length, "length_step": found.step, "above": found.above, "traces": found.traces}
+            extra["settings"] = found.changes
+        elif mode == "largest":
+            found = modes.largest_value(cfg, task, config)
+            plan, text = found.plan, found.text(hardware)
+            extra = {"key": found.key, "largest": found.value, "max_value": found.bound, "traces": found.traces}
         elif mode == "fastest":
             ranked, traced, closest = modes.fastest_levers(cfg, task, config)
             plan, text = None, modes.fastest_text(cfg, ranked, traced, closest)

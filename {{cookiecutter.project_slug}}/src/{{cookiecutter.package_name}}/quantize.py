@@ -63,6 +63,11 @@ def quantize(cfg: DictConfig) -> dict:
         DataError: bad evaluation data.
     """
     task = check_config(cfg, resumes=False)
+    if not task.quality:  # (GRPO: rewards of samples, no reference answers to score a variant against)
+        raise ConfigError(
+            f"task={task.name} has no quality metric to re-measure on a quantized variant; fix: export the model "
+            "(export format=hf) and quantize it with task=causal_lm on a text set (perplexity), or eval each variant yourself"
+        )
     cfg = with_task_defaults(cfg, task)
     hparams, architecture = read_source(cfg)
     qat = hparams.get("qat") or {"scheme": "none"}  # (checkpoints written before the qat group have none)

@@ -91,6 +91,16 @@ class Task:
         loss_sum, items = module.model_step(batch)
         return loss_sum / items
 
+    def length_changes(self, cfg: DictConfig, length: int) -> dict[str, int]:
+        """The settings ``plan.mode=longest`` plans at a sequence ``length``: ``data.max_length`` (and any that follow it)."""
+        return {"data.max_length": length}
+
+    def sampling_peak(self, cfg: DictConfig, config: Any, micro_batch: int, value_bytes: int) -> dict[str, int] | None:
+        """For a step that also generates (GRPO): the bytes its generation holds beside the weights and the optimizer state,
+        ``{"activations": KV cache, "temporaries": ...}`` at ``value_bytes`` per activation value; the planner plans the larger
+        of that phase and the traced forward/backward. ``None``: the step does not generate."""
+        return None
+
     def memory_advice(self, cfg: DictConfig, weights_dominate: bool) -> tuple[dict[str, dict], list[str]]:
         """Levers for a run that does not fit: ``({advice: {key: value}}`` to try at micro-batch 1, ``[advice]`` to print)."""
         return {}, []

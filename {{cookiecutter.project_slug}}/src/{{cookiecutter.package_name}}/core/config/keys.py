@@ -108,7 +108,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
             "host_budget_gib",
         }
     ),
-    "plan": frozenset({"mode", "max_length", "length_step", "top", "train_examples"}),
+    "plan": frozenset({"mode", "max_length", "length_step", "key", "max_value", "top", "train_examples"}),
     "batch": frozenset({"global_batch_size", "micro_batch_size", "device_batch_size", "accumulate_grad_batches"}),
     "attention": frozenset({"implementation"}),
     "activation_checkpointing": frozenset({"mode", "offload", "offload_min_bytes", "mlp_tiles"}),

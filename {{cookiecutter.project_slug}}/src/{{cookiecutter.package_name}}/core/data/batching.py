@@ -41,6 +41,7 @@ class TokenizedDataModule(L.LightningDataModule):
     eot_id: int | None = None  # chat data: the end-of-turn token closing assistant turns
     system_prompt: str | None = None  # chat data: the system turn set on every row
     task_facts: dict | None = None  # what else the task's module is told (plain JSON types)
+    task_objects: dict | None = None  # what the task's module is handed each run, never saved (GRPO's reward functions)
     splits: dict[str, object]  # the data config's splits (train, validation, test)
     split_sizes: dict[str, int]  # rows (or documents) per split as read, before any are dropped
     token_counts: dict[str, int] | None = None  # real (non-pad) tokens per split, where the task counts them

@@ -1,5 +1,5 @@
 """The planner's questions beyond "does it fit" (``plan.mode``), each from a few fake-tensor traces:
-:func:`longest_context`, :func:`fastest_levers`, :func:`time_to_end`.
+:func:`longest_context`, :func:`largest_value`, :func:`fastest_levers`, :func:`time_to_end`.
 
 Times come from the roofline of :mod:`.steptime`; memory from :func:`.planner.plan_memory`'s trace.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 from transformers import PretrainedConfig
@@ -24,7 +24,7 @@ from . import planner
 from .planner import GIB, MemoryPlan, process_batch
 from .steptime import Peaks, StepCost, StepTime, has_peaks, predict
 
-MODES = ("fit", "longest", "fastest", "time")
+MODES = ("fit", "longest", "largest", "fastest", "time")
 
 
 def check_mode(cfg: DictConfig) -> str:
@@ -38,6 +38,14 @@ def check_mode(cfg: DictConfig) -> str:
         raise ConfigError(f"plan.mode={mode!r} is not one of {', '.join(MODES)}")
     if mode in ("fastest", "time"):
         Peaks.of(cfg.hardware)
+    key = cfg.plan.get("key")
+    if mode == "largest" and (
+        not isinstance(key, str) or isinstance(OmegaConf.select(cfg, key), bool) or not isinstance(OmegaConf.select(cfg, key), int)
+    ):
+        raise ConfigError(
+            f"plan.mode=largest searches an integer setting, and plan.key={key!r} names {OmegaConf.select(cfg, key) if isinstance(key, str) else None!r}; "
+            "fix: plan.key=<a whole-number key of the config>, e.g. plan.key=grpo.num_generations (task=grpo)"
+        )
     return mode
 
 
@@ -69,10 +77,12 @@ class LongestContext:
     above: str
     traces: int
     levers: list[str]
+    changes: dict = field(default_factory=dict)  # the settings at ``length`` (:meth:`...task.Task.length_changes`)
 
     def text(self, hardware: str) -> str:
         traces = f"{self.traces} trace{'s' if self.traces > 1 else ''}"
-        lines = [f"Longest context that fits: data.max_length={self.length} (searched in steps of {self.step} tokens, {traces})"]
+        settings = " ".join(f"{key}={value}" for key, value in self.changes.items())
+        lines = [f"Longest context that fits: {settings} (searched in steps of {self.step} tokens, {traces})"]
         lines.append(f"At {self.length + self.step} tokens: {self.above}")
         if self.levers:
             lines.append("Levers not pulled yet that lower what grows with the length: " + "; ".join(self.levers))
@@ -109,7 +119,7 @@ def longest_context(cfg: DictConfig, task: Task, config: PretrainedConfig) -> Lo
 
     def plan_at(length: int) -> MemoryPlan:
         if length not in plans:
-            plans[length] = planner.plan_memory(with_changes(cfg, {"data.max_length": length}), task, search=False, config=config)
+            plans[length] = planner.plan_memory(with_changes(cfg, task.length_changes(cfg, length)), task, search=False, config=config)
         return plans[length]
 
     start = min(max(step, cfg.data.max_length // step * step), top)
@@ -160,7 +170,69 @@ def longest_context(cfg: DictConfig, task: Task, config: PretrainedConfig) -> Lo
         )
     if lo == top and hi > top:
         above = f"beyond the search bound ({'plan.max_length' if cfg.plan.max_length else 'the model’s max_position_embeddings'}={bound})"
-    return LongestContext(lo, step, plans[lo], above, len(plans), _length_levers(cfg, task, config))
+    return LongestContext(lo, step, plans[lo], above, len(plans), _length_levers(cfg, task, config), task.length_changes(cfg, lo))
+
+
+@dataclass
+class LargestValue:
+    """``value``: the largest ``key`` (at most ``bound``) whose plan fits at the config's micro-batch; ``above``: the plan one
+    higher (``None`` at the bound); ``traces``: how many the search took."""
+
+    key: str
+    value: int
+    plan: MemoryPlan
+    above: MemoryPlan | None
+    bound: int
+    traces: int
+
+    def text(self, hardware: str) -> str:
+        traces = f"{self.traces} trace{'s' if self.traces > 1 else ''}"
+        lines = [f"Largest {self.key} that fits: {self.value} (micro-batch {self.plan.micro_batch}; {traces})"]
+        if self.above is None:
+            lines.append(f"At {self.value + 1}: beyond the search bound (plan.max_value={self.bound})")
+        else:
+            lines.append(f"At {self.value + 1}: {self.above.total / GIB:.2f} GiB, over the budget of {self.above.budget / GIB:.2f} GiB")
+        lines.append(self.plan.table(hardware))
+        return "\n".join(lines)
+
+
+def largest_value(cfg: DictConfig, task: Task, config: PretrainedConfig) -> LargestValue:
+    """The largest whole value of ``plan.key`` (from 1 to ``plan.max_value``) whose plan fits the budget at the config's
+    micro-batch, e.g. ``grpo.num_generations``: doubling from the config's value, then bisection (about 2 log2 traces).
+    Memory is taken to grow with the value (each answer is a trace, so a non-monotone key gives a fitting value, maybe not
+    the largest).
+
+    Raises:
+        ConfigError: a bad ``plan.max_value``, or not even 1 fits.
+    """
+    key, bound = cfg.plan.key, cfg.plan.get("max_value")
+    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 1:
+        raise ConfigError(f"plan.max_value={bound!r}: the search's upper bound, a whole number >= 1; fix: plan.max_value=256")
+    plans: dict[int, MemoryPlan] = {}
+
+    def fits(value: int) -> bool:
+        if value not in plans:
+            plans[value] = planner.plan_memory(with_changes(cfg, {key: value}), task, search=False, config=config)
+        return plans[value].fits
+
+    start = min(max(1, OmegaConf.select(cfg, key)), bound)
+    if fits(start):
+        lo, hi = start, start * 2
+        while hi <= bound and fits(hi):
+            lo, hi = hi, hi * 2
+        hi = min(hi, bound + 1)
+    else:
+        lo, hi = 0, start
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    if lo == 0:
+        smallest = plans[min(plans)]
+        raise ConfigError(
+            f"plan.mode=largest: no {key} fits; {key}={min(plans)} needs {smallest.total / GIB:.2f} GiB of the "
+            f"{smallest.budget / GIB:.2f} GiB budget; fix: the levers `plan` (mode=fit) advises, or a larger budget"
+        )
+    return LargestValue(key, lo, plans[lo], plans.get(lo + 1) if lo < bound else None, bound, len(plans))
 
 
 def _nothing_fits(cfg: DictConfig, first: MemoryPlan, step: int, plans: dict) -> LongestContext:

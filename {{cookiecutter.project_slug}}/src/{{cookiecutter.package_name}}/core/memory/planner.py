@@ -540,6 +540,17 @@ def _plan_at(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch:
     if traced.pruning:
         peak = _with_pruning(cfg, peak, traced, notes)
     allocated = sum(peak[k] for k in ("params", "buffers", "grads", "optimizer", "activations", "temporaries"))
+    phase = task.sampling_peak(cfg, config, micro_batch, compute_dtype(str(cfg.trainer.precision)).itemsize)
+    if phase is not None:  # generation in the step (GRPO): no gradients then, the KV cache instead of the activations
+        sampling = sum(peak[k] for k in ("params", "buffers", "optimizer")) + phase["activations"] + phase["temporaries"]
+        notes.append(
+            f"sampling phase: KV cache {phase['activations'] / GIB:.2f} GiB + {phase['temporaries'] / GIB:.2f} GiB of logits "
+            f"and prefill, {sampling / GIB:.2f} GiB with the weights and optimizer state; the traced forward/backward: "
+            f"{allocated / GIB:.2f} GiB; the table is the larger ({'sampling' if sampling > allocated else 'forward/backward'})"
+        )
+        if sampling > allocated:
+            peak.update(grads=0, activations=phase["activations"], temporaries=phase["temporaries"])
+            allocated = sampling
     overhead = int(cfg.hardware.context_gib * GIB)
     host_budget = int((cfg.hardware.get("host_budget_gib") or 0) * GIB)
     if traced.offloaded_bytes:

@@ -59,6 +59,7 @@ class HFModule(L.LightningModule):
         self.initial_adapter: dict[str, torch.Tensor] | None = None  # PiSSA/OLoRA: (A0, B0), kept in checkpoints
         self.tokenizer = None
         self.inputs: ModelInputs | None = None
+        self.task_objects: dict = {}  # the data module's task_objects, handed over each run (ConnectData), never saved
         self.skipped_steps = 0
         # `val/*_start` (train.py), checkpointed so that a resumed run's metrics.json still reports them.
         self.start_metrics: dict[str, float] = {}

@@ -106,11 +106,15 @@ class ModelInputs:
 
 class ConnectData(L.Callback):
     """Hands a module its data's facts in ``setup`` (after the data module's, before ``configure_model``).  Not before
-    ``fit``: the facts exist once ``prepare_data`` ran (one process per node); earlier, every rank would download."""
+    ``fit``: the facts exist once ``prepare_data`` ran (one process per node); earlier, every rank would download.  The
+    data module's ``task_objects`` (objects, not facts: GRPO's reward functions) are handed over on every run, a loaded
+    checkpoint's too: they come from this run's config, never from a checkpoint."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if trainer.datamodule is not None and not pl_module.knows_its_data:  # (an HFModule)
             pl_module.connect(ModelInputs.of(trainer.datamodule, str(trainer.precision)))
+        if trainer.datamodule is not None and getattr(trainer.datamodule, "task_objects", None):
+            pl_module.task_objects = dict(trainer.datamodule.task_objects)
 
 
 def chat_end_of_turn(datamodule: L.LightningDataModule) -> str | None:

@@ -4,6 +4,7 @@ samples share prompts and seed, so the difference is the tuning's."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -18,7 +19,9 @@ def judged_samples(module, datamodule, trainer, output: Path, split: str, suffix
     ``data.judge``; writes ``output`` (jsonl) atomically, logs and prints the means.
 
     Returns:
-        ``{f"{split}/{metric}{suffix}": mean over the samples}`` for each metric of the judge.
+        ``{f"{split}/{metric}{suffix}": mean over the samples}`` for each metric of the judge, and ``distinct_2`` (distinct
+        word bigrams / all word bigrams of the samples: Li et al. 2016, "A Diversity-Promoting Objective Function") and
+        ``sample_words`` (mean words a sample), which show a judge gamed by degenerate text.
     """
     prompts = datamodule.sample_prompt_texts()
     repeated = [prompt for prompt in prompts for _ in range(datamodule.samples_per_prompt)]
@@ -41,6 +44,9 @@ def judged_samples(module, datamodule, trainer, output: Path, split: str, suffix
     with atomic_write_path(output) as partial:
         partial.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records), encoding="utf-8")
     metrics = {f"{split}/{name}{suffix}": statistics.fmean(score[name] for score in scores) for name in scores[0]}
+    bigrams = [pair for text in texts for pair in itertools.pairwise(text.split())]
+    metrics[f"{split}/distinct_2{suffix}"] = len(set(bigrams)) / max(1, len(bigrams))
+    metrics[f"{split}/sample_words{suffix}"] = statistics.fmean(len(text.split()) for text in texts)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
     print(", ".join(f"{name}={value:.4f}" for name, value in metrics.items()) + f" over {len(texts)} samples: {output}")
