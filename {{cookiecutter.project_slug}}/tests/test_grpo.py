@@ -301,3 +301,9 @@ def test_a_trained_reward_model_scores_completions_as_predict_does(pretrained_fo
     score = RewardModelScore(str(checkpoint), batch_size=1)  # (other batches: other padding)
     assert score([a["prompt"] for a in answers], [a["completion"] for a in answers]) == pytest.approx(expected, abs=1e-5)
     assert expected[0] != expected[1]
+    from {{ cookiecutter.package_name }}.generate import generate  # a reward model writes no text: the verb is named, not the task
+
+    with pytest.raises(ConfigError, match=r"holds a model of task=reward, and this command loads task=causal_lm models only"):
+        generate(
+            compose_config("generate", [*overrides, f"ckpt_path={checkpoint}", "prompts=[the plot]", f"paths.output_dir={tmp_path / 'g'}"])
+        )

@@ -93,6 +93,7 @@ def test_a_short_reward_model_run_learns_the_pairs_and_predict_scores_as_test_do
     # predict: each test answer alone, in other batches (other padding): the same rewards as the test pass saw
     rows = [json.loads(line) for line in pair_files["test"].read_text().splitlines()]
     answers = [{"prompt": r["prompt"], "completion": r[side], "side": side} for r in rows for side in ("chosen", "rejected")]
+    answers[0] = {"completion": answers[0]["completion"], "note": "007", **answers[0]}  # a field of one row only, another order
     scored = tmp_path / "scored.jsonl"
     predict(
         compose_config(
@@ -109,6 +110,7 @@ def test_a_short_reward_model_run_learns_the_pairs_and_predict_scores_as_test_do
     )
     out = [json.loads(line) for line in scored.read_text().splitlines()]
     assert [{k: v for k, v in row.items() if k != "reward"} for row in out] == answers  # the input's fields as read, in order
+    assert [list(row) for row in out] == [[*answer, "reward"] for answer in answers]  # (no other row's fields, the file's order)
     chosen, rejected = torch.tensor([r["reward"] for r in out[0::2]]), torch.tensor([r["reward"] for r in out[1::2]])
     assert float((chosen > rejected).float().mean()) == pytest.approx(metrics["test/pair_accuracy"], abs=1e-6)
     assert float((chosen - rejected).mean()) == pytest.approx(metrics["test/margin"], abs=1e-4)
@@ -129,7 +131,7 @@ def test_a_short_reward_model_run_learns_the_pairs_and_predict_scores_as_test_do
         ([{"prompt": "the film", "text": "good"}], "input row 0 has no completion"),
         (
             [{"prompt": "a", "completion": "good"}, {"prompt": "the " * 80, "completion": "fine"}],
-            "input row 1 is longer than data.max_length=64",
+            r"input row 1 \(rows counted from 0\) is \d+ tokens, longer than data.max_length=64",
         ),
         ([{"prompt": "a", "completion": "good", "reward": 1}], "input has a field 'reward'"),
     ],
@@ -175,3 +177,14 @@ def test_an_encoder_reads_the_prompt_and_the_answer_as_its_text_pair_and_counts_
     assert ids == wordpiece(f"{NEUTRAL[3]}\n{prompt}", answer)["input_ids"] == labels and cut == 0  # [CLS] turns [SEP] answer [SEP]
     short, _, _, _, cut = label_answer(wordpiece, None, messages, None, 6, "row 0")
     assert len(short) == 6 and cut == len(ids) - 6 and short[-1] == wordpiece.sep_token_id
+
+
+def test_task_reward_with_another_data_module_is_refused_naming_data_reward(pretrained_folder, pair_files, tmp_path):  # noqa: F811
+    from {{ cookiecutter.package_name }}.core.errors import ConfigError
+    from {{ cookiecutter.package_name }}.tasks import check_config
+
+    overrides = [o if o != "data=reward" else "data=preference" for o in reward_overrides(pretrained_folder, pair_files, tmp_path / "run")]
+    with pytest.raises(
+        ConfigError, match=r"PreferenceDataModule' is not a data module of task=reward .* fix: data=reward, or an experiment"
+    ):
+        check_config(compose_config("train", overrides))

@@ -304,6 +304,11 @@ def load_trained_module(module_class: type[L.LightningModule], cfg: DictConfig, 
     parameters = inspect.signature(module_class.__init__).parameters
     task, wanted = checkpoint.get("task"), getattr(module_class, "TASK_NAME", "")
     foreign = sorted(set(checkpoint["hyper_parameters"]) - set(parameters))  # (a checkpoint from before "task" was stored)
+    if task is not None and task != wanted and task == (cfg.get("task") or {}).get("name"):  # the config is right: the verb is not
+        raise ConfigError(
+            f"ckpt_path={str(path)!r} holds a model of task={task}, and this command loads task={wanted} models only (generate, "
+            f"chat and serve write text with a causal LM); fix: eval (or predict) for a task={task} model"
+        )
     if (task is not None and task != wanted) or (task is None and foreign):
         raise ConfigError(
             f"ckpt_path={str(path)!r} holds a model of task={task or 'another task'} (its stored settings "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -60,6 +61,14 @@ def validate_config(cfg: DictConfig, task: Task, required: tuple[str, ...] = (),
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(problems))
 
 
+def data_configs_of(targets: list[str]) -> list[str]:
+    """The shipped ``configs/data/`` files that name one of ``targets`` as their ``_target_`` (a file inheriting its target
+    from another is not listed)."""
+    folder = Path(__file__).resolve().parents[2] / "configs" / "data"
+    found = {path.stem: re.search(r"^_target_:\s*(\S+)", path.read_text(encoding="utf-8"), re.MULTILINE) for path in folder.glob("*.yaml")}
+    return sorted(name for name, match in found.items() if match and match.group(1) in targets)
+
+
 def task_problems(cfg: DictConfig, task: Task, runs_here: bool) -> list[str]:
     """The data config is one of the task's data modules, and passes its checks; the loss
     implementation is one the task's module has."""
@@ -67,9 +76,11 @@ def task_problems(cfg: DictConfig, task: Task, runs_here: bool) -> list[str]:
     if "data" in cfg:
         expected, target = cfg.task.get("datamodules"), cfg.data.get("_target_")
         if expected and target not in expected:
+            names = data_configs_of(expected)
+            fix = " or ".join(f"data={name}" for name in names) if names else "a data config of that task (see configs/data/)"
             return [
                 f"data._target_={target!r} is not a data module of task={task.name} ({', '.join(expected)}); "
-                f"fix: a data config of that task (see configs/data/), or an experiment= that sets both"
+                f"fix: {fix}, or an experiment= that sets both"
             ]
         problems += task.data_problems(cfg.data)
     problems += task.config_problems(cfg, runs_here)

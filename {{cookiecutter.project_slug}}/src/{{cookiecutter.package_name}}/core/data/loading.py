@@ -125,6 +125,17 @@ def csv_as_written(path: Path, sep: str, field: str = "data file") -> datasets.F
     return datasets.Features({name: datasets.Value("string") for name in names})
 
 
+def rows_as_read(path: str | None, loaded: datasets.Dataset) -> list[dict]:
+    """The rows of an input file as the file holds them, for an output that copies them: a jsonl file's own objects (their
+    keys only, in their order: ``datasets`` gives every row each key of the file, null where the row has none), else
+    ``loaded``'s rows (a csv or parquet file's rows share its columns), as they are when the objects are not one a row."""
+    if path is None or Path(path).suffix.lower() != ".jsonl":
+        return list(loaded)
+    with Path(path).open(encoding="utf-8") as file:
+        objects = [json.loads(line) for line in file if line.strip()]
+    return objects if len(objects) == len(loaded) else list(loaded)
+
+
 def require_columns(dataset: datasets.Dataset, split: str, source: str, fields: dict[str, str | None]) -> None:
     """Raise if a configured column (``fields``: config field -> column, ``None`` = unused) is missing.
 

@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from ...core.compress.quantization import TORCHAO_VARIANTS
+from ...core.data.loading import rows_as_read
 from ...core.task import Task, to_device
 
 
@@ -49,7 +50,7 @@ class RewardModel(Task):
     def write_predictions(self, module, datamodule, outputs: list, path: Path) -> int:
         """A jsonl file: each input row's fields as read, then ``reward`` (a float; only differences between rewards mean
         something). An input with a ``reward`` field was refused when read (:meth:`.data.RewardDataModule.setup`)."""
-        rows = datamodule.predict_rows
+        rows = rows_as_read(datamodule.predict_file, datamodule.predict_rows)
         rewards = torch.cat(outputs).tolist()
         with path.open("w", encoding="utf-8") as file:
             for row, reward in zip(rows, rewards, strict=True):

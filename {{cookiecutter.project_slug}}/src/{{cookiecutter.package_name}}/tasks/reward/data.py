@@ -34,9 +34,10 @@ def tokenize_texts(
         messages = answer_conversation(row, "completion", system_prompt, where)
         ids, _, _, _, cut = label_answer(tokenizer, template, messages, eot_id, max_length, where)
         if cut:
+            length = f"{len(ids) + cut} tokens" if cut > 0 else f"more than {max_length} tokens"
             raise DataError(
-                f"{where} is longer than data.max_length={max_length} tokens, so its reward would be of a truncated text; fix: "
-                "a larger data.max_length (up to the model's positions), or a shorter row"
+                f"{where} (rows counted from 0) is {length}, longer than data.max_length={max_length}, so its reward would be of a "
+                "truncated text; fix: a larger data.max_length (up to the model's positions), or a shorter row"
             )
         out["input_ids"].append(ids)
     return out

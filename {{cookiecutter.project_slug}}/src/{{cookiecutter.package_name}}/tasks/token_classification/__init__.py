@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from ...core.compress.quantization import TORCHAO_VARIANTS
+from ...core.data.loading import rows_as_read
 from ...core.errors import DataError
 from ...core.task import to_device
 from ..classification import SequenceClassification
@@ -78,7 +79,7 @@ class TokenClassification(SequenceClassification):
         tagged = [row for batch in outputs for row in batch]  # tag ids (None: untagged) per word, per row, in input order
         counts = datamodule.datasets["predict"].select_columns(["words_cut", "words_no_token"])
         with path.open("w", encoding="utf-8") as file:
-            for row, ids, count in zip(rows, tagged, counts, strict=True):
+            for row, ids, count in zip(rows_as_read(datamodule.predict_file, rows), tagged, counts, strict=True):
                 tags = [None if i is None else names[i] for i in ids]
                 # (default=str: a parquet timestamp or decimal is written as its text, never dropped)
                 file.write(json.dumps({**row, "tags": tags, **count}, ensure_ascii=False, default=str) + "\n")
