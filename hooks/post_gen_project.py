@@ -56,6 +56,9 @@ ONLY_FOR = {
         f"{CONFIGS}/experiment/demo_reward_model.yaml",
         "tests/test_reward.py",
         "tests/real_data/test_demo_reward.py",
+        f"{CONFIGS}/callbacks/benchmarks.yaml",  # lm-eval tasks (tasks/causal_lm/benchmarks.py)
+        "tests/test_benchmarks.py",
+        "tests/e2e/test_lm_eval_cli.py",
         f"{SRC}/tasks/grpo",  # (its data module extends the preference pairs', its module the causal LM's)
         f"{CONFIGS}/task/grpo.yaml",
         f"{CONFIGS}/grpo",

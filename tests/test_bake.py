@@ -93,9 +93,20 @@ def test_default_bake_renders_every_file(default_project):
     assert "${accumulate:${.global_batch_size},${.micro_batch_size}," in batch  # so does Hydra's
 
 
+class LmEvalLoader(yaml.SafeLoader):
+    """lm-evaluation-harness task files: YAML with lm-eval's ``!function module.name`` tag (read here as its text)."""
+
+
+LmEvalLoader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
+def load_yaml(path: Path) -> object:
+    return yaml.load(path.read_text(), Loader=LmEvalLoader if "lm_eval_tasks" in path.parts else yaml.SafeLoader)
+
+
 def test_default_bake_yaml_and_toml_parse(default_project):
     for path in default_project.rglob("*.y*ml"):
-        yaml.safe_load(path.read_text())
+        load_yaml(path)
     project = tomllib.loads((default_project / "pyproject.toml").read_text())["project"]
     assert project["name"] == "my_4090_project"
     assert project["scripts"] == {"my_4090_project": "my_4090_project.__main__:main"}  # one command, its verbs below
@@ -291,7 +302,7 @@ def test_awkward_names_bake_into_working_packages(tmp_path):
         assert package_of(project) == package and package.isidentifier() and not keyword.iskeyword(package)
         assert project.name == package
         for path in project.rglob("*.y*ml"):
-            yaml.safe_load(path.read_text())
+            load_yaml(path)
         tomllib.loads((project / "pyproject.toml").read_text())
         projects[package] = project
     check = (

@@ -169,7 +169,8 @@ def grpo_overrides(folder, files, run_dir, *more: str) -> list[str]:
     ("change", "message"),
     [
         ("grpo.num_generations=1", "grpo.num_generations=1: GRPO compares"),
-        ("peft=none", "grpo.beta=0.04: the KL reference is the model with its LoRA adapters off"),
+        ("peft=none", "grpo.beta=0.04: the KL reference is the model with its LoRA adapters off, and peft=none has no such model"),
+        ("peft.init_lora_weights=pissa", "adapters off, and peft.init_lora_weights=pissa has no such model; fix: peft=lora"),
         ("grpo.epsilon_high=0.1", "grpo.epsilon_high=0.1 must be null or >= grpo.epsilon"),
         ("grpo.loss_aggregation=mean", "grpo.loss_aggregation='mean' is not one of"),
         ("data.max_completion_length=56", "data.max_completion_length=56 must be"),
@@ -229,17 +230,18 @@ def test_the_plan_is_the_larger_of_sampling_and_forward_backward(pretrained_fold
     cfg = compose_config("plan", plan_overrides(pretrained_folder, pair_files, tmp_path / "run"))
     task = task_of(cfg)
     traced = plan_memory(cfg, task, search=False)
-    assert any(note.startswith("sampling phase: KV cache") and note.endswith("(forward/backward)") for note in traced.corrections)
+    assert any(note.startswith("sampling phase: ") for note in traced.corrections)
+    assert any(note.endswith("the table is the largest (forward/backward)") for note in traced.corrections)
     config = AutoConfig.from_pretrained(pretrained_folder)
-    cache = task.sampling_peak(cfg, config, 1, 4)["activations"]
+    cache = task.memory_phases(cfg, config, 1, 4)["sampling"]["activations"]
     per_token = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * config.num_hidden_layers * 4
     assert cache == 4 * 56 * per_token  # G=4 sequences of data.max_length=56 tokens, fp32
-    huge = {"activations": 1 * GIB, "temporaries": GIB // 2}
-    monkeypatch.setattr(type(task), "sampling_peak", lambda self, *args: huge)
+    huge = {"sampling": {"activations": 1 * GIB, "temporaries": GIB // 2, "grads": False}}
+    monkeypatch.setattr(type(task), "memory_phases", lambda self, *args: huge)
     sampling = plan_memory(cfg, task, search=False)
     assert sampling.grads == 0 and sampling.activations == GIB and sampling.temporaries == GIB // 2
     assert sampling.peak_allocated == sampling.params + sampling.buffers + sampling.optimizer + GIB + GIB // 2
-    assert any(note.endswith("(sampling)") for note in sampling.corrections)
+    assert any(note.endswith("the table is the largest (sampling)") for note in sampling.corrections)
 
 
 def test_the_largest_g_that_fits_equals_a_brute_force_scan(pretrained_folder, pair_files, tmp_path):  # noqa: F811
@@ -301,6 +303,22 @@ def test_a_trained_reward_model_scores_completions_as_predict_does(pretrained_fo
     score = RewardModelScore(str(checkpoint), batch_size=1)  # (other batches: other padding)
     assert score([a["prompt"] for a in answers], [a["completion"] for a in answers]) == pytest.approx(expected, abs=1e-5)
     assert expected[0] != expected[1]
+    # The plan of a GRPO run scoring with it counts the reward model's weights as they load, in every phase.
+    from omegaconf import open_dict
+
+    from {{ cookiecutter.package_name }}.core.memory.planner import plan_memory
+    from {{ cookiecutter.package_name }}.tasks import task_of
+
+    cfg = compose_config("plan", plan_overrides(pretrained_folder, pair_files, tmp_path / "plan"))
+    without = plan_memory(cfg, task_of(cfg), search=False)
+    with open_dict(cfg):
+        cfg.data.rewards = {
+            "rm": {"weight": 1.0, "function": {"_target_": f"{RewardModelScore.__module__}.RewardModelScore", "ckpt_path": str(checkpoint)}}
+        }
+    planned = plan_memory(cfg, task_of(cfg), search=False)
+    loaded = sum(parameter.numel() * parameter.element_size() for parameter in score.module.model.parameters())
+    assert planned.buffers - without.buffers == loaded and planned.peak_allocated - without.peak_allocated == loaded
+    assert any(note.startswith("data.rewards.rm (a reward model): ") for note in planned.corrections)
     from {{ cookiecutter.package_name }}.generate import generate  # a reward model writes no text: the verb is named, not the task
 
     with pytest.raises(ConfigError, match=r"holds a model of task=reward, and this command loads task=causal_lm models only"):

@@ -115,7 +115,9 @@ def fit_and_test(cfg: DictConfig, ckpt_path: Path | None) -> dict:
             if cfg.task.validate_before_fit and ckpt_path is None:
                 # The starting point; kept in the checkpoints (module.start_metrics) so a resumed run reports it too.
                 trainer.validate(module, datamodule=datamodule, verbose=False)
-                start_metrics = {f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith("val/")}
+                start_metrics = {
+                    f"{k}_start": v for k, v in scalar_metrics(trainer.callback_metrics).items() if k.startswith(("val/", "lm_eval/"))
+                }
                 if cfg.test_after_fit and datamodule.has_test and main_process:  # e.g. the untuned model's answers, same prompts
                     start_metrics.update(
                         task.after_test(module, datamodule, trainer, run_dir / "predictions_start.jsonl", "test", "test/exact_match_start")

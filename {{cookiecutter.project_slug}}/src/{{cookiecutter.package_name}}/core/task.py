@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from .config.resolvers import to_plain
+from .errors import ConfigError
 from .models.inputs import ModelInputs
 
 
@@ -95,17 +96,32 @@ class Task:
         """The settings ``plan.mode=longest`` plans at a sequence ``length``: ``data.max_length`` (and any that follow it)."""
         return {"data.max_length": length}
 
-    def sampling_peak(self, cfg: DictConfig, config: Any, micro_batch: int, value_bytes: int) -> dict[str, int] | None:
-        """For a step that also generates (GRPO): the bytes its generation holds beside the weights and the optimizer state,
-        ``{"activations": KV cache, "temporaries": ...}`` at ``value_bytes`` per activation value; the planner plans the larger
-        of that phase and the traced forward/backward. ``None``: the step does not generate."""
-        return None
+    def memory_phases(self, cfg: DictConfig, config: Any, micro_batch: int, value_bytes: int) -> dict[str, dict]:
+        """Phases of a run that hold other bytes than the traced forward/backward, by name: ``{"activations": bytes,
+        "temporaries": bytes, "grads": bool}`` beside the weights and the optimizer state (``grads``: the last step's gradients
+        are alive then), at ``value_bytes`` per activation value; the planner plans the largest phase. E.g. GRPO's sampling,
+        an lm-eval pass at each validation (``callbacks=benchmarks``)."""
+        return {}
+
+    def resident_bytes(self, cfg: DictConfig) -> dict[str, int]:
+        """Bytes a run holds on the GPU for its whole length beside the trained model, by what holds them (GRPO: a reward
+        model's weights); read without loading anything."""
+        return {}
 
     def memory_advice(self, cfg: DictConfig, weights_dominate: bool) -> tuple[dict[str, dict], list[str]]:
         """Levers for a run that does not fit: ``({advice: {key: value}}`` to try at micro-batch 1, ``[advice]`` to print)."""
         return {}, []
 
     # ------------------------------------------------------------------ after the fit
+    def benchmark(self, cfg: DictConfig, load: Any, run_dir: Path) -> dict:
+        """``eval benchmarks.tasks=[...]``: lm-evaluation-harness scores of the model ``load()`` returns, checked before it
+        loads; writes ``run_dir/benchmarks.json`` (causal LMs: :mod:`..tasks.causal_lm.benchmarks`).
+
+        Raises:
+            ConfigError: this task's models are not causal LMs (lm-eval scores those).
+        """
+        raise ConfigError(f"benchmarks.tasks: lm-eval scores causal LMs, and task={self.name} models are not; fix: benchmarks.tasks=[]")
+
     def after_test(self, module: Any, datamodule: Any, trainer: Any, predictions: Path, split: str, key: str) -> dict:
         """Metrics beyond the test loop's, computed on the main process (chat: greedy answers' exact match)."""
         return {}

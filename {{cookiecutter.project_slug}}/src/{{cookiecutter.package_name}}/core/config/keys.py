@@ -67,6 +67,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
             "logger",
             "trainer",
             "paths",
+            "benchmarks",  # causal-LM projects: lm-eval tasks (eval benchmarks.tasks=..., callbacks=benchmarks)
         }
     ),
     "task": frozenset(
@@ -115,6 +116,7 @@ GROUP_KEYS: dict[str, frozenset[str]] = {
     "compile": frozenset({"mode"}),
     "loss": frozenset({"implementation", "chunk_size"}),
     "paths": frozenset({"root_dir", "data_dir", "log_dir", "output_dir", "cache_dir"}),
+    "benchmarks": frozenset({"tasks", "limit", "num_fewshot", "batch_size", "include_path", "apply_chat_template"}),
     "latency": frozenset({"device", "batch_size", "sequence_length", "warmup", "repeats"}),  # quantize
 }
 # Top-level keys that only one entry config reads (by task_name; train and eval read none extra).

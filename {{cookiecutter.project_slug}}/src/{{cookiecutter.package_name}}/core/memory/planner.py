@@ -506,6 +506,9 @@ def plan_memory(
     return plan
 
 
+PEAK_KEYS = ("params", "buffers", "grads", "optimizer", "activations", "temporaries")
+
+
 def _plan_at(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch: int, budget: int, count: bool = False) -> MemoryPlan:
     traced = trace(cfg, task, config, micro_batch, count)
     _, share, processes = process_batch(cfg)
@@ -539,18 +542,26 @@ def _plan_at(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch:
         notes.append("traced without torch.compile: compiled steps usually need less activation memory")
     if traced.pruning:
         peak = _with_pruning(cfg, peak, traced, notes)
-    allocated = sum(peak[k] for k in ("params", "buffers", "grads", "optimizer", "activations", "temporaries"))
-    phase = task.sampling_peak(cfg, config, micro_batch, compute_dtype(str(cfg.trainer.precision)).itemsize)
-    if phase is not None:  # generation in the step (GRPO): no gradients then, the KV cache instead of the activations
-        sampling = sum(peak[k] for k in ("params", "buffers", "optimizer")) + phase["activations"] + phase["temporaries"]
+    allocated = sum(peak[k] for k in PEAK_KEYS)
+    for holder, size in task.resident_bytes(cfg).items():  # beside the model for the whole run, in every phase
+        peak["buffers"] += size
+        allocated += size
+        notes.append(f"{holder}: {size / GIB:.2f} GiB on the GPU for the whole run, counted with the buffers")
+    value_bytes, step, larger = compute_dtype(str(cfg.trainer.precision)).itemsize, dict(peak), "forward/backward"
+    phases = task.memory_phases(cfg, config, micro_batch, value_bytes)
+    for name, phase in phases.items():  # generation in the step (GRPO), an lm-eval pass at each validation
+        kept = ("params", "buffers", "optimizer") + (("grads",) if phase["grads"] else ())
+        total = sum(step[k] for k in kept) + phase["activations"] + phase["temporaries"]
         notes.append(
-            f"sampling phase: KV cache {phase['activations'] / GIB:.2f} GiB + {phase['temporaries'] / GIB:.2f} GiB of logits "
-            f"and prefill, {sampling / GIB:.2f} GiB with the weights and optimizer state; the traced forward/backward: "
-            f"{allocated / GIB:.2f} GiB; the table is the larger ({'sampling' if sampling > allocated else 'forward/backward'})"
+            f"{name} phase: {phase['activations'] / GIB:.2f} GiB + {phase['temporaries'] / GIB:.2f} GiB of temporaries, "
+            f"{total / GIB:.2f} GiB with the weights{', gradients' if phase['grads'] else ''} and optimizer state"
         )
-        if sampling > allocated:
-            peak.update(grads=0, activations=phase["activations"], temporaries=phase["temporaries"])
-            allocated = sampling
+        if total > allocated:
+            peak = {**step, "activations": phase["activations"], "temporaries": phase["temporaries"]}
+            peak["grads"] = step["grads"] if phase["grads"] else 0
+            allocated, larger = total, name
+    if phases:
+        notes.append(f"the traced forward/backward: {sum(step[k] for k in PEAK_KEYS) / GIB:.2f} GiB; the table is the largest ({larger})")
     overhead = int(cfg.hardware.context_gib * GIB)
     host_budget = int((cfg.hardware.get("host_budget_gib") or 0) * GIB)
     if traced.offloaded_bytes:

@@ -80,6 +80,20 @@ class CausalLM(Task):
 
         return neftune_problems(cfg) + (loss_problems(cfg, runs_here) if "loss" in cfg else [])
 
+    def memory_phases(self, cfg: DictConfig, config, micro_batch: int, value_bytes: int) -> dict[str, dict]:
+        """``callbacks=benchmarks``: the lm-eval pass at each validation (:func:`.benchmarks.benchmark_phase`)."""
+        settings = (cfg.get("callbacks") or {}).get("benchmarks")
+        if settings is None:
+            return {}
+        from .benchmarks import benchmark_phase
+
+        return {"lm-eval": benchmark_phase(settings, config, value_bytes)}
+
+    def benchmark(self, cfg: DictConfig, load, run_dir: Path) -> dict:
+        from .benchmarks import evaluate_benchmarks
+
+        return evaluate_benchmarks(cfg, load, run_dir)
+
     def example_batch(self, cfg: DictConfig, vocab_size: int, micro_batch: int) -> dict[str, torch.Tensor]:
         batch = super().example_batch(cfg, vocab_size, micro_batch)
         attention = cfg.attention.implementation if "attention" in cfg else "sdpa"

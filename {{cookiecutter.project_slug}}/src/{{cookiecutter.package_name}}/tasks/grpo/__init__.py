@@ -54,10 +54,14 @@ class GRPO(CausalLM):
         if not _number(beta) or beta < 0:
             problems.append(f"grpo.beta={beta!r} must be a number >= 0 (0: no KL term); fix: grpo.beta=0.04")
         elif beta > 0 and ((cfg.get("peft") or {}).get("method") not in ("lora", "qlora") or rewrites_base(cfg.get("peft"))):
+            why = (
+                f"peft={cfg.peft.method}"
+                if cfg.peft.method not in ("lora", "qlora")
+                else f"peft.init_lora_weights={cfg.peft.init_lora_weights}"
+            )
             problems.append(
-                f"grpo.beta={beta}: the KL reference is the model with its LoRA adapters off, and peft={cfg.peft.method} "
-                f"(init_lora_weights={cfg.peft.get('init_lora_weights')}) has no such model; fix: peft=lora (standard init), "
-                "or grpo.beta=0 (no KL term, no reference)"
+                f"grpo.beta={beta}: the KL reference is the model with its LoRA adapters off, and {why} has no such model; fix: "
+                "peft=lora (standard init), or grpo.beta=0 (no KL term, no reference)"
             )
         if grpo.get("loss_aggregation") not in AGGREGATIONS:
             problems.append(
@@ -115,11 +119,11 @@ class GRPO(CausalLM):
         room = cfg.data.max_length - cfg.data.max_completion_length
         return {"data.max_length": length, "data.max_completion_length": max(1, length - room)}
 
-    def sampling_peak(self, cfg: DictConfig, config, micro_batch: int, value_bytes: int) -> dict[str, int]:
+    def memory_phases(self, cfg: DictConfig, config, micro_batch: int, value_bytes: int) -> dict[str, dict]:
         """``generate``'s peak for ``micro_batch x G`` sequences of ``data.max_length`` tokens: the KV cache (layers x 2 x
         kv_heads x head_dim values a token), and as temporaries one layer's cache grown by a copy (``torch.cat``), the last
         position's logits with the sampler's two fp32 copies (3 x V x 4 bytes a sequence), and the prefill's MLP activations of
-        one layer (3 x intermediate values a prompt token)."""
+        one layer (3 x intermediate values a prompt token); no gradients (set to None before the step)."""
         rows, length = micro_batch * cfg.grpo.num_generations, cfg.data.max_length
         heads = config.num_attention_heads
         per_token = (
@@ -128,7 +132,20 @@ class GRPO(CausalLM):
         cache = rows * length * config.num_hidden_layers * per_token * value_bytes
         prompt = length - cfg.data.max_completion_length
         prefill = 3 * rows * prompt * getattr(config, "intermediate_size", 4 * config.hidden_size) * value_bytes
-        return {"activations": cache, "temporaries": cache // config.num_hidden_layers + 3 * rows * config.vocab_size * 4 + prefill}
+        sampling = {"activations": cache, "temporaries": cache // config.num_hidden_layers + 3 * rows * config.vocab_size * 4 + prefill}
+        return {**super().memory_phases(cfg, config, micro_batch, value_bytes), "sampling": {**sampling, "grads": False}}
+
+    def resident_bytes(self, cfg: DictConfig) -> dict[str, int]:
+        """Each ``RewardModelScore`` reward's model: its parameters in fp32 (as it loads), counted from the architecture its
+        checkpoint stores (:func:`.rewards.reward_model_bytes`)."""
+        from .rewards import reward_model_bytes
+
+        found = {}
+        for name, reward in (cfg.data.get("rewards") or {}).items():
+            target = str((reward.get("function") or {}).get("_target_", ""))
+            if target.endswith(".RewardModelScore"):
+                found[f"data.rewards.{name} (a reward model)"] = reward_model_bytes(reward.function.ckpt_path)
+        return found
 
     def memory_advice(self, cfg: DictConfig, weights_dominate: bool) -> tuple[dict[str, dict], list[str]]:
         told = ["a smaller grpo.num_generations or data.max_completion_length (the step holds micro_batch x G sequences)"]

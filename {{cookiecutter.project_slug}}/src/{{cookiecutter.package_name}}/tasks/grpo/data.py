@@ -85,29 +85,19 @@ class PromptDataModule(PreferenceDataModule):
     SIDE_PREFIXES = ("",)  # what inspect_data shows of a row: the rendered prompt
     BATCH_ITEM = "prompts"
     RULE = "grpo-prompts-2"
+    TOKENIZE = staticmethod(tokenize_prompts)
 
     def __init__(self, *, rewards: dict, max_completion_length: int, **shared: object) -> None:
         super().__init__(**shared)
         self.rewards, self.max_completion_length = rewards, max_completion_length
-        self.task_objects = {"rewards": rewards, "max_completion_length": max_completion_length}  # (handed to the module)
 
-    def tokenized(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
-        kwargs = {
-            "tokenizer": self.tokenizer,
-            "template": self.template,
-            "system_prompt": self.system_prompt,
-            "room": self.max_length - self.max_completion_length,
-            "split": split,
-            "rule": self.RULE,
-        }
-        return dataset.map(
-            tokenize_prompts,
-            batched=True,
-            with_indices=True,
-            fn_kwargs=kwargs,
-            remove_columns=dataset.column_names,
-            desc=f"Rendering {split} prompts",
-        )
+    @property
+    def task_objects(self) -> dict:
+        """Handed to the module (:class:`...core.models.inputs.ConnectData`): the reward functions and the completion length."""
+        return {"rewards": self.rewards, "max_completion_length": self.max_completion_length}
+
+    def tokenize_kwargs(self) -> dict:
+        return {"room": self.max_length - self.max_completion_length}
 
     def drops(self, rows: datasets.Dataset) -> dict[str, list[int]]:
         return {}  # a prompt is never dropped: one without room is refused when rendered

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
+from ...core.data.tokenization import pad_token_id
 from ..causal_lm.loss import causal_body, causal_lm_of
 from ..causal_lm.module import CausalLMModule
 from ..preference.module import disable_dropout
@@ -79,8 +80,6 @@ class GRPOModule(CausalLMModule):
         ``completion_mask`` ``(N, C)`` (1 up to and including the first end token), ``C <= max_completion_length``."""
         group = self.settings.num_generations
         prompt_ids, prompt_mask = input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)  # (N, T)
-        from ...core.data.tokenization import pad_token_id
-
         stop, pad = self.stop_id(), pad_token_id(self.tokenizer)
         was_training = self.model.training
         self.model.eval()
@@ -114,9 +113,9 @@ class GRPOModule(CausalLMModule):
 
     def completion_texts(self, sampled: dict[str, torch.Tensor], prompt_length: int) -> list[str]:
         """Each completion's text, without its end token and special tokens."""
-        texts = []
+        texts, stop = [], self.stop_id()
         for ids, mask in zip(sampled["sequences"][:, prompt_length:].tolist(), sampled["completion_mask"].tolist(), strict=True):
-            kept = [token for token, real in zip(ids, mask, strict=True) if real and token != self.stop_id()]
+            kept = [token for token, real in zip(ids, mask, strict=True) if real and token != stop]
             texts.append(self.tokenizer.decode(kept, skip_special_tokens=True))
         return texts
 

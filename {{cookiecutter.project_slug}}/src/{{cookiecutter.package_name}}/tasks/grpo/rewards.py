@@ -176,3 +176,24 @@ class RewardModelScore:
                 inputs = {key: batch[key].to(self.module.device) for key in ("input_ids", "attention_mask")}
                 rewards += self.module(inputs).float().tolist()  # (b,)
         return rewards
+
+
+def reward_model_bytes(ckpt_path: str) -> int:
+    """Bytes of a ``task=reward`` checkpoint's model as :class:`RewardModelScore` loads it: every parameter in fp32 (a QLoRA
+    model's 4-bit base too: an upper bound), counted on a meta-device copy of the architecture the checkpoint stores, plus
+    its stored LoRA tensors; nothing loaded.
+
+    Raises:
+        ConfigError: not a readable checkpoint of ``train`` (:func:`...core.checkpoints.io.trained_checkpoint`).
+    """
+    from transformers import AutoConfig
+
+    from ...core.checkpoints.io import trained_checkpoint
+    from ..reward.module import RewardModule
+
+    checkpoint = trained_checkpoint(ckpt_path)
+    fields = dict(checkpoint["hyper_parameters"]["hf_config"])
+    with torch.device("meta"):
+        model = RewardModule.AUTO_CLASS.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    adapters = sum(tensor.numel() for key, tensor in checkpoint["state_dict"].items() if "lora_" in key)
+    return 4 * (sum(parameter.numel() for parameter in model.parameters()) + adapters)

@@ -257,16 +257,19 @@ class PreferenceDataModule(ChatDataModule):
             raise ConfigError(f"data.{sorted(set(fixed) & set(shared))[0]} is fixed for preference pairs ({fixed}); fix: drop it")
         super().__init__(**fixed, **shared)
 
+    def tokenize_kwargs(self) -> dict:
+        """What :attr:`TOKENIZE` takes beyond the tokenizer, template, system prompt, split and rule."""
+        return {"eot_id": self.eot_id, "max_length": self.max_length}
+
     def tokenized(self, split: str, dataset: datasets.Dataset) -> datasets.Dataset:
         kwargs = {
             "tokenizer": self.tokenizer,
             "template": self.template,
             "system_prompt": self.system_prompt,
-            "eot_id": self.eot_id,
-            "max_length": self.max_length,
             "split": split,
             "rule": self.RULE,
         }
+        kwargs.update(self.tokenize_kwargs())
         return dataset.map(
             self.TOKENIZE,
             batched=True,
