@@ -70,6 +70,7 @@ def test_eval_on_the_checkpoint_and_its_export_give_the_same_scores(benchmarked_
     on_ckpt = evaluate(compose_config("eval", [*overrides, f"ckpt_path={ckpt}", *bench, f"paths.output_dir={tmp_path / 'e1'}"]))
     report = json.loads((tmp_path / "e1" / "benchmarks.json").read_text())
     assert report["results"][TASK]["acc,none"] == on_ckpt[KEY] and report["versions"][TASK] == 1.0
+    assert report["settings"]["apply_chat_template"] is False  # (null resolved: the run trained on plain text)
     assert report["lm_eval_version"] and len(report["config_hash"]) == 64 and report["n-samples"][TASK]["effective"] == 24
     assert json.loads((tmp_path / "e1" / "metrics.json").read_text())[KEY] == on_ckpt[KEY]
     out = tmp_path / "exported"
@@ -112,11 +113,18 @@ def test_the_plan_counts_one_batch_of_lm_eval_requests(lm_tokenizer_dir, lm_text
         ),
         (
             "benchmarks.tasks=[arc_easy]",
-            r"lm-eval task 'arc_easy' reads the data set 'allenai/ai2_arc' from the Hugging Face Hub, which cannot be reached \(no network here\)",
+            r"lm-eval task 'arc_easy' \(allenai/ai2_arc\) reads its data set from the Hugging Face Hub, which cannot be reached \(no "
+            r"network here\), and it is not in the local cache; fix: on a machine with internet run `hf download allenai/ai2_arc --repo-type dataset`",
         ),
-        (
+        (  # every task named, in the order given, each data set downloaded once
+            "benchmarks.tasks=[arc_easy,hellaswag]",
+            r"tasks 'arc_easy' \(allenai/ai2_arc\), 'hellaswag' \(Rowan/hellaswag\) read their data sets .* run `hf download "
+            r"allenai/ai2_arc --repo-type dataset && hf download Rowan/hellaswag --repo-type dataset`",
+        ),
+        (  # a tag: its tasks
             "benchmarks.tasks=[ai2_arc]",
-            r"lm-eval task 'arc_(easy|challenge)' \(and 1 more: arc_(easy|challenge)\) reads the data set 'allenai/ai2_arc'",
+            r"tasks 'arc_(easy|challenge)' \(allenai/ai2_arc\), 'arc_(easy|challenge)' \(allenai/ai2_arc\) read .*run `hf download "
+            r"allenai/ai2_arc --repo-type dataset`, copy",
         ),
         ("benchmarks.batch_size=0", r"benchmarks.batch_size=0 must be an integer >= 1"),
         ("benchmarks.limit=-3", r"benchmarks.limit=-3 must be null"),
@@ -144,6 +152,11 @@ def test_a_task_that_scores_no_causal_lm_refuses_benchmarks(tmp_path):
     reward = tasks().get("reward")
     with pytest.raises(ConfigError, match=r"lm-eval scores causal LMs, and task=reward models are not; fix: benchmarks.tasks=\[\]"):
         reward.benchmark(None, lambda: pytest.fail("loaded"), tmp_path)
+
+
+def test_the_callback_refuses_no_tasks_before_the_run_starts():
+    with pytest.raises(ConfigError, match=r"benchmarks.tasks=\[\] must be a non-empty list of lm-eval task names; fix: benchmarks.tasks="):
+        benchmarks.Benchmarks(tasks=[], max_length=64)
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", "torch.bfloat16"), ("32-true", "None"), ("bf16-true", "None")])

@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..models.contract import TrainedModule
 
 # The first lines of the results table, in this order; every other metric follows alphabetically.
-LEADING = ("test/", "val/", "train/")
+LEADING = ("test/", "val/", "lm_eval/", "train/")
 
 
 class ProgressBar(TQDMProgressBar):

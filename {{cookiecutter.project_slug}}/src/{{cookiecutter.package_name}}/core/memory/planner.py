@@ -553,7 +553,7 @@ def _plan_at(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch:
         kept = ("params", "buffers", "optimizer") + (("grads",) if phase["grads"] else ())
         total = sum(step[k] for k in kept) + phase["activations"] + phase["temporaries"]
         notes.append(
-            f"{name} phase: {phase['activations'] / GIB:.2f} GiB + {phase['temporaries'] / GIB:.2f} GiB of temporaries, "
+            f"{name} phase: {phase['activations'] / GIB:.2f} GiB of activations + {phase['temporaries'] / GIB:.2f} GiB of temporaries, "
             f"{total / GIB:.2f} GiB with the weights{', gradients' if phase['grads'] else ''} and optimizer state"
         )
         if total > allocated:
@@ -561,7 +561,9 @@ def _plan_at(cfg: DictConfig, task: Task, config: PretrainedConfig, micro_batch:
             peak["grads"] = step["grads"] if phase["grads"] else 0
             allocated, larger = total, name
     if phases:
-        notes.append(f"the traced forward/backward: {sum(step[k] for k in PEAK_KEYS) / GIB:.2f} GiB; the table is the largest ({larger})")
+        notes.append(
+            f"the traced forward/backward: {sum(step[k] for k in PEAK_KEYS) / GIB:.2f} GiB allocated; the table is the largest ({larger})"
+        )
     overhead = int(cfg.hardware.context_gib * GIB)
     host_budget = int((cfg.hardware.get("host_budget_gib") or 0) * GIB)
     if traced.offloaded_bytes:

@@ -33,8 +33,10 @@ def settings_problems(settings: dict) -> list[str]:
     """What is wrong with the ``benchmarks`` settings (one line each, naming the key and the fix)."""
     problems = []
     tasks = settings.get("tasks")
-    if not isinstance(tasks, list) or not all(isinstance(name, str) and name for name in tasks):
-        problems.append(f"benchmarks.tasks={tasks!r} must be a list of lm-eval task names; fix: benchmarks.tasks=[shakespeare_next_line]")
+    if not isinstance(tasks, list) or not tasks or not all(isinstance(name, str) and name for name in tasks):
+        problems.append(
+            f"benchmarks.tasks={tasks!r} must be a non-empty list of lm-eval task names; fix: benchmarks.tasks=[shakespeare_next_line]"
+        )
     limit = settings.get("limit")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
         problems.append(f"benchmarks.limit={limit!r} must be null (every document), a count >= 1 or a share < 1; fix: benchmarks.limit=50")
@@ -71,7 +73,8 @@ def checked_tasks(settings: dict):
         from lm_eval.tasks import TaskManager
     except ImportError as error:
         raise ConfigError(f"benchmarks.tasks needs lm-evaluation-harness, which is not installed ({error}); fix: {INSTALL}") from error
-    paths = [str(LOCAL_TASKS)] + ([str(settings["include_path"])] if settings.get("include_path") else [])
+    extra = settings.get("include_path")
+    paths = [str(LOCAL_TASKS)] + ([str(extra)] if extra and Path(str(extra)).resolve() != LOCAL_TASKS.resolve() else [])
     manager = TaskManager(include_path=paths)
     for name in settings["tasks"]:
         if name not in manager.all_tasks:
@@ -84,12 +87,13 @@ def checked_tasks(settings: dict):
     hub = {task: path for task, path in hub_datasets(manager, settings["tasks"]).items() if not cached_dataset(path)}
     reason = unreachable_reason() if hub else None
     if reason is not None:
-        task, path = next(iter(hub.items()))
-        more = f" (and {len(hub) - 1} more: {', '.join(list(hub)[1:4])})" if len(hub) > 1 else ""
+        named, many = ", ".join(f"{task!r} ({path})" for task, path in hub.items()), len(hub) > 1
+        fetch = " && ".join(f"hf download {path} --repo-type dataset" for path in dict.fromkeys(hub.values()))
         raise ConfigError(
-            f"benchmarks.tasks: lm-eval task {task!r}{more} reads the data set {path!r} from the Hugging Face Hub, which cannot "
-            f"be reached ({reason}), and it is not in the local cache; fix: on a machine with internet run `hf download {path} "
-            "--repo-type dataset`, copy its ~/.cache/huggingface here and set HF_HUB_OFFLINE=1, or use a local task "
+            f"benchmarks.tasks: lm-eval {'tasks' if many else 'task'} {named} {'read their data sets' if many else 'reads its data set'} "
+            f"from the Hugging Face Hub, which cannot be reached ({reason}), and {'they are' if many else 'it is'} not in the local "
+            "cache; fix: on a machine with "
+            f"internet run `{fetch}`, copy its ~/.cache/huggingface here and set HF_HUB_OFFLINE=1, or use a local task "
             "(benchmarks.include_path)"
         )
     return manager
@@ -100,7 +104,7 @@ def hub_datasets(manager, names: list) -> dict[str, str]:
     builder (``json``...), a local path, nor read by a task's own ``custom_dataset`` function; from lm-eval's task index."""
     index, found, seen, todo = manager.task_index, {}, set(), list(names)
     while todo:
-        item = todo.pop()
+        item = todo.pop(0)  # (in the order named)
         name = item.get("task") if isinstance(item, dict) else item
         if not isinstance(name, str) or name in seen or name not in index:
             continue
@@ -299,7 +303,8 @@ def evaluate_benchmarks(cfg: DictConfig, load, run_dir: Path) -> dict:
     with torch.inference_mode():
         results = run_benchmarks(module.model.eval(), module.tokenizer, settings, manager, chat, system_prompt)
     print_table(results)
-    source = str(cfg.ckpt_path or cfg.model_dir)
+    source, used = str(cfg.ckpt_path or cfg.model_dir), {**settings, "apply_chat_template": chat}  # (null resolved)
     with atomic_write_path(run_dir / "benchmarks.json") as partial:
-        partial.write_text(json.dumps(benchmark_report(results, settings, to_plain(cfg), source), indent=2, default=str), encoding="utf-8")
+        partial.write_text(json.dumps(benchmark_report(results, used, to_plain(cfg), source), indent=2, default=str), encoding="utf-8")
+    print(f"Benchmarks: {run_dir / 'benchmarks.json'}")
     return scores(results)
